@@ -1,0 +1,61 @@
+"""epmoe: an expert-parallel Mixture-of-Experts runtime for inference on torch.distributed.
+
+Data flow of one MoE layer on every rank: route → place → dispatch → experts → combine.
+The public names below are loaded on first use, so ``import epmoe`` touches no GPU,
+network or environment variable and stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "select_experts": "epmoe.routing",
+    "RoutingSimulator": "epmoe.routing",
+    "ExpertPlacement": "epmoe.placement",
+    "EPMoE": "epmoe.layer",
+    "init_distributed": "epmoe.distributed",
+    "available_backends": "epmoe.comm",
+    "Layout": "epmoe.comm.base",
+    "DispatchResult": "epmoe.comm.base",
+    "reference": "epmoe.reference",
+}
+
+__all__ = [
+    "DispatchResult",
+    "EPMoE",
+    "ExpertPlacement",
+    "Layout",
+    "RoutingSimulator",
+    "__version__",
+    "available_backends",
+    "init_distributed",
+    "reference",
+    "select_experts",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from epmoe import reference
+    from epmoe.comm import available_backends
+    from epmoe.comm.base import DispatchResult, Layout
+    from epmoe.distributed import init_distributed
+    from epmoe.layer import EPMoE
+    from epmoe.placement import ExpertPlacement
+    from epmoe.routing import RoutingSimulator, select_experts
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epmoe' has no attribute {name!r}")
+    mod = importlib.import_module(module)
+    value = mod if module.endswith(name) else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

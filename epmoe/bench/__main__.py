@@ -1,0 +1,41 @@
+"""``python -m epmoe.bench NAME [options]``: run one benchmark, print a table, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from epmoe.bench.common import write_json
+
+BENCHMARKS = {
+    "comm": "dispatch and combine of each all-to-all backend against NCCL all_to_all_single",
+    "experts": "batched-expert kernels against dense matmul, torch._grouped_mm and cuBLAS",
+    "layer": "one EPMoE forward end to end, and before/after an EPLB rebalance",
+    "eplb": "placement balancedness and re-plan time (offline, CPU)",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    top = argparse.ArgumentParser(
+        prog="python -m epmoe.bench",
+        description=__doc__,
+        epilog="benchmarks: " + "; ".join(f"{k}: {v}" for k, v in BENCHMARKS.items()),
+    )
+    top.add_argument("name", choices=sorted(BENCHMARKS))
+    name = top.parse_args(argv[:1]).name
+    module = importlib.import_module(f"epmoe.bench.{name}")  # only the chosen one
+    parser = argparse.ArgumentParser(
+        prog=f"python -m epmoe.bench {name}", description=module.__doc__
+    )
+    parser.add_argument("--out", default=None, help="write the records as JSON to this path")
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    records = module.main(args)
+    if args.out and records is not None:
+        write_json(records, args.out, benchmark=name, argv=argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Timing and reporting helpers shared by the benchmarks.
+
+Timing follows one rule: warm up, then time each repetition with CUDA events (or the host
+clock on CPU after a synchronisation), and report the median.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 5,
+    iters: int = 20,
+    device: torch.device | str | None = None,
+    barrier: Callable[[], None] | None = None,
+) -> list[float]:
+    """Run ``fn`` ``warmup`` times, then time ``iters`` runs; returns each run's milliseconds.
+
+    On CUDA each run is bracketed by events on the current stream; on CPU by
+    ``time.perf_counter``. ``barrier`` (e.g. a ``dist.barrier``) runs before every timed run
+    so that ranks start together in collective benchmarks.
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    times: list[float] = []
+    for _ in range(iters):
+        if barrier is not None:
+            barrier()
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def median(xs: Iterable[float]) -> float:
+    return statistics.median(list(xs))
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def machine_info() -> dict[str, Any]:
+    """Where a result was measured: host, devices and software versions."""
+    info: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["num_gpus"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
+    """A dependency-free progress line on stderr (silent when stderr is not a terminal
+    or on ranks other than 0)."""
+    items = list(items)
+    total = len(items) if total is None else total
+    show = sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
+    for i, item in enumerate(items):
+        if show:
+            width = 30
+            done = int(width * i / max(total, 1))
+            sys.stderr.write(f"\r{desc} [{'#' * done}{'.' * (width - done)}] {i}/{total}")
+            sys.stderr.flush()
+        yield item
+    if show:
+        sys.stderr.write(f"\r{desc} [{'#' * 30}] {total}/{total}\n")
+
+
+def write_json(records: list[dict[str, Any]], path: str, **meta: Any) -> None:
+    """Write ``{"machine": ..., "meta": ..., "records": [...]}`` to ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"machine": machine_info(), "meta": meta, "records": records}, f, indent=1)
+
+
+def format_table(records: list[dict[str, Any]], columns: list[str]) -> str:
+    """A plain-text table of ``columns`` (floats to 3 significant digits)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return str(v)
+
+    rows = [[fmt(r.get(c, "")) for c in columns] for r in records]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)

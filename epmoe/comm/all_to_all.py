@@ -1,0 +1,186 @@
+"""``all_to_all``: a count exchange, then ``all_to_all_single`` with uneven splits.
+
+Portable (gloo and NCCL) and exact; the host waits for the counts, so it is not graph safe.
+
+* Standard layout: a token goes once to each rank that holds at least one of its experts;
+  rows arrive ordered by source rank with their top-k ids remapped to local slots.
+* ExpertBatched layout: a token goes once per selected expert; the receiver packs the rows
+  of each local expert into ``[e, C, H]`` (``C = M_max · W``), rows ``[:counts[i]]`` valid.
+
+Shape legend: T tokens · H hidden · K top-k · W world · e local experts · S rows this rank
+sends · R rows it receives · C capacity per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.comm._collectives import all_to_all, exchange_counts
+from epmoe.comm.base import (
+    AllToAll,
+    Capabilities,
+    DispatchResult,
+    Layout,
+    check_dispatch_args,
+)
+
+
+@dataclass(frozen=True)
+class StandardHandle:
+    token_of_row_S: torch.Tensor  # which local token each sent row carries
+    send_splits: list[int]  # rows sent to each rank
+    recv_splits: list[int]  # rows received from each rank
+    num_tokens: int  # T
+
+
+@dataclass(frozen=True)
+class BatchedHandle:
+    pair_order_S: torch.Tensor  # flat (t, k) index of each sent row, in send order
+    weight_S: torch.Tensor  # router weight of each sent row, float32
+    recv_slot_R: torch.Tensor  # row of the [e·C, H] expert buffer each received row went to
+    send_splits: list[int]
+    recv_splits: list[int]
+    num_tokens: int  # T
+
+
+class AllToAllBackend(AllToAll):
+    name = "all_to_all"
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.STANDARD, Layout.EXPERT_BATCHED}),
+        dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16}),
+        device_types=frozenset({"cpu", "cuda"}),
+        multi_node=True,
+    )
+
+    def __init__(self, spec, group, layout=None):
+        super().__init__(spec, group, layout)
+        offs = spec.rank_offsets
+        sizes = torch.tensor([b - a for a, b in zip(offs, offs[1:])])
+        # owner_P[p]: the rank holding physical expert p (physical ids are rank-major)
+        self._owner_P = torch.repeat_interleave(torch.arange(self.world_size), sizes).to(
+            spec.device
+        )
+        self._offsets_W = torch.tensor(offs[:-1], dtype=torch.int64, device=spec.device)
+        self._rank_sizes = [b - a for a, b in zip(offs, offs[1:])]
+        self._num_local = self._rank_sizes[self.rank]
+        self._capacity = spec.max_num_tokens * self.world_size  # C
+
+    # ---------------------------------------------------------------- Standard layout
+    def _dispatch_standard(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
+        T, K = topk_ids_TK.shape
+        W, dev = self.world_size, hidden_TH.device
+        ids = topk_ids_TK.to(torch.int64)
+        owner_TK = self._owner_P[ids.clamp(min=0)].masked_fill(ids < 0, -1)
+        # dest_WT[r, t]: token t has an expert on rank r
+        dest_WT = torch.zeros(W, T, dtype=torch.bool, device=dev)
+        valid = owner_TK >= 0
+        dest_WT[owner_TK[valid], torch.arange(T, device=dev)[:, None].expand(T, K)[valid]] = True
+        rank_S, token_S = dest_WT.nonzero(as_tuple=True)  # sorted by destination rank
+        send_counts = dest_WT.sum(1)
+        recv_counts = exchange_counts(send_counts[:, None], self.group)[:, 0]
+        counts = torch.cat([send_counts, recv_counts]).tolist()  # one host sync
+        send_splits, recv_splits = counts[:W], counts[W:]
+
+        # ids as the receiver sees them: local slot on that rank, -1 for other ranks
+        ids_S = ids[token_S]
+        mine = owner_TK[token_S] == rank_S[:, None]
+        local_S = torch.where(mine, ids_S - self._offsets_W[rank_S][:, None], -1)
+        meta = torch.cat(
+            [local_S.to(torch.int32), topk_weights_TK[token_S].float().view(torch.int32)], dim=1
+        )
+        recv_meta = all_to_all(meta, send_splits, recv_splits, self.group)
+        recv_hidden = all_to_all(hidden_TH[token_S], send_splits, recv_splits, self.group)
+        return DispatchResult(
+            layout=Layout.STANDARD,
+            hidden=recv_hidden,
+            topk_ids=recv_meta[:, :K].to(torch.int64),
+            topk_weights=recv_meta[:, K:].contiguous().view(torch.float32),
+            handle=StandardHandle(token_S, send_splits, recv_splits, T),
+        )
+
+    def _combine_standard(self, expert_out_RH, result) -> torch.Tensor:
+        h: StandardHandle = result.handle
+        back_SH = all_to_all(expert_out_RH, h.recv_splits, h.send_splits, self.group)
+        out = torch.zeros(
+            h.num_tokens, back_SH.shape[1], dtype=torch.float32, device=back_SH.device
+        )
+        out.index_add_(0, h.token_of_row_S, back_SH.float())
+        return out.to(expert_out_RH.dtype)
+
+    # ----------------------------------------------------------- ExpertBatched layout
+    def _dispatch_batched(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
+        T, K = topk_ids_TK.shape
+        W, e, C, dev = self.world_size, self._num_local, self._capacity, hidden_TH.device
+        ids = topk_ids_TK.reshape(-1).to(torch.int64)
+        valid = (ids >= 0).nonzero().squeeze(1)
+        order = valid[torch.argsort(ids[valid], stable=True)]  # rank-major == by physical id
+        ids_S = ids[order]
+        per_expert_P = torch.bincount(ids_S, minlength=self.spec.num_physical)
+        # rank r receives the per-expert counts of its own experts from every source
+        sizes = self._rank_sizes
+        recv_cnt_flat = all_to_all(per_expert_P, sizes, [e] * W, self.group)
+        recv_cnt_We = recv_cnt_flat.view(W, e)
+        send_counts = torch.bincount(self._owner_P[ids_S], minlength=W)
+        counts = torch.cat([send_counts, recv_cnt_We.sum(1)]).tolist()  # one host sync
+        send_splits, recv_splits = counts[:W], counts[W:]
+        counts_e = recv_cnt_We.sum(0)
+        if e > 0 and int(counts_e.max()) > C:
+            raise ValueError(
+                f"an expert received {int(counts_e.max())} rows, above its capacity {C} = "
+                f"max_num_tokens × W; a source sent one token to the same expert twice "
+                "(duplicate ids in topk_ids?) or more tokens than max_num_tokens"
+            )
+        recv_hidden = all_to_all(hidden_TH[order // K], send_splits, recv_splits, self.group)
+
+        # Received rows come ordered by (source, slot). Row j of block (s, i) goes to
+        # buffer row i·C + (rows of slot i from sources before s) + j.
+        block_count = recv_cnt_We.reshape(-1)  # blocks in (source, slot) order
+        before_src = torch.cumsum(recv_cnt_We, 0) - recv_cnt_We  # [W, e]
+        block_base = (torch.arange(e, device=dev) * C + before_src).reshape(-1)
+        block_start = torch.cumsum(block_count, 0) - block_count
+        rows = sum(recv_splits)
+        block_of_row = torch.repeat_interleave(
+            torch.arange(W * e, device=dev), block_count, output_size=rows
+        )
+        recv_slot_R = (
+            block_base[block_of_row] + torch.arange(rows, device=dev) - block_start[block_of_row]
+        )
+        buf = hidden_TH.new_empty((e * C, hidden_TH.shape[1]))  # rows past counts: unused
+        buf[recv_slot_R] = recv_hidden
+        weight_S = topk_weights_TK.reshape(-1)[order].to(torch.float32)
+        return DispatchResult(
+            layout=Layout.EXPERT_BATCHED,
+            hidden=buf.view(e, C, -1),
+            counts=counts_e.to(torch.int32),
+            handle=BatchedHandle(order, weight_S, recv_slot_R, send_splits, recv_splits, T),
+        )
+
+    def _combine_batched(self, expert_out_eCH, result) -> torch.Tensor:
+        h: BatchedHandle = result.handle
+        K = self.spec.top_k
+        H = expert_out_eCH.shape[-1]
+        rows_RH = expert_out_eCH.reshape(-1, H)[h.recv_slot_R]
+        back_SH = all_to_all(rows_RH, h.recv_splits, h.send_splits, self.group)
+        out = torch.zeros(h.num_tokens, H, dtype=torch.float32, device=back_SH.device)
+        out.index_add_(0, h.pair_order_S // K, back_SH.float() * h.weight_S[:, None])
+        return out.to(expert_out_eCH.dtype)
+
+    # ------------------------------------------------------------------- interface
+    def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
+        batched = self.layout is Layout.EXPERT_BATCHED
+        check_dispatch_args(self.spec, hidden_TH, topk_ids_TK, topk_weights_TK, batched)
+        if batched:
+            return self._dispatch_batched(hidden_TH, topk_ids_TK, topk_weights_TK)
+        return self._dispatch_standard(hidden_TH, topk_ids_TK, topk_weights_TK)
+
+    def combine(self, expert_out, result) -> torch.Tensor:
+        if expert_out.shape != result.hidden.shape:
+            raise ValueError(
+                f"expert_out must have the dispatched shape {tuple(result.hidden.shape)}, "
+                f"got {tuple(expert_out.shape)}"
+            )
+        if result.layout is Layout.EXPERT_BATCHED:
+            return self._combine_batched(expert_out, result)
+        return self._combine_standard(expert_out, result)

@@ -1,0 +1,242 @@
+"""The all-to-all contract every communication backend implements.
+
+Shape legend: T tokens on this rank · H hidden size · K top-k · P physical experts ·
+e local experts (slots on this rank) · W EP world size · M_max max tokens per rank per
+dispatch · R rows received by this rank · C = M_max·W rows of capacity per local expert.
+
+A backend moves tokens from the rank that owns them to the ranks that hold their experts
+(``dispatch``) and brings the expert outputs back (``combine``). It produces one of two
+layouts:
+
+* ``Layout.STANDARD``: received rows ``[R, H]``; a token appears once per destination rank
+  with its top-k ids remapped to local slots (``-1`` for experts held elsewhere) and its
+  router weights. The experts return one *weighted* partial sum per received row and
+  ``combine`` adds the partial sums of all ranks (an unweighted sum).
+* ``Layout.EXPERT_BATCHED``: ``[e, C, H]`` plus ``counts [e]``; a token appears once per
+  selected local expert, rows ``[:counts[i]]`` of slot ``i`` are valid (their order is not
+  fixed). The experts return *unweighted* outputs in the same layout and ``combine``
+  applies the router weights and reduces.
+
+Cross-rank contract: every rank of the group enters every ``dispatch`` and ``combine``,
+also with ``T = 0``, in the same order. A ``DispatchResult`` must be combined before the
+next dispatch on the same backend.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class Layout(enum.Enum):
+    """How dispatched tokens are laid out for the experts."""
+
+    STANDARD = "standard"
+    EXPERT_BATCHED = "expert_batched"
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """What a backend needs to know about the layer it serves (identical on every rank).
+
+    ``rank_offsets`` has ``W + 1`` entries: physical experts ``[rank_offsets[r],
+    rank_offsets[r + 1])`` live on rank ``r``, so a physical id is owned by exactly one
+    rank and its local slot is ``id - rank_offsets[owner]``.
+    """
+
+    hidden_size: int  # H
+    top_k: int  # K
+    rank_offsets: tuple[int, ...]  # [W + 1], non-decreasing, rank_offsets[0] == 0
+    max_num_tokens: int  # M_max: most tokens one rank passes to one dispatch
+    dtype: torch.dtype  # dtype of the hidden states on the wire (before any quantization)
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        offs = self.rank_offsets
+        if len(offs) < 2 or offs[0] != 0 or any(b < a for a, b in zip(offs, offs[1:])):
+            raise ValueError(
+                f"rank_offsets must start at 0 and not decrease, got {offs}; build it with "
+                "ExpertPlacement.rank_offsets"
+            )
+        if self.hidden_size <= 0 or self.top_k <= 0 or self.max_num_tokens <= 0:
+            raise ValueError(
+                f"hidden_size, top_k and max_num_tokens must be positive, got "
+                f"{self.hidden_size}, {self.top_k}, {self.max_num_tokens}"
+            )
+
+    @property
+    def world_size(self) -> int:  # W
+        return len(self.rank_offsets) - 1
+
+    @property
+    def num_physical(self) -> int:  # P
+        return self.rank_offsets[-1]
+
+    def num_local(self, rank: int) -> int:  # e on `rank`
+        return self.rank_offsets[rank + 1] - self.rank_offsets[rank]
+
+    @property
+    def max_local(self) -> int:  # largest e over ranks; ExpertBatched buffers use it
+        return max(b - a for a, b in zip(self.rank_offsets, self.rank_offsets[1:]))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; the layer and ``auto`` choose by these, never by name."""
+
+    layouts: frozenset[Layout]
+    dtypes: frozenset[torch.dtype]
+    device_types: frozenset[str]  # "cpu", "cuda"
+    max_num_tokens: int | None = None  # None: no limit beyond memory
+    graph_safe: bool = False  # no host synchronisation, capturable in a CUDA graph
+    multi_node: bool = False
+    fp8_dispatch: bool = False
+
+
+@dataclass(frozen=True)
+class DispatchResult:
+    """What ``dispatch`` delivers to the experts on this rank.
+
+    Standard: ``hidden [R, H]``, ``topk_ids [R, K]`` int64 local slots (-1: elsewhere),
+    ``topk_weights [R, K]`` float32; ``counts`` is ``None`` or tokens per local slot.
+    ExpertBatched: ``hidden [e, C, H]``, ``counts [e]`` int32 (rows ``[:counts[i]]``
+    valid), ``topk_ids`` and ``topk_weights`` are ``None``.
+    ``hidden_scale`` is set when the hidden states arrive quantized (FP8): float32
+    ``[..., H // 128]`` per-token-group scales matching ``hidden``'s leading dims.
+    ``handle`` is backend state that ``combine`` needs; treat it as opaque.
+    """
+
+    layout: Layout
+    hidden: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+    hidden_scale: torch.Tensor | None = None
+    handle: Any = field(default=None, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        """R for Standard, C (capacity per expert) for ExpertBatched."""
+        return self.hidden.shape[0] if self.layout is Layout.STANDARD else self.hidden.shape[1]
+
+
+class AllToAll(ABC):
+    """Base of every communication backend (one file each under ``epmoe/comm``).
+
+    Subclasses set ``name`` and ``capabilities`` and implement ``dispatch`` and
+    ``combine``. ``unavailable_reason`` says, without side effects, why the backend cannot
+    run for a device and group (``None`` when it can). Buffers are allocated in
+    ``__init__`` and released by ``close`` (never in ``__del__``).
+    """
+
+    name: str = ""
+    capabilities: Capabilities
+
+    def __init__(
+        self, spec: CommSpec, group: dist.ProcessGroup | None, layout: Layout | None = None
+    ) -> None:
+        self.spec = spec
+        self.group = group
+        self.rank = dist.get_rank(group) if _is_distributed(group) else 0
+        self.world_size = dist.get_world_size(group) if _is_distributed(group) else 1
+        if self.world_size != spec.world_size:
+            raise ValueError(
+                f"{self.name}: the placement is for {spec.world_size} ranks but the process "
+                f"group has {self.world_size}; build the placement with ep_size={self.world_size}"
+            )
+        layouts = self.capabilities.layouts
+        if layout is None:
+            layout = Layout.STANDARD if Layout.STANDARD in layouts else next(iter(layouts))
+        if layout not in layouts:
+            raise ValueError(
+                f"backend {self.name!r} does not produce layout {layout.value!r}; it offers "
+                f"{sorted(x.value for x in layouts)}"
+            )
+        self.layout = layout
+        caps = self.capabilities
+        if spec.device.type not in caps.device_types:
+            raise ValueError(
+                f"backend {self.name!r} runs on {sorted(caps.device_types)}, not on "
+                f"{spec.device.type}; pick another backend or device"
+            )
+        if caps.max_num_tokens is not None and spec.max_num_tokens > caps.max_num_tokens:
+            raise ValueError(
+                f"backend {self.name!r} takes at most {caps.max_num_tokens} tokens per rank "
+                f"per dispatch, max_num_tokens={spec.max_num_tokens}; lower max_num_tokens "
+                "(the layer chunks larger batches)"
+            )
+
+    @classmethod
+    def unavailable_reason(
+        cls, device: torch.device, group: dist.ProcessGroup | None = None
+    ) -> str | None:
+        """Why this backend cannot run here, or ``None``. Must not allocate or initialise."""
+        if device.type not in cls.capabilities.device_types:
+            return f"needs a device of type {sorted(cls.capabilities.device_types)}"
+        return None
+
+    @abstractmethod
+    def dispatch(
+        self,
+        hidden_TH: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+    ) -> DispatchResult:
+        """Send each token to the ranks that hold its experts.
+
+        ``hidden_TH`` ``[T, H]`` in ``spec.dtype``; ``topk_ids_TK`` int64 physical expert ids
+        in ``[0, P)``; ``topk_weights_TK`` float32 router weights. ``T <= spec.max_num_tokens``
+        where the backend has fixed buffers. Collective: every rank calls it.
+        """
+
+    @abstractmethod
+    def combine(self, expert_out: torch.Tensor, result: DispatchResult) -> torch.Tensor:
+        """Bring expert outputs back: returns ``[T, H]`` on the rank that dispatched.
+
+        ``expert_out`` has the layout of ``result`` (``[R, H]`` weighted partial sums for
+        Standard, ``[e, C, H]`` unweighted for ExpertBatched). Collective.
+        """
+
+    def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Release buffers. The backend must not be used afterwards."""
+
+
+def _is_distributed(group: dist.ProcessGroup | None) -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def check_dispatch_args(
+    spec: CommSpec,
+    hidden_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    limit_tokens: bool,
+) -> None:
+    """Validate dispatch inputs at the boundary, with the fix in the message."""
+    if hidden_TH.dim() != 2 or hidden_TH.shape[1] != spec.hidden_size:
+        raise ValueError(
+            f"hidden_states must be [T, {spec.hidden_size}], got {tuple(hidden_TH.shape)}"
+        )
+    T = hidden_TH.shape[0]
+    if topk_ids_TK.shape != (T, spec.top_k) or topk_weights_TK.shape != (T, spec.top_k):
+        raise ValueError(
+            f"topk_ids and topk_weights must be [T={T}, K={spec.top_k}], got "
+            f"{tuple(topk_ids_TK.shape)} and {tuple(topk_weights_TK.shape)}"
+        )
+    if topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
+    if hidden_TH.dtype != spec.dtype:
+        raise TypeError(
+            f"hidden_states dtype {hidden_TH.dtype} differs from the layer's {spec.dtype}; "
+            "cast the input or build the layer with params_dtype to match"
+        )
+    if limit_tokens and spec.max_num_tokens < T:
+        raise ValueError(
+            f"{T} tokens exceed max_num_tokens={spec.max_num_tokens} of this backend's fixed "
+            "buffers; raise max_num_tokens or let EPMoE chunk the batch"
+        )

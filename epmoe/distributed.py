@@ -1,0 +1,94 @@
+"""Process-group set-up for torchrun launches.
+
+``init_distributed`` reads the torchrun environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), binds the CUDA device, picks NCCL on GPUs
+and gloo on CPU, and keeps a gloo group beside an NCCL world for CPU-side exchanges.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# Set on GPU machines whose hosts are shared: NVLink multicast (NVLS) can take every GPU
+# of the host out of service. Applied by init_distributed unless the user set them.
+SAFE_GPU_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+_cpu_groups: dict[int, dist.ProcessGroup] = {}
+
+
+def init_distributed(
+    backend: str | None = None, timeout_s: float = 300
+) -> dist.ProcessGroup | None:
+    """Initialise torch.distributed from the torchrun environment; returns the WORLD group.
+
+    ``backend``: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
+    Without torchrun's variables (a plain ``python script.py``) nothing is initialised and
+    ``None`` is returned: every epmoe API then runs as a single process. Calling it again
+    returns the existing group. On CUDA the device ``LOCAL_RANK`` is made current first.
+    """
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if dist.is_initialized():
+        return dist.group.WORLD
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
+    for key, value in SAFE_GPU_ENV.items():
+        os.environ.setdefault(key, value)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device_id = None
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='nccl' needs CUDA; use backend='gloo' on CPU")
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {torch.cuda.device_count()} GPUs are "
+                "visible; launch at most that many processes per node"
+            )
+        torch.cuda.set_device(local_rank)
+        device_id = torch.device("cuda", local_rank)
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device_id,
+    )
+    if backend == "nccl":
+        cpu_group(dist.group.WORLD)
+    return dist.group.WORLD
+
+
+def cpu_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A gloo group with the ranks of ``group`` (itself if it is gloo already).
+
+    Collective on first use for a group: every rank of ``group`` must call it.
+    """
+    if not dist.is_initialized():
+        return None
+    group = group or dist.group.WORLD
+    if dist.get_backend(group) == "gloo":
+        return group
+    key = id(group)
+    if key not in _cpu_groups:
+        ranks = dist.get_process_group_ranks(group)
+        _cpu_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _cpu_groups[key]
+
+
+def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device tensors of ``group``'s collectives live on: CUDA for NCCL, else CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    if not dist.is_initialized() and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

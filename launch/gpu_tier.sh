@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU tier: GPU tests, the demo and the benchmarks in one call, with a short report.
+#
+#   bash launch/gpu_tier.sh [STEP ...]     steps: env tests demo comm experts layer (default: all)
+#
+# Writes $OUT/report.md (a summary line per step), $OUT/*.json (benchmark records) and
+# $OUT/logs.tgz (every step's full log); without $OUT, writes under ./results/gpu.
+# Each step runs even if an earlier one failed; the exit code says whether all passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-results/gpu}"
+LOGS="$(mktemp -d)"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests demo comm experts layer)
+REPORT="$OUT/report.md"
+echo "# GPU tier $(date -u +%FT%TZ) on $(hostname), $NGPU GPU(s)" >"$REPORT"
+status=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run, log, and add a line to the report
+    local name=$1 limit=$2; shift 2
+    local t0=$SECONDS
+    echo "== $name: $*" | tee -a "$LOGS/$name.log"
+    timeout "$limit" "$@" >>"$LOGS/$name.log" 2>&1
+    local rc=$?
+    local tail_line
+    tail_line=$(grep -E "passed|failed|error|Error|tokens/s|relative error" "$LOGS/$name.log" | tail -n 3 | tr '\n' ' ')
+    printf -- "- %s: rc=%s in %ss — %s\n" "$name" "$rc" "$((SECONDS - t0))" "$tail_line" | tee -a "$REPORT"
+    [ "$rc" -ne 0 ] && status=1
+    return 0
+}
+
+for s in "${STEPS[@]}"; do
+    case $s in
+    env)
+        step env 60 bash -c 'nvidia-smi; nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"'
+        ;;
+    tests)
+        step tests_gpu 300 env EPMOE_TEST_DEVICE=cuda python3 -m pytest -x -q tests/gpu tests/dist -p no:cacheprovider
+        ;;
+    demo)
+        step demo 180 python3 launch/demo.py --nproc "$NGPU" --hidden-size 1024 --intermediate-size 512 --num-experts 64 --top-k 6 --max-batch 512 --steps 40
+        ;;
+    comm)
+        step comm 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm --tokens 128 4096 --out "$OUT/comm.json"
+        ;;
+    experts)
+        step experts 300 python3 -m epmoe.bench experts --out "$OUT/experts.json"
+        ;;
+    layer)
+        step layer 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer --out "$OUT/layer.json"
+        ;;
+    *) echo "unknown step $s" | tee -a "$REPORT"; status=1 ;;
+    esac
+done
+tar czf "$OUT/logs.tgz" -C "$LOGS" .
+cat "$REPORT"
+exit $status
