@@ -22,10 +22,12 @@ _PUBLIC = {
     "Layout": "epmoe.comm.base",
     "DispatchResult": "epmoe.comm.base",
     "reference": "epmoe.reference",
+    "EPLBManager": "epmoe.eplb.manager",
 }
 
 __all__ = [
     "DispatchResult",
+    "EPLBManager",
     "EPMoE",
     "ExpertPlacement",
     "Layout",
@@ -42,6 +44,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from epmoe.comm import available_backends
     from epmoe.comm.base import DispatchResult, Layout
     from epmoe.distributed import init_distributed
+    from epmoe.eplb.manager import EPLBManager
     from epmoe.layer import EPMoE
     from epmoe.placement import ExpertPlacement
     from epmoe.routing import RoutingSimulator, select_experts

@@ -45,6 +45,19 @@ class BatchedHandle:
     num_tokens: int  # T
 
 
+def _true_positions(mask_WT: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column of the ``count`` True entries of ``mask_WT`` in row-major order,
+    like ``mask_WT.nonzero()`` but without a host sync (``count`` is already known)."""
+    flat = mask_WT.reshape(-1)
+    pos = torch.cumsum(flat, 0) - 1
+    dest = torch.where(flat, pos, count)  # False entries go to a dummy slot past the end
+    index = torch.empty(count + 1, dtype=torch.int64, device=flat.device)
+    index.scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
+    index = index[:count]
+    T = mask_WT.shape[1]
+    return index // T, index % T
+
+
 class AllToAllBackend(AllToAll):
     name = "all_to_all"
     capabilities = Capabilities(
@@ -72,21 +85,20 @@ class AllToAllBackend(AllToAll):
         T, K = topk_ids_TK.shape
         W, dev = self.world_size, hidden_TH.device
         ids = topk_ids_TK.to(torch.int64)
-        owner_TK = self._owner_P[ids.clamp(min=0)].masked_fill(ids < 0, -1)
-        # dest_WT[r, t]: token t has an expert on rank r
-        dest_WT = torch.zeros(W, T, dtype=torch.bool, device=dev)
-        valid = owner_TK >= 0
-        dest_WT[owner_TK[valid], torch.arange(T, device=dev)[:, None].expand(T, K)[valid]] = True
-        rank_S, token_S = dest_WT.nonzero(as_tuple=True)  # sorted by destination rank
+        # owner_TK[t, k]: rank of expert ids[t, k]; W (a dummy column) where ids is -1
+        owner_TK = torch.where(ids >= 0, self._owner_P[ids.clamp(min=0)], W)
+        dest_TW = torch.zeros(T, W + 1, dtype=torch.bool, device=dev)
+        dest_TW.scatter_(1, owner_TK, True)
+        dest_WT = dest_TW[:, :W].t()  # dest_WT[r, t]: token t has an expert on rank r
         send_counts = dest_WT.sum(1)
         recv_counts = exchange_counts(send_counts[:, None], self.group)[:, 0]
-        counts = torch.cat([send_counts, recv_counts]).tolist()  # one host sync
+        counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host sync
         send_splits, recv_splits = counts[:W], counts[W:]
+        rank_S, token_S = _true_positions(dest_WT, sum(send_splits))  # by rank, then token
 
         # ids as the receiver sees them: local slot on that rank, -1 for other ranks
-        ids_S = ids[token_S]
         mine = owner_TK[token_S] == rank_S[:, None]
-        local_S = torch.where(mine, ids_S - self._offsets_W[rank_S][:, None], -1)
+        local_S = torch.where(mine, ids[token_S] - self._offsets_W[rank_S][:, None], -1)
         meta = torch.cat(
             [local_S.to(torch.int32), topk_weights_TK[token_S].float().view(torch.int32)], dim=1
         )
@@ -113,25 +125,28 @@ class AllToAllBackend(AllToAll):
     def _dispatch_batched(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
         T, K = topk_ids_TK.shape
         W, e, C, dev = self.world_size, self._num_local, self._capacity, hidden_TH.device
+        P = self.spec.num_physical
         ids = topk_ids_TK.reshape(-1).to(torch.int64)
-        valid = (ids >= 0).nonzero().squeeze(1)
-        order = valid[torch.argsort(ids[valid], stable=True)]  # rank-major == by physical id
-        ids_S = ids[order]
-        per_expert_P = torch.bincount(ids_S, minlength=self.spec.num_physical)
+        key = torch.where(ids >= 0, ids, P)  # -1 sorts last and is never sent
+        order = torch.argsort(key, stable=True)  # rank-major == by physical id
+        per_expert_P = torch.bincount(key, minlength=P + 1)[:P]
         # rank r receives the per-expert counts of its own experts from every source
         sizes = self._rank_sizes
         recv_cnt_flat = all_to_all(per_expert_P, sizes, [e] * W, self.group)
         recv_cnt_We = recv_cnt_flat.view(W, e)
-        send_counts = torch.bincount(self._owner_P[ids_S], minlength=W)
-        counts = torch.cat([send_counts, recv_cnt_We.sum(1)]).tolist()  # one host sync
-        send_splits, recv_splits = counts[:W], counts[W:]
+        send_counts = torch.zeros(W, dtype=torch.int64, device=dev)
+        send_counts.index_add_(0, self._owner_P, per_expert_P)
         counts_e = recv_cnt_We.sum(0)
-        if e > 0 and int(counts_e.max()) > C:
+        most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
+        counts = torch.cat([send_counts, recv_cnt_We.sum(1), most]).tolist()  # one host sync
+        send_splits, recv_splits = counts[:W], counts[W : 2 * W]
+        if counts[-1] > C:
             raise ValueError(
-                f"an expert received {int(counts_e.max())} rows, above its capacity {C} = "
+                f"an expert received {counts[-1]} rows, above its capacity {C} = "
                 f"max_num_tokens × W; a source sent one token to the same expert twice "
                 "(duplicate ids in topk_ids?) or more tokens than max_num_tokens"
             )
+        order = order[: sum(send_splits)]
         recv_hidden = all_to_all(hidden_TH[order // K], send_splits, recv_splits, self.group)
 
         # Received rows come ordered by (source, slot). Row j of block (s, i) goes to

@@ -61,7 +61,8 @@ class LoadRecorder:
 
 def logical_load(
     physical_load_P: torch.Tensor, physical_to_logical_P: torch.Tensor, num_experts: int
-):
-    """Sum the load of every replica into its logical expert: ``[P]`` → ``[E]``."""
+) -> torch.Tensor:
+    """Sum the load of every replica into its logical expert: ``[P]`` → ``[E]`` in the
+    load's dtype and device (an expert without a replica in the map gets 0)."""
     out = torch.zeros(num_experts, dtype=physical_load_P.dtype, device=physical_load_P.device)
     return out.index_add_(0, physical_to_logical_P.to(physical_load_P.device), physical_load_P)
