@@ -22,9 +22,10 @@ from epmoe.experts.base import check_activation
 from epmoe.placement import ExpertPlacement
 from epmoe.routing import select_experts
 
-# Tokens per dispatch when max_num_tokens is None: unlimited transports still chunk so
-# that a prefill of any length runs in bounded memory.
-DEFAULT_CHUNK_TOKENS = {Layout.STANDARD: 8192, Layout.EXPERT_BATCHED: 256}
+# Tokens per dispatch when max_num_tokens is None and the backend sets no limit of its
+# own: transports without fixed buffers still chunk so that a prefill of any length runs
+# in bounded memory.
+DEFAULT_CHUNK_TOKENS = 8192
 
 
 class EPMoE(nn.Module):
@@ -127,7 +128,9 @@ class EPMoE(nn.Module):
         if layout is None:
             layouts = backend_cls.capabilities.layouts
             layout = Layout.STANDARD if Layout.STANDARD in layouts else next(iter(layouts))
-        self.max_num_tokens = max_num_tokens or DEFAULT_CHUNK_TOKENS[layout]
+        self.max_num_tokens = (
+            max_num_tokens or backend_cls.capabilities.max_num_tokens or DEFAULT_CHUNK_TOKENS
+        )
         spec = CommSpec(
             hidden_size=hidden_size,
             top_k=top_k,

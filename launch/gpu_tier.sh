@@ -13,6 +13,8 @@ LOGS="$(mktemp -d)"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Triton tilings come from the shipped tables or heuristics: no autotune pauses mid-run
+export EPMOE_TRITON_AUTOTUNE="${EPMOE_TRITON_AUTOTUNE:-0}"
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests demo comm experts layer)
@@ -39,16 +41,16 @@ for s in "${STEPS[@]}"; do
         step env 60 bash -c 'nvidia-smi; nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"'
         ;;
     tests)
-        step tests_gpu 300 env EPMOE_TEST_DEVICE=cuda python3 -m pytest -x -q tests/gpu tests/dist -p no:cacheprovider
+        step tests_gpu 300 env EPMOE_TEST_DEVICE=cuda python3 -m pytest -q tests/gpu tests/dist -p no:cacheprovider
         ;;
     demo)
         step demo 180 python3 launch/demo.py --nproc "$NGPU" --hidden-size 1024 --intermediate-size 512 --num-experts 64 --top-k 6 --max-batch 512 --steps 40
         ;;
     comm)
-        step comm 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm --tokens 128 4096 --out "$OUT/comm.json"
+        step comm 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm --tokens 128 4096 --profile --out "$OUT/comm.json"
         ;;
-    experts)
-        step experts 300 python3 -m epmoe.bench experts --out "$OUT/experts.json"
+    experts)  # the kernels' own one-GPU script (tests, tiling sweep, baselines)
+        step experts 560 bash -c 'OUT=/tmp/kernels bash launch/gpu_kernels.sh; cp /tmp/kernels/bench.json "$0/experts.json"; cp /tmp/kernels/tuned_configs.json "$0/"; tar czf "$0/kernels.tgz" -C /tmp/kernels .' "$OUT"
         ;;
     layer)
         step layer 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer --out "$OUT/layer.json"

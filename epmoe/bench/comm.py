@@ -40,11 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backends",
         nargs="+",
-        default=["all_to_all:standard", "all_to_all:expert_batched"],
+        default=["all_to_all:standard", "all_to_all:expert_batched", "naive:standard"],
         help="name:layout pairs",
     )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument(
+        "--profile", action="store_true", help="print a torch.profiler table per backend (rank 0)"
+    )
 
 
 def _slowest(ms: float, device) -> float:
@@ -106,6 +109,24 @@ def _measure(comm, x_TH, ids_TK, weights_TK, placement, timing) -> dict:
     )
 
 
+def _profile(comm, x_TH, ids_TK, weights_TK, rank: int, title: str) -> None:
+    """Where dispatch + combine spend their time: a profiler table on rank 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if x_TH.is_cuda:
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            result = comm.dispatch(x_TH, ids_TK, weights_TK)
+            comm.combine(result.hidden, result)
+        if x_TH.is_cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        print(f"--- profile: {title} (5 iterations)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def main(args) -> list[dict] | None:
     group = epmoe.init_distributed()
     rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
@@ -146,6 +167,8 @@ def main(args) -> list[dict] | None:
             layout = Layout(layout_name)
             comm = create_backend(name, spec, group, layout)
             rec = _measure(comm, x, ids, weights, placement, timing)
+            if args.profile:
+                _profile(comm, x, ids, weights, rank, f"{entry} T={T}")
             comm.close()
             rec.update(backend=name, layout=layout.value, W=W, T=T, H=H, K=K, E=E)
             rec.update(dtype=args.dtype, link_GBps=link_GBps)

@@ -5,7 +5,8 @@ Portable (gloo and NCCL) and exact; the host waits for the counts, so it is not 
 * Standard layout: a token goes once to each rank that holds at least one of its experts;
   rows arrive ordered by source rank with their top-k ids remapped to local slots.
 * ExpertBatched layout: a token goes once per selected expert; the receiver packs the rows
-  of each local expert into ``[e, C, H]`` (``C = M_max · W``), rows ``[:counts[i]]`` valid.
+  of each local expert into ``[e, C, H]``, rows ``[:counts[i]]`` valid. The host knows the
+  counts, so ``C`` is the largest count of this dispatch, not the worst case ``M_max · W``.
 
 Shape legend: T tokens · H hidden · K top-k · W world · e local experts · S rows this rank
 sends · R rows it receives · C capacity per expert.
@@ -38,7 +39,7 @@ class StandardHandle:
 @dataclass(frozen=True)
 class BatchedHandle:
     pair_order_S: torch.Tensor  # flat (t, k) index of each sent row, in send order
-    weight_S: torch.Tensor  # router weight of each sent row, float32
+    weights_TK: torch.Tensor  # router weights of this rank's tokens
     recv_slot_R: torch.Tensor  # row of the [e·C, H] expert buffer each received row went to
     send_splits: list[int]
     recv_splits: list[int]
@@ -78,7 +79,7 @@ class AllToAllBackend(AllToAll):
         self._offsets_W = torch.tensor(offs[:-1], dtype=torch.int64, device=spec.device)
         self._rank_sizes = [b - a for a, b in zip(offs, offs[1:])]
         self._num_local = self._rank_sizes[self.rank]
-        self._capacity = spec.max_num_tokens * self.world_size  # C
+        self._capacity = spec.max_num_tokens * self.world_size  # most rows one expert can get
 
     # ---------------------------------------------------------------- Standard layout
     def _dispatch_standard(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
@@ -124,8 +125,8 @@ class AllToAllBackend(AllToAll):
     # ----------------------------------------------------------- ExpertBatched layout
     def _dispatch_batched(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
         T, K = topk_ids_TK.shape
-        W, e, C, dev = self.world_size, self._num_local, self._capacity, hidden_TH.device
-        P = self.spec.num_physical
+        W, e, dev = self.world_size, self._num_local, hidden_TH.device
+        P, limit = self.spec.num_physical, self._capacity
         ids = topk_ids_TK.reshape(-1).to(torch.int64)
         key = torch.where(ids >= 0, ids, P)  # -1 sorts last and is never sent
         order = torch.argsort(key, stable=True)  # rank-major == by physical id
@@ -140,15 +141,18 @@ class AllToAllBackend(AllToAll):
         most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
         counts = torch.cat([send_counts, recv_cnt_We.sum(1), most]).tolist()  # one host sync
         send_splits, recv_splits = counts[:W], counts[W : 2 * W]
-        if counts[-1] > C:
+        if counts[-1] > limit:
             raise ValueError(
-                f"an expert received {counts[-1]} rows, above its capacity {C} = "
+                f"an expert received {counts[-1]} rows, above its capacity {limit} = "
                 f"max_num_tokens × W; a source sent one token to the same expert twice "
                 "(duplicate ids in topk_ids?) or more tokens than max_num_tokens"
             )
         order = order[: sum(send_splits)]
         recv_hidden = all_to_all(hidden_TH[order // K], send_splits, recv_splits, self.group)
 
+        # The buffer holds as many rows per expert as the busiest one received (the host
+        # knows it already), so a prefill-sized dispatch does not allocate e·M_max·W rows.
+        C = max(counts[-1], 1)
         # Received rows come ordered by (source, slot). Row j of block (s, i) goes to
         # buffer row i·C + (rows of slot i from sources before s) + j.
         block_count = recv_cnt_We.reshape(-1)  # blocks in (source, slot) order
@@ -164,23 +168,25 @@ class AllToAllBackend(AllToAll):
         )
         buf = hidden_TH.new_empty((e * C, hidden_TH.shape[1]))  # rows past counts: unused
         buf[recv_slot_R] = recv_hidden
-        weight_S = topk_weights_TK.reshape(-1)[order].to(torch.float32)
         return DispatchResult(
             layout=Layout.EXPERT_BATCHED,
             hidden=buf.view(e, C, -1),
             counts=counts_e.to(torch.int32),
-            handle=BatchedHandle(order, weight_S, recv_slot_R, send_splits, recv_splits, T),
+            handle=BatchedHandle(order, topk_weights_TK, recv_slot_R, send_splits, recv_splits, T),
         )
 
     def _combine_batched(self, expert_out_eCH, result) -> torch.Tensor:
         h: BatchedHandle = result.handle
-        K = self.spec.top_k
+        T, K = h.weights_TK.shape
         H = expert_out_eCH.shape[-1]
         rows_RH = expert_out_eCH.reshape(-1, H)[h.recv_slot_R]
         back_SH = all_to_all(rows_RH, h.recv_splits, h.send_splits, self.group)
-        out = torch.zeros(h.num_tokens, H, dtype=torch.float32, device=back_SH.device)
-        out.index_add_(0, h.pair_order_S // K, back_SH.float() * h.weight_S[:, None])
-        return out.to(expert_out_eCH.dtype)
+        # back to (token, k) order without atomics; pairs that were not sent stay zero
+        y_TKH = back_SH.new_zeros((T * K, H))
+        y_TKH.index_copy_(0, h.pair_order_S, back_SH)
+        # out[t] = Σ_k w[t, k] · y[t, k]: one batched matmul, fp32 accumulation
+        w_T1K = h.weights_TK.to(back_SH.dtype).unsqueeze(1)
+        return torch.bmm(w_T1K, y_TKH.view(T, K, H)).squeeze(1)
 
     # ------------------------------------------------------------------- interface
     def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:

@@ -2,7 +2,7 @@
 
 Shape legend: T tokens on this rank · H hidden size · K top-k · P physical experts ·
 e local experts (slots on this rank) · W EP world size · M_max max tokens per rank per
-dispatch · R rows received by this rank · C = M_max·W rows of capacity per local expert.
+dispatch · R rows received by this rank · C rows of capacity per local expert (at most M_max·W).
 
 A backend moves tokens from the rank that owns them to the ranks that hold their experts
 (``dispatch``) and brings the expert outputs back (``combine``). It produces one of two
@@ -14,8 +14,10 @@ layouts:
   ``combine`` adds the partial sums of all ranks (an unweighted sum).
 * ``Layout.EXPERT_BATCHED``: ``[e, C, H]`` plus ``counts [e]``; a token appears once per
   selected local expert, rows ``[:counts[i]]`` of slot ``i`` are valid (their order is not
-  fixed). The experts return *unweighted* outputs in the same layout and ``combine``
-  applies the router weights and reduces.
+  fixed). ``C`` is the backend's capacity per expert: ``M_max · W`` for fixed buffers, or
+  the largest count of the dispatch for backends that size buffers as they go. The
+  experts return *unweighted* outputs in the same layout and ``combine`` applies the
+  router weights and reduces.
 
 Cross-rank contract: every rank of the group enters every ``dispatch`` and ``combine``,
 also with ``T = 0``, in the same order. A ``DispatchResult`` must be combined before the

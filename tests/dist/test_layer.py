@@ -47,3 +47,12 @@ def test_dispatch_delivers_exactly(world):
 def test_bad_inputs_raise_clearly(world):
     requires_world(world)
     run_on_ranks(cases.check_bad_inputs, world, device_under_test())
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+def test_layer_with_triton_experts(world):
+    """The same sweep with the Triton batched-expert kernels (the interpreter on CPU)."""
+    requires_world(world)
+    run_on_ranks(
+        cases.check_layer_against_oracle, world, device_under_test(), _dtype(), experts="triton"
+    )
