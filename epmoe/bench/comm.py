@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe.bench.common import format_table, median, time_fn
+from epmoe.bench.common import distributed_setup, format_table, median, over_ranks, time_fn
 from epmoe.comm import create_backend
 from epmoe.comm.base import CommSpec, Layout
 from epmoe.routing import RoutingSimulator
@@ -48,14 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table per backend (rank 0)"
     )
-
-
-def _slowest(ms: float, device) -> float:
-    """The largest of every rank's median (a collective finishes with its slowest rank)."""
-    t = torch.tensor([ms], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _rows_per_rank(ids_TK, placement, layout: Layout) -> torch.Tensor:
@@ -92,7 +84,7 @@ def _measure(comm, x_TH, ids_TK, weights_TK, placement, timing) -> dict:
         )
     else:
         a_ms = median(time_fn(lambda: a_out.copy_(a_in), **timing))
-    d_ms, c_ms, a_ms = (_slowest(v, device) for v in (d_ms, c_ms, a_ms))
+    d_ms, c_ms, a_ms = (over_ranks(v, device) for v in (d_ms, c_ms, a_ms))
     recv_rows = torch.tensor([sum(recv_l)], device=device)
     if dist.is_initialized():
         dist.all_reduce(recv_rows, op=dist.ReduceOp.MAX)
@@ -128,13 +120,7 @@ def _profile(comm, x_TH, ids_TK, weights_TK, rank: int, title: str) -> None:
 
 
 def main(args) -> list[dict] | None:
-    group = epmoe.init_distributed()
-    rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    group, rank, W, device = distributed_setup()
     dtype = getattr(torch, args.dtype)
     H, E, K = args.hidden, args.num_experts, args.top_k
     placement = epmoe.ExpertPlacement.linear(E, W)
@@ -146,7 +132,7 @@ def main(args) -> list[dict] | None:
     big = torch.randn(rows * W, H, device=device).to(dtype)
     big_out = torch.empty_like(big)
     ms = median(time_fn(lambda: dist.all_to_all_single(big_out, big), **timing)) if W > 1 else 0
-    ms = _slowest(ms, device)
+    ms = over_ranks(ms, device)
     link_GBps = rows * (W - 1) * H * dtype.itemsize / (ms * 1e6) if W > 1 else float("nan")
 
     records = []

@@ -59,6 +59,32 @@ def time_fn(
     return times
 
 
+def distributed_setup() -> tuple[Any, int, int, torch.device]:
+    """``(group, rank, world_size, device)`` for a benchmark started by torchrun (or alone)."""
+    import torch.distributed as dist
+
+    import epmoe
+
+    group = epmoe.init_distributed()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+    device = _default_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return group, rank, world, device
+
+
+def over_ranks(value: float, device: torch.device, op: str = "max") -> float:
+    """``value`` reduced over all ranks (``"max"``: a collective ends with its slowest
+    rank; ``"sum"``: totals). The identity without torch.distributed."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return float(t.item())
+
+
 def median(xs: Iterable[float]) -> float:
     return statistics.median(list(xs))
 

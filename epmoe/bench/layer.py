@@ -46,7 +46,14 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe.bench.common import format_table, median, progress, time_fn
+from epmoe.bench.common import (
+    distributed_setup,
+    format_table,
+    median,
+    over_ranks,
+    progress,
+    time_fn,
+)
 from epmoe.comm import available_backends, backend_class
 from epmoe.comm.base import Layout
 from epmoe.eplb.manager import EPLBManager, measured_balancedness
@@ -119,13 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> list[dict[str, Any]] | None:
-    group = epmoe.init_distributed()
-    rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    group, rank, W, device = distributed_setup()
     cfg = _config(args, device)
     barrier = (lambda: dist.barrier()) if group is not None else None
     timing = dict(warmup=cfg["warmup"], iters=cfg["iters"], device=device, barrier=barrier)
@@ -203,15 +204,6 @@ def _make_layer(cfg, group, device, args, **kwargs) -> epmoe.EPMoE:
     return layer
 
 
-def _slowest(value: float, device: torch.device, op=None) -> float:
-    """The largest (or ``op``-reduced) value over the ranks."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op or dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -286,9 +278,9 @@ def _time_layer(layer, T, cfg, rank, W, device, timing, args) -> dict[str, Any]:
         I=cfg["I"],
         dtype=cfg["dtype_name"],
         chunks=chunks,
-        layer_us=_slowest(layer_ms, device) * 1e3,
-        comm_us=_slowest(comm_ms, device) * 1e3,
-        experts_us=_slowest(experts_ms * chunks, device) * 1e3,
+        layer_us=over_ranks(layer_ms, device) * 1e3,
+        comm_us=over_ranks(comm_ms, device) * 1e3,
+        experts_us=over_ranks(experts_ms * chunks, device) * 1e3,
     )
 
 
@@ -334,9 +326,8 @@ def _rebalance_once(T, hot, cfg, group, rank, W, device, timing, args) -> dict[s
     fill_window(args.window)  # a fresh window on the new placement
     bal_after = _window_balancedness(layer, group)
     row = report.layers[0]
-    before_us = _slowest(before_ms, device) * 1e3
-    after_us = _slowest(after_ms, device) * 1e3
-    total = dist.ReduceOp.SUM
+    before_us = over_ranks(before_ms, device) * 1e3
+    after_us = over_ranks(after_ms, device) * 1e3
     record = dict(
         kind="eplb",
         backend=layer.comm.name,
@@ -357,12 +348,12 @@ def _rebalance_once(T, hot, cfg, group, rank, W, device, timing, args) -> dict[s
         step_before_us=before_us,
         step_after_us=after_us,
         speedup=before_us / after_us,
-        migration_ms=_slowest(report.migrate_seconds, device) * 1e3,
-        moved_MB=_slowest(row.migration.bytes_received, device, total) / 2**20,
-        experts_moved=int(_slowest(row.migration.slots_received, device, total)),
-        slots_changed=int(_slowest(row.migration.slots_moved, device, total)),
+        migration_ms=over_ranks(report.migrate_seconds, device) * 1e3,
+        moved_MB=over_ranks(row.migration.bytes_received, device, "sum") / 2**20,
+        experts_moved=int(over_ranks(row.migration.slots_received, device, "sum")),
+        slots_changed=int(over_ranks(row.migration.slots_moved, device, "sum")),
         plan_ms=report.plan_seconds * 1e3,
-        out_rel_diff=_slowest(relative_error(out_after, out_before), device),
+        out_rel_diff=over_ranks(relative_error(out_after, out_before), device),
     )
     layer.comm.close()
     return record
