@@ -50,7 +50,7 @@ for s in "${STEPS[@]}"; do
         step comm 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm --tokens 128 4096 --profile --out "$OUT/comm.json"
         ;;
     experts)  # the kernels' own one-GPU script (tests, tiling sweep, baselines)
-        step experts 560 bash -c 'OUT=/tmp/kernels bash launch/gpu_kernels.sh; cp /tmp/kernels/bench.json "$0/experts.json"; cp /tmp/kernels/tuned_configs.json "$0/"; tar czf "$0/kernels.tgz" -C /tmp/kernels .' "$OUT"
+        step experts 400 bash -c 'OUT=/tmp/kernels bash launch/gpu_kernels.sh; for f in summary.txt bench.json tuned_configs.json logs.tar.gz; do cp "/tmp/kernels/$f" "$0/kernels_$f"; done' "$OUT"
         ;;
     layer)
         step layer 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer --out "$OUT/layer.json"

@@ -294,6 +294,18 @@ def _measure(problem, args, dtype: str, weights, cfg, impl: str) -> dict[str, An
         rec.update(R=problem.R, pairs=problem.N, tflops=flops / ms / 1e9)
         rec.update(gemm_ms=gemm_ms, gemm_tflops=flops / gemm_ms / 1e9)
         rec["align_ms"] = _ms(lambda: ops.align_pairs(ids, e, cfg.block_m), args)
+        # Per-step times and the padding of the aligned rows: where the layer's time goes.
+        y, ys = ops.gate_up(x, w13, aligned, cfg, args.activation, xs, s13)
+        z = ops.down(y, w2, aligned, cfg, out_dtype, ys, s2, tw)
+        rec["gate_up_ms"] = _ms(
+            lambda: ops.gate_up(x, w13, aligned, cfg, args.activation, xs, s13), args
+        )
+        rec["down_ms"] = _ms(lambda: ops.down(y, w2, aligned, cfg, out_dtype, ys, s2, tw), args)
+        rec["sum_ms"] = _ms(lambda: ops.sum_topk(z, aligned, out_dtype), args)
+        padded = int(aligned.num_padded.item())
+        rec["pad_ratio"] = padded / max(1, problem.N)  # MMA rows computed per useful row
+        # The MMA rate on the padded rows (what the tiles compute, useful or not).
+        rec["mma_tflops_padded"] = 6.0 * padded * args.hidden * args.intermediate / gemm_ms / 1e9
         if dtype == "fp8":  # bf16 activations in, quantized by the layer
             x16 = problem.hidden
             rec["ms_with_quant"] = _ms(
@@ -388,8 +400,8 @@ def _decode_baselines(d: _Decode, w13, w2, args) -> list[dict[str, Any]]:
 # fmt: off
 _SWEEP = {
     ("bf16", "compute", "gate_up"): [
-        (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (128, 32, 8, 5), (64, 128, 8, 3),
-        (128, 128, 8, 2),
+        (128, 64, 8, 4), (128, 64, 8, 3), (128, 64, 8, 4, 16), (128, 64, 8, 4, 4),
+        (64, 128, 8, 3), (64, 64, 4, 4), (128, 32, 8, 5),
     ],
     ("bf16", "compute", "down"): [
         (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 5),
@@ -404,10 +416,12 @@ _SWEEP = {
         (256, 128, 8, 3),
     ],
     ("fp8", "compute", "gate_up"): [
-        (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 5),
+        (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 5), (128, 128, 8, 4, 16),
+        (128, 128, 4, 4),
     ],
     ("fp8", "compute", "down"): [
-        (128, 128, 4, 4), (128, 128, 8, 3), (256, 128, 8, 3), (64, 128, 4, 5), (128, 64, 4, 5),
+        (128, 128, 4, 4), (128, 128, 8, 4), (128, 128, 8, 5), (256, 128, 8, 3), (64, 128, 4, 5),
+        (128, 64, 4, 5),
     ],
     ("fp8", "memory", "gate_up"): [
         (128, 128, 4, 4), (128, 64, 4, 6), (128, 128, 8, 3),
@@ -426,10 +440,12 @@ def _sweep_space(dtype: str, block_m: int, which: str) -> list[Any]:
     regime = "memory" if block_m <= 32 else "compute"
     key = ("fp8" if dtype == "fp8" else "bf16", regime, which)
     out = []
-    for n, k, w, st in _SWEEP[key]:
+    for n, k, w, st, *group_m in _SWEEP[key]:  # (block_n, block_k, warps, stages[, group_m])
         if block_m == 32 and n >= 128:
             w = 8  # 32-row tiles with 4 warps spill at 128+ columns (sm_90 resource report)
-        out.append(GemmConfig(n, k, 8, w, st))
+        if dtype == "fp8" and which == "gate_up" and block_m == 128 and w == 4:
+            continue  # two 128×128 accumulators need 8 warps
+        out.append(GemmConfig(n, k, group_m[0] if group_m else 8, w, st))
     return list(dict.fromkeys(out))
 
 
@@ -437,10 +453,8 @@ def _sweep_block_ms(problem, dtype: str, base_block_m: int) -> list[int]:
     """Row block sizes to try, the default first."""
     if problem.layout == "batched":
         options = [16, 32, 64]
-    elif dtype == "fp8":
-        options = [64, 32]  # FP8 128-row tiles spill registers (two fp32 copies per tile)
-    else:
-        options = [64, 128]
+    else:  # ≈128 rows per expert: 128-row tiles (fewer weight re-reads) or 64 (less padding)
+        options = [128, 64]
     return list(dict.fromkeys([base_block_m, *options]))
 
 
@@ -597,6 +611,11 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             "vs_grouped_mm", "vs_cublas_loop", "weight_GBps", "frac_of_copy", "fp8_speedup",
             "config", "error"]  # fmt: skip
     print(format_table(main_recs, [c for c in cols if any(c in r for r in main_recs)]))
+    steps = [r for r in main_recs if "gate_up_ms" in r]
+    if steps:  # where the prefill layer's time goes
+        cols = ["dtype", "impl", "ms", "align_ms", "gate_up_ms", "down_ms", "sum_ms",
+                "pad_ratio", "mma_tflops_padded", "ms_with_quant"]  # fmt: skip
+        print(format_table(steps, [c for c in cols if any(c in r for r in steps)]))
     if copy_bw:
         print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
         records.append({"scenario": "decode", "impl": "device copy", "copy_GBps": copy_bw / 1e9})

@@ -1,0 +1,116 @@
+"""Triton kernels that sort (row, k) pairs by local expert and pad each group to BLOCK_M.
+
+Shape legend: R received rows · K top-k · e local experts · P = R·K (row, k) pairs ·
+P_pad = padded pair positions (worst case ``P + min(e, P)·(BLOCK_M − 1)``) · B = P_pad / BLOCK_M
+GEMM row blocks.
+
+Three launches, no host synchronisation (see ``ops.align_pairs``):
+
+1. ``count_pairs_kernel``: histogram of pairs per expert with atomics; each pair keeps the
+   slot the atomic handed it (its rank inside the expert's group; order is arbitrary).
+2. ``block_table_kernel``: every block of ``BLOCK_M`` padded positions learns its expert
+   (``-1`` past the last real block) and fills its padding positions with the sentinel.
+3. ``scatter_pairs_kernel``: each pair writes its flat index ``r·K + k`` at position
+   ``start[expert] + rank`` and that position into ``pair_pos`` (-1 for pairs not local).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def count_pairs_kernel(
+    # pointers
+    topk_ids_ptr,  # [P] int32/int64: local slot of pair p = r·K + k; outside [0, e): not local
+    counts_ptr,  # [e] int32, zero on entry; pairs per expert on exit
+    rank_ptr,  # [P] int32 out: position of the pair inside its expert's group (local pairs only)
+    # sizes
+    num_pairs,  # P
+    num_experts,  # e
+    # meta-parameters
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
+    local = in_range & (ids >= 0) & (ids < num_experts)
+    slot = tl.where(local, ids, 0)
+    rank = tl.atomic_add(counts_ptr + slot, 1, mask=local)
+    tl.store(rank_ptr + offs, rank, mask=local)
+
+
+@triton.jit
+def block_table_kernel(
+    # pointers
+    counts_ptr,  # [e] int32: pairs per expert (from count_pairs_kernel)
+    block_expert_ptr,  # [B] int32 out: expert of each row block, -1 past the last real block
+    expert_start_ptr,  # [e] int32 out: first padded position of each expert's group
+    num_padded_ptr,  # [1] int32 out: total padded positions (a multiple of BLOCK_M)
+    sorted_pairs_ptr,  # [P_pad] int32 out: the sentinel `num_pairs` at every padding position
+    # sizes
+    num_pairs,  # P, the sentinel
+    num_experts,  # e
+    num_blocks,  # B
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # row blocks per program
+    BLOCK_E: tl.constexpr,  # power of two >= e
+):
+    pid = tl.program_id(0)
+    e_offs = tl.arange(0, BLOCK_E)
+    e_mask = e_offs < num_experts
+    counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)  # [BLOCK_E] inclusive prefix sums
+    start = end - padded
+    if pid == 0:
+        tl.store(expert_start_ptr + e_offs, start, mask=e_mask)
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+
+    blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = blocks < num_blocks
+    first = blocks * BLOCK_M  # first padded position of each block
+    # The expert of a block is the number of experts whose group ends at or before it
+    # (empty experts end where the previous one does, so they are skipped).
+    ends_before = (end[None, :] <= first[:, None]) & e_mask[None, :]  # [BLOCK_B, BLOCK_E]
+    expert = tl.sum(ends_before.to(tl.int32), 1)
+    is_real = expert < num_experts
+    tl.store(block_expert_ptr + blocks, tl.where(is_real, expert, -1), mask=b_mask)
+
+    # Padding positions of each block: those at or past start + count of its expert.
+    own = (e_offs[None, :] == expert[:, None]) & e_mask[None, :]
+    own_start = tl.sum(tl.where(own, start[None, :], 0), 1)  # [BLOCK_B]
+    own_count = tl.sum(tl.where(own, counts[None, :], 0), 1)
+    m_offs = tl.arange(0, BLOCK_M)
+    pos = first[:, None] + m_offs[None, :]  # [BLOCK_B, BLOCK_M]
+    is_pad = (pos - own_start[:, None]) >= own_count[:, None]  # also true past the end
+    sentinel = tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_pairs
+    tl.store(sorted_pairs_ptr + pos, sentinel, mask=b_mask[:, None] & is_pad)
+
+
+@triton.jit
+def scatter_pairs_kernel(
+    # pointers
+    topk_ids_ptr,  # [P] int32/int64: local slot per pair (as for count_pairs_kernel)
+    rank_ptr,  # [P] int32: position inside the expert's group (from count_pairs_kernel)
+    expert_start_ptr,  # [e] int32: first padded position of each group
+    sorted_pairs_ptr,  # [P_pad] int32 out: pair index at each real position
+    pair_pos_ptr,  # [P] int32 out: padded position of each pair, -1 when not local
+    # sizes
+    num_pairs,  # P
+    num_experts,  # e
+    # meta-parameters
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
+    local = in_range & (ids >= 0) & (ids < num_experts)
+    slot = tl.where(local, ids, 0)
+    start = tl.load(expert_start_ptr + slot, mask=local, other=0)
+    rank = tl.load(rank_ptr + offs, mask=local, other=0)
+    pos = start + rank
+    tl.store(sorted_pairs_ptr + pos, offs.to(tl.int32), mask=local)
+    tl.store(pair_pos_ptr + offs, tl.where(local, pos, -1), mask=in_range)

@@ -1,0 +1,349 @@
+"""Block sizes of the MoE kernels: tuned tables per device, shape heuristics, autotuning.
+
+A config is chosen per problem key (layout, weight dtype, H, I, e) and row bucket ``m``
+(``R`` received rows for the Standard layout, ``C`` capacity for ExpertBatched), in order:
+
+1. the tuned table shipped for this device, ``epmoe/kernels/configs/<device name>.json``
+   (written by ``python -m epmoe.bench experts --configs``), at the nearest ``m``;
+2. on CUDA, unless ``EPMOE_TRITON_AUTOTUNE=0``, a one-time timing of a few candidates on
+   the first call of each key and power-of-two ``m`` bucket (never while a CUDA graph is
+   being captured), cached for the process;
+3. shape heuristics.
+
+Nothing here compiles or touches a device at import; tables load on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+
+AUTOTUNE_ENV = "EPMOE_TRITON_AUTOTUNE"
+FP8_GROUP = 128
+LAYOUTS = ("standard", "batched")
+_SMEM_BYTES = 227 * 1024  # H100/H200 shared memory per block (opt-in maximum)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tiling of one GEMM (the row block size ``block_m`` is shared, see ``MoEConfig``)."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.group_m < 1:
+            raise ValueError(f"group_m must be >= 1, got {self.group_m}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tiling of one MoE forward: ``block_m`` rows per block (the alignment of the Standard
+    layout, shared by both GEMMs), then each GEMM's own tiling."""
+
+    block_m: int
+    gate_up: GemmConfig
+    down: GemmConfig
+
+    def __post_init__(self) -> None:
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MoEConfig:
+        return cls(
+            block_m=int(d["block_m"]),
+            gate_up=GemmConfig(**d["gate_up"]),
+            down=GemmConfig(**d["down"]),
+        )
+
+    def short(self) -> str:
+        """A compact label, e.g. ``m64 gu128x64w4s3 dn128x64w4s4``."""
+
+        def g(c: GemmConfig) -> str:
+            return f"{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}g{c.group_m}"
+
+        return f"m{self.block_m} gu{g(self.gate_up)} dn{g(self.down)}"
+
+
+def check_config(config: MoEConfig, fp8: bool) -> None:
+    """Raise ValueError if ``config`` cannot run the FP8 kernels (group-aligned tiles)."""
+    if not fp8:
+        return
+    if config.gate_up.block_n != FP8_GROUP:
+        raise ValueError(
+            f"FP8 needs gate_up.block_n == {FP8_GROUP} (the activation is re-quantized per "
+            f"tile), got {config.gate_up.block_n}"
+        )
+    for name, c in (("gate_up", config.gate_up), ("down", config.down)):
+        if FP8_GROUP % c.block_k:
+            raise ValueError(
+                f"FP8 needs {name}.block_k to divide {FP8_GROUP} (one scale per step), got "
+                f"{c.block_k}"
+            )
+
+
+def dtype_name(weight_dtype: torch.dtype) -> str:
+    """The table's name of a weight dtype: ``fp8``, ``bf16``, ``fp16`` or ``fp32``."""
+    names = {
+        torch.float8_e4m3fn: "fp8",
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float32: "fp32",
+    }
+    if weight_dtype not in names:
+        raise TypeError(f"no kernel config for weight dtype {weight_dtype}")
+    return names[weight_dtype]
+
+
+def problem_key(
+    layout: str, dtype: str, hidden_size: int, intermediate_size: int, num_experts: int
+) -> str:
+    """Key of a tuned-table entry, e.g. ``standard:bf16:H7168:I2048:e128``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return f"{layout}:{dtype}:H{hidden_size}:I{intermediate_size}:e{num_experts}"
+
+
+def table_filename(device_name: str) -> str:
+    """``"NVIDIA H200"`` → ``"NVIDIA_H200.json"``."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+@functools.cache
+def load_table(device_name: str) -> dict[str, dict[int, MoEConfig]]:
+    """The tuned table shipped for ``device_name`` (empty when there is none)."""
+    path = resources.files("epmoe.kernels").joinpath("configs", table_filename(device_name))
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        key: {int(m): MoEConfig.from_dict(c) for m, c in by_m.items()}
+        for key, by_m in raw.get("configs", {}).items()
+    }
+
+
+def lookup(table: dict[str, dict[int, MoEConfig]], key: str, m: int) -> MoEConfig | None:
+    """The entry of ``key`` whose row bucket is nearest ``m`` (on a log scale)."""
+    by_m = table.get(key)
+    if not by_m:
+        return None
+    target = math.log2(max(m, 1))
+    best = min(by_m, key=lambda k: (abs(math.log2(max(k, 1)) - target), k))
+    return by_m[best]
+
+
+def autotune_enabled() -> bool:
+    """False when the environment sets ``EPMOE_TRITON_AUTOTUNE=0``."""
+    return os.environ.get(AUTOTUNE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def rows_per_expert(layout: str, m: int, num_experts: int, top_k: int) -> int:
+    """Estimated rows per expert: ``R·K / e`` (an upper bound under EP), or ``C``."""
+    if layout == "batched":
+        return m
+    return max(1, (m * top_k) // max(num_experts, 1))
+
+
+def heuristic_config(
+    layout: str,
+    dtype: str,
+    m: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    top_k: int,
+    device_type: str,
+) -> MoEConfig:
+    """Block sizes from the shape alone (no timing), chosen for H100/H200 (sm_90)."""
+    fp8 = dtype == "fp8"
+    if device_type != "cuda":  # the interpreter: small tiles, few programs
+        gu = GemmConfig(FP8_GROUP if fp8 else 32, 32, 1, 4, 1)
+        return MoEConfig(16, gu, GemmConfig(32, 32, 1, 4, 1))
+    rows = rows_per_expert(layout, m, num_experts, top_k)
+    if rows <= 16:
+        block_m = 16
+    elif rows <= 32:
+        block_m = 32
+    elif dtype == "fp32" or rows <= (128 if layout == "standard" else 1024):
+        # 64-row tiles pad each expert's group less (R·K / e overestimates the rows under
+        # EP: at R·K / e ≈ 256 with half of the pairs local, an expert holds ≈ 128 rows).
+        block_m = 64
+    else:
+        # Measured on H200 (2026-11-29, ≈128 rows per expert): 128-row tiles beat 64-row ones
+        # (4.27 vs 4.88 ms bf16) despite padding 1.47× vs 1.24× of the rows. FP8 tiles fit
+        # without spills since the rescaled accumulation (one register tile per accumulator).
+        block_m = 128
+    return MoEConfig(block_m, *gemm_configs(dtype, block_m)[0])
+
+
+def gemm_configs(dtype: str, block_m: int) -> list[tuple[GemmConfig, GemmConfig]]:
+    """(gate_up, down) tilings for ``block_m``, best guess first (sm_90: no register
+    spills per the compiler's resource report; shared memory within 227 KiB)."""
+    G = GemmConfig
+    if dtype == "fp32":
+        return [(G(64, 32, 8, 4, 2), G(64, 32, 8, 4, 2)), (G(32, 32, 8, 4, 3), G(64, 32, 8, 4, 3))]
+    if dtype == "fp8":  # gate_up.block_n is the quantization group of its output
+        if block_m <= 32:
+            warps = 4 if block_m == 16 else 8  # 32-row tiles spill with 4 warps
+            return [
+                (G(128, 128, 8, warps, 4), G(128, 128, 8, 4, 4)),
+                (G(128, 64, 8, warps, 5), G(64, 128, 8, 4, 4)),
+                (G(128, 128, 8, 8, 3), G(256, 128, 8, 8, 3)),
+            ]
+        if block_m == 64:
+            return [
+                (G(128, 128, 8, 8, 4), G(128, 128, 8, 4, 4)),  # measured best (H200)
+                (G(128, 128, 8, 8, 3), G(128, 128, 8, 8, 3)),
+                (G(128, 64, 8, 8, 5), G(256, 128, 8, 8, 3)),
+            ]
+        # 128-row tiles (ptxas sm_90a, triton 3.6: 251 / 244 / 190 / 243 registers, no spills)
+        return [
+            (G(128, 128, 8, 8, 3), G(128, 128, 8, 8, 4)),
+            (G(128, 128, 8, 8, 4), G(128, 128, 8, 4, 4)),
+            (G(128, 64, 8, 8, 5), G(128, 128, 8, 8, 5)),
+        ]
+    if block_m <= 32:
+        return [
+            (G(64, 128, 8, 4, 4), G(64, 128, 8, 4, 4)),
+            (G(128, 64, 8, 4, 4), G(128, 64, 8, 4, 4)),
+            (G(64, 64, 8, 4, 5), G(128, 128, 8, 8, 3)),
+        ]
+    if block_m == 64:
+        return [
+            (G(128, 64, 8, 8, 4), G(128, 64, 8, 4, 4)),
+            (G(128, 64, 8, 4, 4), G(256, 64, 8, 8, 3)),
+            (G(64, 64, 8, 4, 5), G(128, 128, 8, 4, 3)),
+        ]
+    return [
+        (G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 3)),  # measured best (H200, 2026-11-29)
+        (G(128, 64, 8, 8, 3), G(128, 64, 8, 8, 4)),
+        (G(64, 64, 8, 4, 4), G(128, 128, 8, 8, 3)),
+    ]
+
+
+def smem_bytes(config: MoEConfig, act_bytes: int, w_bytes: int) -> int:
+    """Shared memory the pipelined loads need (the larger of the two GEMMs)."""
+    m = config.block_m
+    gu, dn = config.gate_up, config.down
+    a = (m * gu.block_k * act_bytes + 2 * gu.block_k * gu.block_n * w_bytes) * gu.num_stages
+    b = (m * dn.block_k * act_bytes + dn.block_k * dn.block_n * w_bytes) * dn.num_stages
+    return max(a, b)
+
+
+def candidate_configs(
+    layout: str,
+    dtype: str,
+    m: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    top_k: int,
+) -> list[MoEConfig]:
+    """Configs worth timing on CUDA, the heuristic choice first: its ``block_m`` and half
+    of it, each with the tilings of ``gemm_configs``."""
+    base = heuristic_config(
+        layout, dtype, m, hidden_size, intermediate_size, num_experts, top_k, "cuda"
+    )
+    nbytes = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    out = [base]
+    for block_m in (base.block_m, max(16, base.block_m // 2)):
+        for gu, dn in gemm_configs(dtype, block_m):
+            cfg = MoEConfig(block_m, gu, dn)
+            if cfg not in out and smem_bytes(cfg, nbytes, nbytes) <= _SMEM_BYTES:
+                out.append(cfg)
+    return out
+
+
+_TUNED: dict[tuple[Any, ...], MoEConfig] = {}  # process-wide autotuning results
+
+
+def autotune(
+    key: tuple[Any, ...], candidates: list[MoEConfig], run: Callable[[MoEConfig], Any]
+) -> MoEConfig:
+    """Time ``run(config)`` for each candidate (CUDA events, median of 3 after a warm-up
+    that also compiles), cache and return the fastest. ``run`` must be idempotent."""
+    if key in _TUNED:
+        return _TUNED[key]
+    best, best_ms = candidates[0], math.inf
+    for cfg in candidates:
+        try:
+            run(cfg)
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(3):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                run(cfg)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+        except Exception:  # a candidate that does not fit this device: skip it
+            torch.cuda.synchronize()
+            continue
+        ms = sorted(times)[1]
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    _TUNED[key] = best
+    return best
+
+
+def select_config(
+    layout: str,
+    weight_dtype: torch.dtype,
+    m: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_experts: int,
+    top_k: int,
+    device: torch.device,
+    run: Callable[[MoEConfig], Any] | None = None,
+    allow_autotune: bool | None = None,
+) -> MoEConfig:
+    """The config for one forward (see the module docstring for the order of sources).
+
+    ``run(config)`` runs the forward with a config; it is needed for autotuning, which
+    happens only on CUDA, with ``allow_autotune`` (default: the environment switch) and
+    outside CUDA-graph capture.
+    """
+    dtype = dtype_name(weight_dtype)
+    if device.type == "cuda":
+        table = load_table(torch.cuda.get_device_name(device))
+        key = problem_key(layout, dtype, hidden_size, intermediate_size, num_experts)
+        hit = lookup(table, key, m)
+        if hit is not None:
+            return hit
+        tune = autotune_enabled() if allow_autotune is None else allow_autotune
+        if tune and run is not None and not torch.cuda.is_current_stream_capturing():
+            bucket = 1 << max(0, math.ceil(math.log2(max(m, 1))))
+            cands = candidate_configs(
+                layout, dtype, bucket, hidden_size, intermediate_size, num_experts, top_k
+            )
+            return autotune((key, bucket, top_k, device.index), cands, run)
+    return heuristic_config(
+        layout, dtype, m, hidden_size, intermediate_size, num_experts, top_k, device.type
+    )

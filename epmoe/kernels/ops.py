@@ -1,0 +1,682 @@
+"""Host wrappers of the MoE Triton kernels: check inputs, allocate outputs, launch.
+
+Shape legend: R received rows · H hidden size · I intermediate size · e local experts ·
+K top-k · C rows of capacity per expert · P = R·K (row, k) pairs · P_pad padded pair
+positions · B row blocks · G = 128 (FP8 group size).
+
+Device-agnostic: CUDA tensors run compiled kernels; CPU tensors run under the Triton
+interpreter (``TRITON_INTERPRET=1`` set before ``epmoe.kernels`` is first imported), which
+the CPU tests use. Nothing here reads a tensor's values on the host: sizes come from
+shapes only, so there is no host synchronisation and the ExpertBatched path can be
+captured in a CUDA graph (with a fixed config: pass ``config`` or ship a tuned table).
+
+Entry points: ``fused_moe_standard`` and ``fused_moe_batched`` run a whole expert MLP
+layer; ``align_pairs``, ``gate_up``, ``down``, ``sum_topk`` and
+``per_token_group_quant_fp8`` are its steps (the benchmark times them one by one).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+
+from epmoe.kernels import align, grouped_gemm, quant, reduce
+from epmoe.kernels.configs import FP8_GROUP, MoEConfig, check_config, select_config
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# 1/448 rounded to float32: scales are ``max(amax, FP8_EPS) * INV_FP8_MAX`` (a product, bit-equal
+# to torch's ``amax / 448.0`` on CUDA, which multiplies by the reciprocal of a scalar divisor).
+INV_FP8_MAX = struct.unpack("f", struct.pack("f", 1.0 / FP8_MAX))[0]
+FP8_EPS = 1e-10  # smallest amax a group's scale is computed from (all-zero groups)
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATIONS = ("silu", "gelu")
+
+
+@dataclass(frozen=True)
+class AlignedPairs:
+    """The (row, k) pairs of a Standard-layout batch, grouped by local expert.
+
+    ``sorted_pairs [B·block_m]`` int32: the pair ``r·K + k`` at each padded position, the
+    sentinel ``P`` at padding; each expert's group starts on a multiple of ``block_m``.
+    ``block_expert [B]`` int32: the expert of each row block, ``-1`` past the last real
+    block. ``pair_pos [P]`` int32: the padded position of each pair, ``-1`` when its id is
+    not local. ``expert_counts [e]`` int32: pairs per expert. ``num_padded [1]`` int32:
+    padded positions in use. Only ``B = ceil((P + min(e, P)·(block_m − 1)) / block_m)``
+    (the worst case) is known on the host.
+    """
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    pair_pos: torch.Tensor
+    expert_counts: torch.Tensor
+    num_padded: torch.Tensor
+    block_m: int
+    num_rows: int  # R
+    top_k: int  # K
+
+    @property
+    def num_pairs(self) -> int:  # P
+        return self.num_rows * self.top_k
+
+    @property
+    def num_blocks(self) -> int:  # B
+        return self.block_expert.shape[0]
+
+
+def interpreted() -> bool:
+    """Whether the kernels were built for the Triton interpreter (CPU tensors)."""
+    return type(grouped_gemm.gate_up_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_device(*tensors: torch.Tensor | None) -> torch.device:
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type != "cuda" and not interpreted():
+        raise RuntimeError(
+            f"the Triton MoE kernels run on CUDA tensors, got {device}; on CPU use "
+            "experts='torch', or set TRITON_INTERPRET=1 before epmoe.kernels is imported"
+        )
+    return device
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def align_pairs(topk_ids_RK: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+    """Group the (row, k) pairs by local expert, each group padded to ``block_m`` rows.
+
+    ``topk_ids_RK [R, K]`` int32/int64 local slots; ids outside ``[0, num_experts)`` (``-1``
+    for experts on other ranks) are not local and get no position. Three small launches,
+    no host synchronisation; the order of pairs inside a group is arbitrary.
+    """
+    if topk_ids_RK.dim() != 2 or topk_ids_RK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"topk_ids must be an int32/int64 [R, K] tensor, got {topk_ids_RK.dtype} "
+            f"{tuple(topk_ids_RK.shape)}"
+        )
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    device = _check_device(topk_ids_RK)
+    R, K = topk_ids_RK.shape
+    P = R * K
+    ids = topk_ids_RK.contiguous().view(-1)
+    num_blocks = triton.cdiv(P + min(num_experts, P) * (block_m - 1), block_m)
+    i32 = dict(dtype=torch.int32, device=device)
+    counts = torch.zeros(num_experts, **i32)
+    sorted_pairs = torch.empty(num_blocks * block_m, **i32)
+    block_expert = torch.empty(num_blocks, **i32)
+    expert_start = torch.empty(num_experts, **i32)
+    num_padded = torch.zeros(1, **i32)
+    pair_pos = torch.empty(P, **i32)
+    rank = torch.empty(P, **i32)
+    if P == 0:
+        return AlignedPairs(sorted_pairs, block_expert, pair_pos, counts, num_padded, block_m, R, K)
+    block = 1024
+    align.count_pairs_kernel[(triton.cdiv(P, block),)](
+        ids, counts, rank, P, num_experts, BLOCK=block, num_warps=4
+    )
+    block_e = _pow2(num_experts)
+    block_b = max(1, min(64, 8192 // max(block_e, block_m)))
+    align.block_table_kernel[(triton.cdiv(num_blocks, block_b),)](
+        counts,
+        block_expert,
+        expert_start,
+        num_padded,
+        sorted_pairs,
+        P,
+        num_experts,
+        num_blocks,
+        BLOCK_M=block_m,
+        BLOCK_B=block_b,
+        BLOCK_E=block_e,
+        num_warps=4,
+    )
+    align.scatter_pairs_kernel[(triton.cdiv(P, block),)](
+        ids, rank, expert_start, sorted_pairs, pair_pos, P, num_experts, BLOCK=block, num_warps=4
+    )
+    return AlignedPairs(sorted_pairs, block_expert, pair_pos, counts, num_padded, block_m, R, K)
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor, counts: torch.Tensor | None = None, group_size: int = FP8_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [..., D]`` to ``float8_e4m3fn`` with one float32 scale per row and
+    group of ``group_size`` columns: ``scale = max(amax, 1e-10) * float32(1/448)`` and
+    ``q = clamp(x / scale, ±448)`` rounded to nearest even (bit-equal to that torch code).
+
+    Returns ``(q [..., D], scale [..., ceil(D / group_size)])``. With ``counts [e]`` int32,
+    ``x`` is ``[e, C, D]`` and only rows ``[:counts[i]]`` of slot ``i`` are written (the
+    rest of both outputs is unspecified).
+    """
+    if x.dim() < 1 or x.dtype not in COMPUTE_DTYPES:
+        raise TypeError(f"x must be a bf16/fp16/fp32 tensor, got {x.dtype} {tuple(x.shape)}")
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D) if x.stride(-1) == 1 else x.contiguous().reshape(-1, D)
+    M = x2.shape[0]
+    if counts is not None:
+        if x.dim() != 3 or counts.shape != (x.shape[0],):
+            raise ValueError(
+                f"with counts, x must be [e, C, D] and counts [e]; got {tuple(x.shape)} and "
+                f"{tuple(counts.shape)}"
+            )
+        counts = counts.to(torch.int32)
+    device = _check_device(x, counts)
+    groups = triton.cdiv(D, group_size)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=device)
+    scale = torch.empty(*x.shape[:-1], groups, dtype=torch.float32, device=device)
+    if M == 0 or D == 0:
+        return q, scale
+    q2, s2 = q.view(-1, D), scale.view(-1, groups)
+    block_m = 16
+    quant.per_token_group_quant_kernel[(triton.cdiv(M, block_m), groups)](
+        x2,
+        q2,
+        s2,
+        counts if counts is not None else x2,
+        M,
+        D,
+        x.shape[1] if counts is not None else 1,
+        x2.stride(0),
+        q2.stride(0),
+        s2.stride(0),
+        s2.stride(1),
+        HAS_COUNTS=counts is not None,
+        GROUP=group_size,
+        FP8_MAX=FP8_MAX,
+        INV_FP8_MAX=INV_FP8_MAX,
+        EPS=FP8_EPS,
+        BLOCK_M=block_m,
+        num_warps=4,
+    )
+    return q, scale
+
+
+def _weight_scale_strides(
+    scale: torch.Tensor | None, w: torch.Tensor, name: str
+) -> tuple[bool, tuple[int, int, int]]:
+    """(block scales?, strides [e, n-block, k-block]) of an FP8 weight scale."""
+    if scale is None:
+        return True, (0, 0, 0)
+    e, n, k = w.shape
+    block = (e, triton.cdiv(n, FP8_GROUP), triton.cdiv(k, FP8_GROUP))
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {scale.dtype}")
+    if tuple(scale.shape) == block:
+        return True, (scale.stride(0), scale.stride(1), scale.stride(2))
+    if tuple(scale.shape) == (e,):
+        return False, (scale.stride(0), 0, 0)
+    raise ValueError(
+        f"{name} must be block scales {list(block)} (128×128 blocks) or per-expert [{e}], "
+        f"got {list(scale.shape)}"
+    )
+
+
+def _row_strides(t: torch.Tensor | None, batched: bool) -> tuple[int, int, int]:
+    """(expert, row, column) strides of a ``[rows, cols]`` or ``[e, C, cols]`` tensor."""
+    if t is None:
+        return 0, 0, 0
+    if batched:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return 0, t.stride(0), t.stride(1)
+
+
+class _Rows(NamedTuple):
+    """Kernel arguments that say where each expert's rows are (unused ones point at any
+    tensor: the kernels never read them for the other layout)."""
+
+    batched: bool
+    num_m_blocks: int  # Standard: B; Batched: e · ceil(C / block_m)
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    counts: torch.Tensor
+    num_pairs: int  # Standard: P, the sentinel
+    capacity: int  # Batched: C
+    top_k: int
+
+
+def _rows(rows: AlignedPairs | torch.Tensor, config: MoEConfig, e: int, x: torch.Tensor) -> _Rows:
+    if isinstance(rows, AlignedPairs):
+        assert rows.block_m == config.block_m, "pairs aligned for another block_m"
+        sp, be = rows.sorted_pairs, rows.block_expert
+        return _Rows(False, rows.num_blocks, sp, be, sp, rows.num_pairs, 0, rows.top_k)
+    if rows.shape != (e,) or rows.dtype != torch.int32:
+        raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
+    C = x.shape[1]
+    return _Rows(True, e * triton.cdiv(C, config.block_m), rows, rows, rows, 0, C, 1)
+
+
+def _check_operands(
+    a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None
+) -> bool:
+    """Both GEMM operands in one dtype, scales exactly in FP8 mode; returns FP8 mode."""
+    fp8 = w.dtype == FP8_DTYPE
+    if a.dtype != w.dtype:
+        raise TypeError(f"activations are {a.dtype} but the weights {w.dtype}; they must match")
+    if fp8 and (a_scale is None or w_scale is None):
+        raise ValueError("FP8 operands need both the activation and the weight scales")
+    return fp8
+
+
+def _tile_in_block(block_n: int, row_offset: int) -> bool:
+    """Whether every ``block_n``-row weight tile starting at ``row_offset + j·block_n`` lies in
+    one 128-row scale block (then the kernels use one weight scale per K step and tile)."""
+    return block_n <= FP8_GROUP and row_offset % block_n == 0
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit types
+
+
+def gate_up(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    rows: AlignedPairs | torch.Tensor,
+    config: MoEConfig,
+    activation: str = "silu",
+    x_scale: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GEMM 1 with the activation fused: ``act(x @ gate.T) · (x @ up.T)`` per expert.
+
+    ``x`` is ``[R, H]`` with ``rows`` an ``AlignedPairs`` (Standard), or ``[e, C, H]`` with
+    ``rows`` the ``counts [e]`` int32 (ExpertBatched). ``w13 [e, 2I, H]``. In FP8 mode
+    (``w13`` is ``float8_e4m3fn``) ``x`` is FP8 with ``x_scale [..., ceil(H/128)]`` and
+    ``w13_scale`` is given. Returns ``(y, y_scale)``: ``y`` is ``[B·block_m, I]`` by padded
+    position (Standard) or ``[e, C, I]``, in ``x``'s dtype, or FP8 with ``y_scale [...,
+    ceil(I/128)]`` float32 (otherwise ``None``). Rows that hold no pair are not written.
+    """
+    fp8 = _check_operands(x, w13, x_scale, w13_scale)
+    check_config(config, fp8)
+    e, two_i, H = w13.shape
+    N = two_i // 2
+    cfg = config.gate_up
+    r = _rows(rows, config, e, x)
+    y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
+    y = torch.empty(y_shape, dtype=FP8_DTYPE if fp8 else x.dtype, device=x.device)
+    y_scale = None
+    if fp8:
+        y_scale = torch.empty(
+            (*y_shape[:-1], triton.cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device
+        )
+    w_block, ws_strides = _weight_scale_strides(w13_scale, w13, "w13_scale")
+    grid = (r.num_m_blocks * triton.cdiv(N, cfg.block_n),)
+    if grid[0] == 0:
+        return y, y_scale
+    grouped_gemm.gate_up_kernel[grid](
+        x,
+        x_scale if x_scale is not None else x,
+        w13,
+        w13_scale if w13_scale is not None else w13,
+        y,
+        y_scale if y_scale is not None else y,
+        r.sorted_pairs,
+        r.block_expert,
+        r.counts,
+        N,
+        H,
+        r.num_pairs,
+        r.capacity,
+        r.num_m_blocks,
+        *_row_strides(x, r.batched),
+        *_row_strides(x_scale, r.batched),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        *ws_strides,
+        *_row_strides(y, r.batched),
+        *_row_strides(y_scale, r.batched),
+        TOP_K=r.top_k,
+        BATCHED=r.batched,
+        ACTIVATION=activation,
+        FP8=fp8,
+        W_BLOCK_SCALE=w_block,
+        W_SCALE_PER_TILE=fp8 and w_block and _tile_in_block(cfg.block_n, N),
+        GROUP=FP8_GROUP,
+        FP8_MAX=FP8_MAX,
+        INV_FP8_MAX=INV_FP8_MAX,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        EVEN_K=H % cfg.block_k == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y, y_scale
+
+
+def down(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    rows: AlignedPairs | torch.Tensor,
+    config: MoEConfig,
+    out_dtype: torch.dtype,
+    h_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    topk_weights_RK: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GEMM 2: ``h @ w2[expert].T`` per row, from ``gate_up``'s output.
+
+    ``h`` and ``rows`` as returned by / given to ``gate_up``; ``w2 [e, H, I]``. Standard:
+    returns ``[B·block_m, H]`` by padded position, each row scaled by its router weight
+    (``topk_weights_RK [R, K]`` float32, required). ExpertBatched: ``[e, C, H]`` unweighted.
+    Rows that hold no pair are not written.
+    """
+    fp8 = _check_operands(h, w2, h_scale, w2_scale)
+    check_config(config, fp8)
+    e, H, I = w2.shape
+    cfg = config.down
+    r = _rows(rows, config, e, h)
+    weights = None
+    if r.batched:
+        out = torch.empty((e, r.capacity, H), dtype=out_dtype, device=h.device)
+    else:
+        if topk_weights_RK is None:
+            raise ValueError("the Standard layout needs topk_weights_RK for down()")
+        out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
+        weights = topk_weights_RK.reshape(-1).to(torch.float32)
+    w_block, ws_strides = _weight_scale_strides(w2_scale, w2, "w2_scale")
+    grid = (r.num_m_blocks * triton.cdiv(H, cfg.block_n),)
+    if grid[0] == 0:
+        return out
+    grouped_gemm.down_kernel[grid](
+        h,
+        h_scale if h_scale is not None else h,
+        w2,
+        w2_scale if w2_scale is not None else w2,
+        out,
+        weights if weights is not None else out,
+        r.sorted_pairs,
+        r.block_expert,
+        r.counts,
+        H,
+        I,
+        r.num_pairs,
+        r.capacity,
+        r.num_m_blocks,
+        *_row_strides(h, r.batched),
+        *_row_strides(h_scale, r.batched),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        *ws_strides,
+        *_row_strides(out, r.batched),
+        BATCHED=r.batched,
+        FP8=fp8,
+        W_BLOCK_SCALE=w_block,
+        W_SCALE_PER_TILE=fp8 and w_block and _tile_in_block(cfg.block_n, 0),
+        GROUP=FP8_GROUP,
+        DOT_PRECISION=_dot_precision(h.dtype),
+        EVEN_K=I % cfg.block_k == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def sum_topk(y_pos: torch.Tensor, aligned: AlignedPairs, out_dtype: torch.dtype) -> torch.Tensor:
+    """``out[r] = Σ_k y_pos[pair_pos[r·K + k]]`` over local pairs (fp32 sums): ``[R, H]``."""
+    R, K = aligned.num_rows, aligned.top_k
+    H = y_pos.shape[1]
+    out = torch.empty((R, H), dtype=out_dtype, device=y_pos.device)
+    if R == 0 or H == 0:
+        return out
+    block_k = _pow2(K)
+    block_h = max(16, min(_pow2(H), 8192 // block_k))
+    reduce.sum_topk_kernel[(R, triton.cdiv(H, block_h))](
+        y_pos,
+        aligned.pair_pos,
+        out,
+        H,
+        y_pos.stride(0),
+        out.stride(0),
+        TOP_K=K,
+        BLOCK_K=block_k,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Whole layers
+
+
+def _check_weights(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+) -> tuple[int, int, int]:
+    """Validate the weights; returns ``(e, H, I)``."""
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] % 2:
+        raise ValueError(
+            f"w13 must be [e, 2I, H] and w2 [e, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}"
+        )
+    e, two_i, H = w13.shape
+    I = two_i // 2
+    if tuple(w2.shape) != (e, H, I):
+        raise ValueError(f"w2 must be [e={e}, H={H}, I={I}] to match w13, got {tuple(w2.shape)}")
+    if w13.dtype != w2.dtype or w13.dtype not in (*COMPUTE_DTYPES, FP8_DTYPE):
+        raise TypeError(
+            f"w13 and w2 must share one dtype of bf16, fp16, fp32 or float8_e4m3fn, got "
+            f"{w13.dtype} and {w2.dtype}"
+        )
+    if w13.dtype == FP8_DTYPE:
+        if w13_scale is None or w2_scale is None:
+            raise ValueError("FP8 weights need w13_scale and w2_scale (block or per-expert)")
+        _weight_scale_strides(w13_scale, w13, "w13_scale")
+        _weight_scale_strides(w2_scale, w2, "w2_scale")
+    elif w13_scale is not None or w2_scale is not None:
+        raise ValueError(f"weight scales are only for float8_e4m3fn weights, got {w13.dtype}")
+    return e, H, I
+
+
+def _prepare_hidden(
+    hidden: torch.Tensor,
+    hidden_scale: torch.Tensor | None,
+    weight_dtype: torch.dtype,
+    counts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bring the activations to the weights' format: quantize (FP8 weights), dequantize
+    (FP8 activations, 16/32-bit weights; a slow path in torch) or pass through."""
+    H = hidden.shape[-1]
+    if hidden.dtype == FP8_DTYPE:
+        groups = triton.cdiv(H, FP8_GROUP)
+        if hidden_scale is None or tuple(hidden_scale.shape) != (*hidden.shape[:-1], groups):
+            raise ValueError(
+                f"FP8 hidden states {tuple(hidden.shape)} need hidden_scale of shape "
+                f"{(*hidden.shape[:-1], groups)} (float32 per 128-column group), got "
+                f"{None if hidden_scale is None else tuple(hidden_scale.shape)}"
+            )
+        if weight_dtype == FP8_DTYPE:
+            return hidden, hidden_scale.to(torch.float32)
+        full = hidden_scale.to(torch.float32).repeat_interleave(FP8_GROUP, dim=-1)[..., :H]
+        return (hidden.to(torch.float32) * full).to(weight_dtype), None
+    if hidden.dtype not in COMPUTE_DTYPES:
+        raise TypeError(f"hidden states must be bf16, fp16, fp32 or FP8, got {hidden.dtype}")
+    if hidden_scale is not None:
+        raise ValueError("hidden_scale is only for float8_e4m3fn hidden states")
+    if weight_dtype == FP8_DTYPE:
+        return per_token_group_quant_fp8(hidden, counts=counts)
+    if hidden.dtype != weight_dtype:
+        raise TypeError(
+            f"hidden states are {hidden.dtype} but the weights are {weight_dtype}; cast one "
+            "of them (both GEMM operands share a dtype)"
+        )
+    return hidden, None
+
+
+def _out_dtype(hidden: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if hidden.dtype == FP8_DTYPE else hidden.dtype
+    if out_dtype not in COMPUTE_DTYPES:
+        raise TypeError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    return out_dtype
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def standard_with_config(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    topk_ids_RK: torch.Tensor,
+    topk_weights_RK: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    activation: str,
+    out_dtype: torch.dtype,
+    config: MoEConfig,
+) -> torch.Tensor:
+    """The Standard pipeline on prepared inputs (no checks): align, GEMM 1, GEMM 2, sum."""
+    aligned = align_pairs(topk_ids_RK, w13.shape[0], config.block_m)
+    y, y_scale = gate_up(x, w13, aligned, config, activation, x_scale, w13_scale)
+    z = down(y, w2, aligned, config, out_dtype, y_scale, w2_scale, topk_weights_RK)
+    return sum_topk(z, aligned, out_dtype)
+
+
+def batched_with_config(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    counts_e: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    activation: str,
+    out_dtype: torch.dtype,
+    config: MoEConfig,
+) -> torch.Tensor:
+    """The ExpertBatched pipeline on prepared inputs (no checks): GEMM 1, GEMM 2."""
+    y, y_scale = gate_up(x, w13, counts_e, config, activation, x_scale, w13_scale)
+    return down(y, w2, counts_e, config, out_dtype, y_scale, w2_scale)
+
+
+def fused_moe_standard(
+    hidden_RH: torch.Tensor,
+    topk_ids_RK: torch.Tensor,
+    topk_weights_RK: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: str = "silu",
+    hidden_scale: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: MoEConfig | None = None,
+    autotune: bool | None = None,
+) -> torch.Tensor:
+    """Expert MLPs of the Standard layout: ``[R, H]`` → ``[R, H]``.
+
+    ``out[r] = Σ_k topk_weights_RK[r, k] · expert_{topk_ids_RK[r, k]}(hidden_RH[r])`` over
+    the ``k`` whose id lies in ``[0, e)`` (``-1``: an expert on another rank); rows with no
+    local id are zero. ``hidden_RH`` is bf16/fp16/fp32 like the weights, or FP8 with
+    ``hidden_scale [R, ceil(H/128)]``; ``topk_ids_RK [R, K]`` int32/int64;
+    ``topk_weights_RK [R, K]`` float32; ``w13 [e, 2I, H]``, ``w2 [e, H, I]`` (FP8 with
+    scales, see ``ExpertWeights``). ``out_dtype`` defaults to the hidden dtype (bf16 for
+    FP8 input). ``config`` fixes the tiling (else ``configs.select_config``).
+    """
+    _check_activation(activation)
+    e, H, I = _check_weights(w13, w2, w13_scale, w2_scale)
+    if hidden_RH.dim() != 2 or hidden_RH.shape[1] != H:
+        raise ValueError(f"hidden_RH must be [R, H={H}], got {tuple(hidden_RH.shape)}")
+    R = hidden_RH.shape[0]
+    if topk_ids_RK.dim() != 2 or topk_ids_RK.shape[0] != R:
+        raise ValueError(f"topk_ids_RK must be [R={R}, K], got {tuple(topk_ids_RK.shape)}")
+    if topk_ids_RK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids_RK must be int32 or int64, got {topk_ids_RK.dtype}")
+    if tuple(topk_weights_RK.shape) != tuple(topk_ids_RK.shape):
+        raise ValueError(
+            f"topk_weights_RK {tuple(topk_weights_RK.shape)} must match topk_ids_RK "
+            f"{tuple(topk_ids_RK.shape)}"
+        )
+    if not topk_weights_RK.is_floating_point():
+        raise TypeError(f"topk_weights_RK must be floating, got {topk_weights_RK.dtype}")
+    device = _check_device(
+        hidden_RH, topk_ids_RK, topk_weights_RK, w13, w2, hidden_scale, w13_scale, w2_scale
+    )
+    out_dtype = _out_dtype(hidden_RH, out_dtype)
+    K = topk_ids_RK.shape[1]
+    if R == 0 or K == 0:
+        return torch.zeros((R, H), dtype=out_dtype, device=device)
+    x, x_scale = _prepare_hidden(hidden_RH, hidden_scale, w13.dtype, None)
+    weights = topk_weights_RK.to(torch.float32).contiguous()
+    run = functools.partial(
+        standard_with_config,
+        x, x_scale, topk_ids_RK, weights, w13, w2, w13_scale, w2_scale, activation, out_dtype,
+    )  # fmt: skip
+    if config is None:
+        config = select_config("standard", w13.dtype, R, H, I, e, K, device, run, autotune)
+    check_config(config, w13.dtype == FP8_DTYPE)
+    return run(config)
+
+
+def fused_moe_batched(
+    hidden_eCH: torch.Tensor,
+    counts_e: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    activation: str = "silu",
+    hidden_scale: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: MoEConfig | None = None,
+    autotune: bool | None = None,
+) -> torch.Tensor:
+    """Expert MLPs of the ExpertBatched layout: ``[e, C, H]`` → ``[e, C, H]`` unweighted.
+
+    Row ``c < counts_e[i]`` of slot ``i`` becomes ``expert_i(hidden_eCH[i, c])``; rows past
+    the count are not written (unspecified). ``counts_e [e]`` int32 (values above ``C`` count as
+    ``C``), read only on the device: no host synchronisation.
+    ``hidden_scale [e, C, ceil(H/128)]`` for FP8 input; other arguments as for
+    ``fused_moe_standard``.
+    """
+    _check_activation(activation)
+    e, H, I = _check_weights(w13, w2, w13_scale, w2_scale)
+    if hidden_eCH.dim() != 3 or hidden_eCH.shape[0] != e or hidden_eCH.shape[2] != H:
+        raise ValueError(f"hidden_eCH must be [e={e}, C, H={H}], got {tuple(hidden_eCH.shape)}")
+    if counts_e.shape != (e,) or counts_e.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"counts_e must be an int32 [e={e}] tensor, got {counts_e.dtype} "
+            f"{tuple(counts_e.shape)}"
+        )
+    device = _check_device(hidden_eCH, counts_e, w13, w2, hidden_scale, w13_scale, w2_scale)
+    out_dtype = _out_dtype(hidden_eCH, out_dtype)
+    C = hidden_eCH.shape[1]
+    counts = counts_e.to(torch.int32)
+    x, x_scale = _prepare_hidden(hidden_eCH, hidden_scale, w13.dtype, counts)
+    run = functools.partial(
+        batched_with_config,
+        x, x_scale, counts, w13, w2, w13_scale, w2_scale, activation, out_dtype,
+    )  # fmt: skip
+    if config is None:
+        config = select_config("batched", w13.dtype, C, H, I, e, 1, device, run, autotune)
+    check_config(config, w13.dtype == FP8_DTYPE)
+    return run(config)

@@ -1,0 +1,509 @@
+"""The Triton MoE kernels (epmoe.kernels) and TritonExperts against the float64 oracle.
+
+On CPU the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set by
+tests/conftest.py before anything imports triton) in fp32 and fp16 — the interpreter gets
+bf16 ``tl.dot`` wrong — on small shapes with named edge cases. Its float32 → FP8 cast also
+rounds some values near the top of a binade down (e.g. 124.3 → 64), so FP8 checks here
+hold the parts that do not depend on that cast tightly (scales, GEMMs fed with FP8 inputs
+quantized by torch) and the rest loosely; the GPU tier (tests/gpu) holds FP8 to 6e-2.
+
+Shape legend: R received rows · H hidden · I intermediate · e local experts · K top-k ·
+C rows of capacity per expert · P = R·K pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from epmoe.comm.base import DispatchResult, Layout
+from epmoe.experts.base import ExpertWeights
+from epmoe.reference import TOLERANCES, assert_close, dequantize_block, expert_mlp, moe
+
+ops = pytest.importorskip("epmoe.kernels.ops", reason="needs triton")
+from epmoe.kernels import configs  # noqa: E402
+from epmoe.kernels.configs import GemmConfig, MoEConfig  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not ops.interpreted():
+    pytest.skip(
+        "the Triton kernels were imported without TRITON_INTERPRET=1 on a machine without "
+        "CUDA; run through tests/conftest.py",
+        allow_module_level=True,
+    )
+
+FP8 = torch.float8_e4m3fn
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+# Small tiles so that the shapes below span several blocks in every dimension.
+SMALL = MoEConfig(16, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1))
+SMALL_FP8 = MoEConfig(16, GemmConfig(128, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1))
+# FP8 GEMMs fed with exactly quantized inputs: exact fp32 sums in the interpreter; on sm_90
+# the tensor cores accumulate each 128-wide K step with a shorter mantissa (as DeepGEMM).
+FP8_ACC_RTOL = 1e-5 if DEVICE == "cpu" else 2e-3
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _weights(e: int, H: int, I: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _gen(seed)
+    w13 = torch.randn(e, 2 * I, H, generator=g, dtype=torch.float64) * H**-0.5
+    w2 = torch.randn(e, H, I, generator=g, dtype=torch.float64) * I**-0.5
+    return w13, w2
+
+
+def _distinct_ids(R: int, K: int, e: int, g: torch.Generator, p_remote: float) -> torch.Tensor:
+    """Distinct local ids per row (like a top-k), each -1 with probability ``p_remote``."""
+    ids = torch.rand(R, max(e, K), generator=g).argsort(dim=1)[:, :K]
+    ids[ids >= e] = -1
+    ids[torch.rand(R, K, generator=g) < p_remote] = -1
+    return ids
+
+
+def _ids_for(case: str, R: int, K: int, e: int, seed: int) -> torch.Tensor:
+    g = _gen(seed)
+    if case == "random":
+        return _distinct_ids(R, K, e, g, 0.3)
+    if case == "skip_expert":  # expert 1 receives nothing
+        ids = _distinct_ids(R, K, e, g, 0.2)
+        ids[ids == 1] = -1
+        return ids
+    if case == "one_expert":
+        ids = torch.full((R, K), -1, dtype=torch.int64)
+        ids[:, 0] = e - 1
+        return ids
+    if case == "rows_without_local":
+        ids = _distinct_ids(R, K, e, g, 0.2)
+        ids[::3] = -1
+        return ids
+    if case == "none_local":
+        return torch.full((R, K), -1, dtype=torch.int64)
+    raise ValueError(case)
+
+
+STANDARD_CASES = [
+    # id, R, K, e, H, I, ids, activation
+    pytest.param(1, 2, 4, 64, 32, "random", "silu", id="T=1"),
+    pytest.param(13, 3, 4, 64, 32, "skip_expert", "silu", id="expert-with-no-tokens"),
+    pytest.param(37, 2, 3, 64, 32, "one_expert", "silu", id="all-tokens-one-expert"),
+    pytest.param(11, 3, 7, 64, 32, "random", "gelu", id="E-not-pow2-gelu"),
+    pytest.param(9, 2, 3, 72, 40, "random", "silu", id="H-I-not-multiple-of-block"),
+    pytest.param(10, 3, 4, 64, 32, "rows_without_local", "silu", id="rows-without-local-expert"),
+    pytest.param(0, 2, 4, 64, 32, "random", "silu", id="R=0"),
+    pytest.param(6, 2, 4, 64, 32, "none_local", "silu", id="counts-all-zero"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("R,K,e,H,I,ids_case,activation", STANDARD_CASES)
+def test_standard_matches_oracle(R, K, e, H, I, ids_case, activation, dtype):
+    g = _gen(R + 7 * e + H)
+    x = torch.randn(R, H, generator=g, dtype=torch.float64)
+    w13, w2 = _weights(e, H, I, seed=R + e)
+    ids = _ids_for(ids_case, R, K, e, seed=R * K + e)
+    w = torch.rand(R, K, generator=g, dtype=torch.float64) + 0.1
+    ref = moe(x, w13, w2, w, ids, activation)
+
+    out = ops.fused_moe_standard(
+        x.to(dtype).to(DEVICE),
+        ids.to(DEVICE),
+        w.float().to(DEVICE),
+        w13.to(dtype).to(DEVICE),
+        w2.to(dtype).to(DEVICE),
+        activation=activation,
+        config=SMALL,
+    )
+    assert out.shape == (R, H) and out.dtype == dtype
+    assert_close(out.cpu(), ref, TOLERANCES[dtype], name=f"standard {ids_case}")
+    if ids_case in ("none_local", "rows_without_local"):
+        no_local = (ids < 0).all(dim=1)
+        assert torch.count_nonzero(out.cpu()[no_local]) == 0, "rows with no local id must be 0"
+
+
+BATCHED_CASES = [
+    # counts per expert (e = len(counts)), C, H, I
+    pytest.param([1, 0, 1], 1, 64, 32, id="T=1"),
+    pytest.param([3, 0, 5, 2], 5, 64, 32, id="expert-with-no-tokens"),
+    pytest.param([0, 37, 0], 40, 64, 32, id="all-tokens-one-expert"),
+    pytest.param([2, 7, 1, 4, 6], 7, 64, 32, id="E-not-pow2"),
+    pytest.param([4, 1, 3], 6, 72, 40, id="H-I-not-multiple-of-block"),
+    pytest.param([0, 0, 0], 4, 64, 32, id="counts-all-zero"),
+    pytest.param([0, 0], 0, 64, 32, id="C=0"),
+    pytest.param([9, 2, 0], 5, 64, 32, id="count-above-C"),
+]
+
+
+def _check_batched(out, x, counts, w13, w2, activation, rtol, name):
+    for i, n in enumerate(counts):
+        if n:
+            ref = expert_mlp(x[i, :n].double(), w13[i].double(), w2[i].double(), activation)
+            assert_close(out[i, :n].cpu(), ref, rtol, name=f"{name} expert {i}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts,C,H,I", BATCHED_CASES)
+def test_batched_matches_oracle(counts, C, H, I, dtype):
+    e = len(counts)
+    x = torch.randn(e, C, H, generator=_gen(C + H), dtype=torch.float64)
+    w13, w2 = _weights(e, H, I, seed=e + C)
+    out = ops.fused_moe_batched(
+        x.to(dtype).to(DEVICE),
+        torch.tensor(counts, dtype=torch.int32, device=DEVICE),
+        w13.to(dtype).to(DEVICE),
+        w2.to(dtype).to(DEVICE),
+        activation="gelu" if e == 5 else "silu",
+        config=SMALL,
+    )
+    assert out.shape == (e, C, H) and out.dtype == dtype
+    act = "gelu" if e == 5 else "silu"
+    _check_batched(
+        out, x.to(dtype), counts, w13.to(dtype), w2.to(dtype), act, TOLERANCES[dtype], "batched"
+    )
+
+
+@pytest.mark.parametrize(
+    "R,K,e,block_m,ids_case",
+    [
+        pytest.param(9, 3, 4, 16, "random", id="random"),
+        pytest.param(700, 2, 13, 16, "random", id="many-pairs-E-not-pow2"),
+        pytest.param(40, 1, 3, 16, "one_expert", id="one-expert-3-blocks"),
+        pytest.param(5, 2, 4, 32, "none_local", id="none-local"),
+        pytest.param(0, 2, 4, 16, "random", id="R=0"),
+        pytest.param(6, 2, 1, 64, "random", id="e=1"),
+    ],
+)
+def test_align_pairs(R, K, e, block_m, ids_case):
+    ids = _ids_for(ids_case, R, K, e, seed=R + e)
+    a = ops.align_pairs(ids.to(torch.int32).to(DEVICE), e, block_m)
+    P = R * K
+    flat = ids.reshape(-1)
+    counts = torch.bincount(flat[flat >= 0], minlength=e)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert torch.equal(a.expert_counts.cpu().long(), counts)
+    assert int(a.num_padded.cpu()) == int(padded.sum())
+    assert a.num_blocks == math.ceil((P + min(e, P) * (block_m - 1)) / block_m)
+    if P == 0:
+        return
+    sp, be, pos = a.sorted_pairs.cpu().long(), a.block_expert.cpu().long(), a.pair_pos.cpu().long()
+    start = 0
+    for i in range(e):
+        c, p = int(counts[i]), int(padded[i])
+        got = sp[start : start + c]
+        assert sorted(got.tolist()) == (flat == i).nonzero().squeeze(1).tolist(), f"expert {i}"
+        assert (sp[start + c : start + p] == P).all(), f"padding of expert {i}"
+        assert (be[start // block_m : (start + p) // block_m] == i).all()
+        start += p
+    assert (sp[start:] == P).all() and (be[start // block_m :] == -1).all()
+    local = flat >= 0
+    assert (pos[~local] == -1).all()
+    assert torch.equal(sp[pos[local]], local.nonzero().squeeze(1))
+
+
+def test_experts_interface_both_layouts():
+    """TritonExperts through the Experts contract, against TorchExperts and the oracle."""
+    from epmoe.experts.torch_experts import TorchExperts
+    from epmoe.experts.triton_experts import TritonExperts
+
+    R, K, e, H, I, C = 10, 3, 5, 64, 48, 6
+    g = _gen(3)
+    x = torch.randn(R, H, generator=g, dtype=torch.float64)
+    w13, w2 = _weights(e, H, I, seed=4)
+    ids = _ids_for("random", R, K, e, seed=5)
+    w = torch.rand(R, K, generator=g, dtype=torch.float64)
+    weights = ExpertWeights(w13.float().to(DEVICE), w2.float().to(DEVICE))
+    ours, theirs = TritonExperts("silu", config=SMALL), TorchExperts("silu")
+    res = DispatchResult(
+        Layout.STANDARD, x.float().to(DEVICE), ids.to(DEVICE), w.float().to(DEVICE)
+    )
+    out = ours(res, weights)
+    assert_close(out.cpu(), moe(x, w13, w2, w, ids), TOLERANCES[torch.float32])
+    assert_close(out.cpu(), theirs(res, weights).cpu().double(), 1e-5, name="vs TorchExperts")
+
+    xb = torch.randn(e, C, H, generator=g, dtype=torch.float64)
+    counts = torch.tensor([2, 0, 6, 1, 3], dtype=torch.int32)
+    res_b = DispatchResult(Layout.EXPERT_BATCHED, xb.float().to(DEVICE), counts=counts.to(DEVICE))
+    out_b = ours(res_b, weights)
+    ref_b = theirs(res_b, weights)
+    for i, n in enumerate(counts.tolist()):
+        assert_close(out_b[i, :n].cpu(), ref_b[i, :n].cpu().double(), 1e-5, name=f"slot {i}")
+
+
+# ----------------------------------------------------------------------------- FP8
+
+
+def _quant_groups_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token-group-128 FP8 quantization in torch (round to nearest even)."""
+    D = x.shape[-1]
+    G = math.ceil(D / 128)
+    xp = torch.nn.functional.pad(x.float(), (0, G * 128 - D)).unflatten(-1, (G, 128))
+    scale = xp.abs().amax(-1).clamp(min=1e-10) * (1.0 / 448.0)  # the format's exact scale
+    q = (xp / scale.unsqueeze(-1)).clamp(-448, 448).to(FP8).flatten(-2)[..., :D]
+    return q, scale
+
+
+def _dequant_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    D = q.shape[-1]
+    return q.double() * scale.double().repeat_interleave(128, dim=-1)[..., :D]
+
+
+def _quant_weights(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [e, N, K]`` → FP8 with 128×128 block scales or one scale per expert."""
+    if per_tensor:
+        s = w.abs().amax(dim=(1, 2)).clamp(min=1e-10) / 448.0
+        return (w / s[:, None, None]).to(FP8), s.float()
+    e, N, K = w.shape
+    nb, kb = math.ceil(N / 128), math.ceil(K / 128)
+    wp = torch.nn.functional.pad(w, (0, kb * 128 - K, 0, nb * 128 - N))
+    blocks = wp.view(e, nb, 128, kb, 128)
+    s = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-10) / 448.0
+    q = (blocks / s[:, :, None, :, None]).view(e, nb * 128, kb * 128)[:, :N, :K]
+    return q.to(FP8), s.float()
+
+
+def test_per_token_group_quant():
+    x = torch.randn(5, 300, generator=_gen(0)) * 3
+    q, s = ops.per_token_group_quant_fp8(x.to(DEVICE))
+    q_ref, s_ref = _quant_groups_torch(x)
+    assert q.shape == (5, 300) and s.shape == (5, 3) and q.dtype == FP8
+    assert torch.equal(s.cpu(), s_ref), "scales must be bit-equal to amax * float32(1/448)"
+    err = (_dequant_groups(q.cpu(), s.cpu()) - x.double()).norm() / x.double().norm()
+    assert err < (0.04 if DEVICE == "cuda" else 0.08), err  # interpreter: see module doc
+    if DEVICE == "cuda":
+        assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+
+    xb = torch.randn(3, 4, 256, generator=_gen(1))
+    counts = torch.tensor([2, 0, 4], dtype=torch.int32)
+    qb, sb = ops.per_token_group_quant_fp8(xb.to(DEVICE), counts=counts.to(DEVICE))
+    _, sb_ref = _quant_groups_torch(xb)
+    for i, n in enumerate(counts.tolist()):
+        assert torch.equal(sb.cpu()[i, :n], sb_ref[i, :n]), f"slot {i}"
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["block-scales", "per-expert-scales"])
+@pytest.mark.parametrize("batched", [False, True], ids=["standard", "batched"])
+def test_fp8_down_exact(batched, per_tensor):
+    """GEMM 2 in FP8 fed with torch-quantized activations: only fp32 accumulation error."""
+    e, H, I, R, K, C = 3, 200, 136, 7, 2, 5
+    g = _gen(11)
+    _, w2 = _weights(e, H, I, seed=12)
+    q2, s2 = _quant_weights(w2, per_tensor)
+    w2_deq = dequantize_block(q2, s2, dtype=torch.float64)
+    if batched:
+        counts = [3, 0, 5]
+        h = torch.randn(e, C, I, generator=g)
+        hq, hs = _quant_groups_torch(h)
+        rows = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+        z = ops.down(
+            hq.to(DEVICE),
+            q2.to(DEVICE),
+            rows,
+            SMALL_FP8,
+            torch.float32,
+            hs.to(DEVICE),
+            s2.to(DEVICE),
+        )
+        for i, n in enumerate(counts):
+            ref = _dequant_groups(hq[i, :n], hs[i, :n]) @ w2_deq[i].T
+            assert_close(z[i, :n].cpu(), ref, FP8_ACC_RTOL, name=f"expert {i}")
+        return
+    ids = _ids_for("random", R, K, e, seed=13)
+    w = torch.rand(R, K, generator=g)
+    aligned = ops.align_pairs(ids.to(DEVICE), e, SMALL_FP8.block_m)
+    P_pad = aligned.sorted_pairs.shape[0]
+    h = torch.randn(P_pad, I, generator=g)  # activations at every padded position
+    hq, hs = _quant_groups_torch(h)
+    z = ops.down(
+        hq.to(DEVICE), q2.to(DEVICE), aligned, SMALL_FP8, torch.float32, hs.to(DEVICE),
+        s2.to(DEVICE), w.to(DEVICE),
+    )  # fmt: skip
+    pos = aligned.pair_pos.cpu().long()
+    flat = ids.reshape(-1)
+    for p in (flat >= 0).nonzero().squeeze(1).tolist():
+        ref = (_dequant_groups(hq[pos[p]], hs[pos[p]]) @ w2_deq[flat[p]].T) * w.reshape(-1)[p]
+        assert_close(z[pos[p]].cpu(), ref, FP8_ACC_RTOL, name=f"pair {p}")
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["block-scales", "per-expert-scales"])
+def test_fp8_gate_up_scales(per_tensor):
+    """GEMM 1 in FP8: the fused re-quantization's scales are exact (amax / 448 of the fp32
+    activation); its values are checked loosely under the interpreter."""
+    e, H, I, C = 2, 200, 136, 5
+    counts = [4, 2]
+    w13, _ = _weights(e, H, I, seed=21)
+    q13, s13 = _quant_weights(w13, per_tensor)
+    w13_deq = dequantize_block(q13, s13, dtype=torch.float64)
+    x = torch.randn(e, C, H, generator=_gen(22))
+    xq, xs = _quant_groups_torch(x)
+    rows = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+    y, ys = ops.gate_up(
+        xq.to(DEVICE), q13.to(DEVICE), rows, SMALL_FP8, "silu", xs.to(DEVICE), s13.to(DEVICE)
+    )
+    assert y.dtype == FP8 and ys.shape == (e, C, 2)
+    for i, n in enumerate(counts):
+        gu = _dequant_groups(xq[i, :n], xs[i, :n]) @ w13_deq[i].T
+        h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+        scale_ref = torch.nn.functional.pad(h, (0, 256 - I)).unflatten(-1, (2, 128))
+        scale_ref = scale_ref.abs().amax(-1) / 448.0
+        rtol = max(1e-4, FP8_ACC_RTOL)
+        torch.testing.assert_close(ys[i, :n].cpu().double(), scale_ref, rtol=rtol, atol=1e-9)
+        deq = _dequant_groups(y[i, :n].cpu(), ys[i, :n].cpu())
+        assert_close(deq, h, 0.04 if DEVICE == "cuda" else 0.1, name=f"expert {i}")
+
+
+def test_fp8_pipeline_smoke():
+    """Whole FP8 layers (bf16 in, FP8 weights) in both layouts against the oracle with the
+    dequantized weights; the interpreter's FP8 cast makes this loose on CPU."""
+    R, K, e, H, I = 9, 3, 4, 256, 128
+    g = _gen(31)
+    x = torch.randn(R, H, generator=g, dtype=torch.float64)
+    w13, w2 = _weights(e, H, I, seed=32)
+    (q13, s13), (q2, s2) = _quant_weights(w13, False), _quant_weights(w2, False)
+    ids = _ids_for("random", R, K, e, seed=33)
+    w = torch.rand(R, K, generator=g, dtype=torch.float64)
+    ref = moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2)
+    rtol = TOLERANCES[FP8] if DEVICE == "cuda" else 0.15
+    dev = [t.to(DEVICE) for t in (q13, q2, s13, s2)]
+    out = ops.fused_moe_standard(
+        x.float().to(DEVICE), ids.to(DEVICE), w.float().to(DEVICE), dev[0], dev[1],
+        w13_scale=dev[2], w2_scale=dev[3], config=SMALL_FP8,
+    )  # fmt: skip
+    assert out.dtype == torch.float32
+    assert_close(out.cpu(), ref, rtol, name="fp8 standard")
+
+    # FP8 hidden states as an FP8 dispatch delivers them: bf16 output by default.
+    xq, xs = _quant_groups_torch(x.float())
+    out8 = ops.fused_moe_standard(
+        xq.to(DEVICE), ids.to(DEVICE), w.float().to(DEVICE), dev[0], dev[1],
+        hidden_scale=xs.to(DEVICE), w13_scale=dev[2], w2_scale=dev[3], config=SMALL_FP8,
+    )  # fmt: skip
+    assert out8.dtype == torch.bfloat16
+    assert_close(out8.cpu(), ref, rtol + 2e-2, name="fp8 standard, fp8 input")
+
+    counts = [3, 0, 2, 1]
+    xb = torch.randn(e, 3, H, generator=g)
+    outb = ops.fused_moe_batched(
+        xb.to(DEVICE), torch.tensor(counts, dtype=torch.int32, device=DEVICE), dev[0], dev[1],
+        w13_scale=dev[2], w2_scale=dev[3], config=SMALL_FP8,
+    )  # fmt: skip
+    w13d, w2d = dequantize_block(q13, s13), dequantize_block(q2, s2)
+    _check_batched(outb, xb.float(), counts, w13d, w2d, "silu", rtol, "fp8 batched")
+
+
+def test_fp8_hidden_with_unquantized_weights():
+    """FP8 hidden states (an FP8 dispatch) meeting fp32 weights are dequantized first."""
+    from epmoe.experts.triton_experts import TritonExperts
+
+    R, K, e, H, I = 6, 2, 3, 200, 48
+    g = _gen(41)
+    x = torch.randn(R, H, generator=g)
+    xq, xs = _quant_groups_torch(x)
+    w13, w2 = _weights(e, H, I, seed=42)
+    ids = _ids_for("random", R, K, e, seed=43)
+    w = torch.rand(R, K, generator=g)
+    ref = moe(_dequant_groups(xq, xs), w13, w2, w.double(), ids)
+    experts = TritonExperts(out_dtype=torch.float32, config=SMALL)
+    weights = ExpertWeights(w13.float().to(DEVICE), w2.float().to(DEVICE))
+    out = experts.standard(xq.to(DEVICE), ids.to(DEVICE), w.to(DEVICE), weights, xs.to(DEVICE))
+    assert out.dtype == torch.float32
+    assert_close(out.cpu(), ref, 1e-5)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def test_invalid_inputs_raise():
+    e, H, I = 2, 64, 32
+    w13, w2 = (t.float().to(DEVICE) for t in _weights(e, H, I, seed=0))
+    x = torch.randn(3, H, device=DEVICE)
+    ids = torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)
+    w = torch.ones(3, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="hidden_RH must be"):
+        ops.fused_moe_standard(x[:, :10], ids, w, w13, w2)
+    with pytest.raises(ValueError, match="topk_weights_RK"):
+        ops.fused_moe_standard(x, ids, w[:, :1], w13, w2)
+    with pytest.raises(TypeError, match="cast one"):
+        ops.fused_moe_standard(x.half(), ids, w, w13, w2)
+    with pytest.raises(ValueError, match="activation"):
+        ops.fused_moe_standard(x, ids, w, w13, w2, activation="relu")
+    with pytest.raises(ValueError, match="w2 must be"):
+        ops.fused_moe_standard(x, ids, w, w13, w2[:, :, :5])
+    with pytest.raises(ValueError, match="need w13_scale"):
+        ops.fused_moe_standard(x, ids, w, w13.to(FP8), w2.to(FP8))
+    with pytest.raises(ValueError, match="block scales"):
+        s = torch.ones(e, 3, device=DEVICE)
+        ops.fused_moe_standard(x, ids, w, w13.to(FP8), w2.to(FP8), w13_scale=s, w2_scale=s)
+    with pytest.raises(ValueError, match="need hidden_scale"):
+        s13, s2 = torch.ones(e, device=DEVICE), torch.ones(e, device=DEVICE)
+        ops.fused_moe_standard(
+            x.to(FP8), ids, w, w13.to(FP8), w2.to(FP8), w13_scale=s13, w2_scale=s2
+        )
+    with pytest.raises(ValueError, match="counts_e"):
+        ops.fused_moe_batched(x.view(1, 3, H).expand(e, 3, H), ids[:, 0], w13, w2)
+    with pytest.raises(ValueError, match="gate_up.block_n"):
+        configs.check_config(SMALL, fp8=True)
+
+
+def test_config_tables_and_heuristics(monkeypatch, tmp_path):
+    cfg = MoEConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4))
+    assert MoEConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ValueError, match="block_m"):
+        MoEConfig(48, cfg.gate_up, cfg.down)
+    with pytest.raises(ValueError, match="block_n"):
+        GemmConfig(100, 64)
+    assert configs.table_filename("NVIDIA H200") == "NVIDIA_H200.json"
+    assert configs.load_table("no such device 0") == {}
+    key = configs.problem_key("standard", "bf16", 7168, 2048, 128)
+    small = MoEConfig(16, cfg.gate_up, cfg.down)
+    table = {key: {64: small, 4096: cfg}}
+    assert configs.lookup(table, key, 3000) is cfg
+    assert configs.lookup(table, key, 100) is small
+    assert configs.lookup(table, "other", 100) is None
+
+    monkeypatch.setenv(configs.AUTOTUNE_ENV, "0")
+    assert not configs.autotune_enabled()
+    monkeypatch.setenv(configs.AUTOTUNE_ENV, "1")
+    assert configs.autotune_enabled()
+
+    for dtype, nbytes in (("bf16", 2), ("fp16", 2), ("fp8", 1), ("fp32", 4)):
+        for layout, m in (("standard", 1), ("standard", 4096), ("batched", 8), ("batched", 256)):
+            cands = configs.candidate_configs(layout, dtype, m, 7168, 2048, 128, 8)
+            for c in cands:
+                configs.check_config(c, dtype == "fp8")
+                assert configs.smem_bytes(c, nbytes, nbytes) <= 227 * 1024, c
+    cpu = configs.select_config("standard", torch.float32, 10, 64, 32, 4, 2, torch.device("cpu"))
+    assert cpu == configs.heuristic_config("standard", "fp32", 10, 64, 32, 4, 2, "cpu")
+
+
+def test_shipped_tables_are_valid():
+    from importlib import resources
+
+    folder = resources.files("epmoe.kernels").joinpath("configs")
+    files = [f for f in folder.iterdir() if f.name.endswith(".json")] if folder.is_dir() else []
+    for f in files:
+        raw = json.loads(f.read_text())
+        for key, by_m in raw["configs"].items():
+            layout, dtype = key.split(":")[:2]
+            assert layout in configs.LAYOUTS, f"{f.name}: {key}"
+            for m, c in by_m.items():
+                configs.check_config(MoEConfig.from_dict(c), dtype == "fp8")
+                assert int(m) > 0
+
+
+def test_h200_table_ships_the_benchmark_shapes():
+    """The table measured on one H200 (2026-11-29) loads for the device name torch reports
+    and covers the prefill and decode shapes of the benchmark in bf16 and FP8."""
+    table = configs.load_table("NVIDIA H200")
+    for layout, m in (("standard", 4096), ("batched", 256)):
+        for dtype in ("bf16", "fp8"):
+            key = configs.problem_key(layout, dtype, 7168, 2048, 128)
+            cfg = configs.lookup(table, key, m)
+            assert cfg is not None, key
+            configs.check_config(cfg, dtype == "fp8")
+            assert (
+                configs.smem_bytes(cfg, 1 if dtype == "fp8" else 2, 1 if dtype == "fp8" else 2)
+                <= 227 * 1024
+            )
