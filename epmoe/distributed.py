@@ -21,7 +21,9 @@ SAFE_GPU_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
-_cpu_groups: dict[int, dist.ProcessGroup] = {}
+# gloo twins of NCCL groups, keyed by their ranks: a registry like torch's own group map,
+# filled collectively by cpu_group() and emptied when the default group is destroyed.
+_cpu_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 def init_distributed(
@@ -74,21 +76,23 @@ def cpu_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | Non
     Collective on first use for a group: every rank of ``group`` must call it.
     """
     if not dist.is_initialized():
+        _cpu_groups.clear()  # a destroyed default group takes its subgroups with it
         return None
     group = group or dist.group.WORLD
     if dist.get_backend(group) == "gloo":
         return group
-    key = id(group)
+    key = tuple(dist.get_process_group_ranks(group))
     if key not in _cpu_groups:
-        ranks = dist.get_process_group_ranks(group)
-        _cpu_groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+        _cpu_groups[key] = dist.new_group(ranks=list(key), backend="gloo")
     return _cpu_groups[key]
 
 
 def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device tensors of ``group``'s collectives live on: CUDA for NCCL, else CPU."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    if not dist.is_initialized() and torch.cuda.is_available():
+    """The device tensors of ``group``'s collectives live on: CPU for a gloo group, else
+    the current CUDA device when there is one (NCCL, or a group whose backend is chosen
+    per device), else CPU."""
+    if dist.is_initialized() and str(dist.get_backend(group)) == "gloo":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -24,8 +24,9 @@ from epmoe.routing import select_experts
 
 # Tokens per dispatch when max_num_tokens is None and the backend sets no limit of its
 # own: transports without fixed buffers still chunk so that a prefill of any length runs
-# in bounded memory.
-DEFAULT_CHUNK_TOKENS = 8192
+# in bounded memory. ExpertBatched is the decode layout; its [e, C, H] buffer grows with
+# the busiest expert, so it chunks sooner.
+DEFAULT_CHUNK_TOKENS = {Layout.STANDARD: 8192, Layout.EXPERT_BATCHED: 1024}
 
 
 class EPMoE(nn.Module):
@@ -84,8 +85,12 @@ class EPMoE(nn.Module):
                 "apply_router_weight_on_input=True scales the input by the router weight, "
                 f"which is only defined for top_k=1 (got top_k={top_k}); set it to False"
             )
-        if max_num_tokens is not None and max_num_tokens <= 0:
-            raise ValueError(f"max_num_tokens must be positive or None, got {max_num_tokens}")
+        if max_num_tokens is not None and (
+            not isinstance(max_num_tokens, int) or max_num_tokens <= 0
+        ):
+            raise ValueError(
+                f"max_num_tokens must be a positive int or None, got {max_num_tokens!r}"
+            )
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.activation = check_activation(activation)
@@ -123,13 +128,19 @@ class EPMoE(nn.Module):
         self._maps = placement.maps_on(self.device)
 
         if isinstance(layout, str):
+            choices = [x.value for x in Layout]
+            if layout not in choices:
+                raise ValueError(f"layout must be one of {choices} or None, got {layout!r}")
             layout = Layout(layout)
+        _check_group_device(group, self.device)
         backend_cls = resolve_backend(backend, self.device, group, layout)
         if layout is None:
             layouts = backend_cls.capabilities.layouts
             layout = Layout.STANDARD if Layout.STANDARD in layouts else next(iter(layouts))
         self.max_num_tokens = (
-            max_num_tokens or backend_cls.capabilities.max_num_tokens or DEFAULT_CHUNK_TOKENS
+            max_num_tokens
+            or backend_cls.capabilities.max_num_tokens
+            or DEFAULT_CHUNK_TOKENS[layout]
         )
         spec = CommSpec(
             hidden_size=hidden_size,
@@ -158,6 +169,13 @@ class EPMoE(nn.Module):
                 )
             e_score_correction_bias = e_score_correction_bias.to(self.device, torch.float32)
         self.register_buffer("e_score_correction_bias", e_score_correction_bias)
+        # check the routing options now rather than at the first forward (T = 0 is cheap)
+        select_experts(
+            torch.empty(0, num_experts, device=self.device),
+            top_k,
+            e_score_correction_bias=e_score_correction_bias,
+            **self.routing,
+        )
         self._loaded = torch.zeros(e, dtype=torch.bool)
         # EPLB: tokens per physical expert over the last `load_window` forwards (device-side)
         self.load_recorder = (
@@ -243,35 +261,54 @@ class EPMoE(nn.Module):
         )
         return weights_TK, physical_TK
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        *,
+        max_tokens_across_ranks: int | None = None,
+    ) -> torch.Tensor:
         """``hidden_states [T, H]``, ``router_logits [T, E]`` → ``[T, H]`` in the input dtype.
 
-        Collective over the EP group: every rank calls it, also with ``T = 0``."""
-        if not bool(self._loaded.all()):
-            raise RuntimeError(
-                "expert weights are not loaded on this rank: call load_experts(w13, w2) or "
-                f"load_expert(...) for local experts {self.local_experts}"
+        Collective over the EP group: every rank calls it, also with ``T = 0``. The ranks
+        agree on the number of chunks (and on whether every rank's inputs are valid, so
+        that bad input raises on all ranks instead of leaving some inside a collective)
+        with one small all-reduce. A serving loop that knows the largest ``T`` of the group
+        (as a DP coordinator does) passes it as ``max_tokens_across_ranks`` to skip that
+        all-reduce; it then guarantees every rank's input is valid.
+        """
+        error = self._input_error(hidden_states, router_logits)
+        T = hidden_states.shape[0] if error is None else 0
+        M = self.max_num_tokens
+        if max_tokens_across_ranks is not None:
+            if error is not None:
+                raise error
+            if max_tokens_across_ranks < T:
+                raise ValueError(
+                    f"max_tokens_across_ranks={max_tokens_across_ranks} is below this rank's "
+                    f"T={T}; pass the largest token count of any rank in the EP group"
+                )
+            num_chunks = math.ceil(max_tokens_across_ranks / M)
+        else:
+            num_chunks, failed = agree_max(
+                (math.ceil(T / M), int(error is not None)), self.group, self.device
             )
-        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}"
-            )
-        T = hidden_states.shape[0]
-        if tuple(router_logits.shape) != (T, self.num_experts):
-            raise ValueError(
-                f"router_logits must be [T={T}, E={self.num_experts}], got "
-                f"{tuple(router_logits.shape)}"
-            )
+            if error is not None:
+                raise error
+            if failed:
+                raise RuntimeError(
+                    "another rank of the EP group rejected its inputs to EPMoE.forward (its "
+                    "own error says why); this rank stopped too so that no rank is left "
+                    "waiting in a collective"
+                )
+
         x_TH = hidden_states.to(self.params_dtype)
-        weights_TK, ids_TK = self.route(router_logits)
+        weights_TK, ids_TK = self.route(router_logits.to(self.device))
         if self.load_recorder is not None:
             self.load_recorder.record(ids_TK)
         if self.apply_router_weight_on_input:
             x_TH = (x_TH.float() * weights_TK).to(self.params_dtype)
             weights_TK = torch.ones_like(weights_TK)
-
-        M = self.max_num_tokens
-        num_chunks = agree_max(math.ceil(T / M), self.group, self.device)
         outs = []
         for c in range(max(num_chunks, 1)):
             lo, hi = min(c * M, T), min((c + 1) * M, T)
@@ -280,6 +317,34 @@ class EPMoE(nn.Module):
         if self.shared_experts is not None:
             out_TH = out_TH + self.shared_experts(hidden_states).to(out_TH.dtype)
         return out_TH.to(hidden_states.dtype)
+
+    def _input_error(self, hidden_states, router_logits) -> Exception | None:
+        """What is wrong with this rank's inputs (or weights), as the exception to raise."""
+        if not bool(self._loaded.all()):
+            return RuntimeError(
+                "expert weights are not loaded on this rank: call load_experts(w13, w2) or "
+                f"load_expert(...) for local experts {self.local_experts}"
+            )
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
+            return ValueError(
+                f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}"
+            )
+        if not hidden_states.is_floating_point():
+            return TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
+        if hidden_states.device != self.device:
+            return ValueError(
+                f"hidden_states is on {hidden_states.device} but the layer on {self.device}; "
+                "move the input (or build the layer with device=...)"
+            )
+        T = hidden_states.shape[0]
+        if tuple(router_logits.shape) != (T, self.num_experts):
+            return ValueError(
+                f"router_logits must be [T={T}, E={self.num_experts}], got "
+                f"{tuple(router_logits.shape)}"
+            )
+        if not router_logits.is_floating_point():
+            return TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
+        return None
 
     def _moe_chunk(self, x_TH, ids_TK, weights_TK) -> torch.Tensor:
         result = self.comm.dispatch(x_TH, ids_TK, weights_TK)
@@ -292,4 +357,22 @@ class EPMoE(nn.Module):
             f"I={self.intermediate_size}, W={self.ep_size}, rank={self.rank}, "
             f"local={self.placement.num_local(self.rank)}, backend={self.comm.name}, "
             f"layout={self.comm.layout.value}, experts={self.experts.name}"
+        )
+
+
+def _check_group_device(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """NCCL groups move CUDA tensors and gloo groups CPU tensors: refuse a mismatch now
+    rather than at the first collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    backend = str(dist.get_backend(group))
+    if device.type == "cpu" and "nccl" in backend and "gloo" not in backend:
+        raise ValueError(
+            f"the EP group uses {backend}, which cannot move CPU tensors; build the layer "
+            "with a CUDA device or pass a gloo group"
+        )
+    if device.type == "cuda" and backend == "gloo":
+        raise ValueError(
+            "the EP group uses gloo, which moves CPU tensors; build the layer with "
+            "device='cpu' or pass an NCCL group (epmoe.init_distributed picks NCCL on GPUs)"
         )

@@ -8,6 +8,7 @@ All GPUs with NCCL on a GPU machine, 2 gloo ranks on a CPU machine.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -21,10 +22,12 @@ DEMO = os.path.join(
 
 
 def main(argv: list[str]) -> int:
-    launch_args = []
-    if argv[:1] == ["--nproc"]:
-        launch_args, argv = argv[:2], argv[2:]
-    return run_main([*launch_args, DEMO, *argv])
+    """``--nproc N`` (or ``--nproc=N``, anywhere) goes to the launcher, the rest to the demo."""
+    launcher = argparse.ArgumentParser(add_help=False)
+    launcher.add_argument("--nproc", type=int, default=None)
+    opts, demo_args = launcher.parse_known_args(argv)
+    launch_args = ["--nproc", str(opts.nproc)] if opts.nproc is not None else []
+    return run_main([*launch_args, DEMO, *demo_args])
 
 
 if __name__ == "__main__":

@@ -58,10 +58,10 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def agree_max(value: int, group, device: torch.device) -> int:
-    """The largest ``value`` over the ranks of ``group`` (one small all-reduce)."""
+def agree_max(values: tuple[int, ...], group, device: torch.device) -> tuple[int, ...]:
+    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce)."""
     if world_of(group)[1] == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
+        return values
+    t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return tuple(t.tolist())

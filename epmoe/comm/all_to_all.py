@@ -79,7 +79,6 @@ class AllToAllBackend(AllToAll):
         self._offsets_W = torch.tensor(offs[:-1], dtype=torch.int64, device=spec.device)
         self._rank_sizes = [b - a for a, b in zip(offs, offs[1:])]
         self._num_local = self._rank_sizes[self.rank]
-        self._capacity = spec.max_num_tokens * self.world_size  # most rows one expert can get
 
     # ---------------------------------------------------------------- Standard layout
     def _dispatch_standard(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
@@ -126,7 +125,7 @@ class AllToAllBackend(AllToAll):
     def _dispatch_batched(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
         T, K = topk_ids_TK.shape
         W, e, dev = self.world_size, self._num_local, hidden_TH.device
-        P, limit = self.spec.num_physical, self._capacity
+        P = self.spec.num_physical
         ids = topk_ids_TK.reshape(-1).to(torch.int64)
         key = torch.where(ids >= 0, ids, P)  # -1 sorts last and is never sent
         order = torch.argsort(key, stable=True)  # rank-major == by physical id
@@ -141,12 +140,6 @@ class AllToAllBackend(AllToAll):
         most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
         counts = torch.cat([send_counts, recv_cnt_We.sum(1), most]).tolist()  # one host sync
         send_splits, recv_splits = counts[:W], counts[W : 2 * W]
-        if counts[-1] > limit:
-            raise ValueError(
-                f"an expert received {counts[-1]} rows, above its capacity {limit} = "
-                f"max_num_tokens × W; a source sent one token to the same expert twice "
-                "(duplicate ids in topk_ids?) or more tokens than max_num_tokens"
-            )
         order = order[: sum(send_splits)]
         recv_hidden = all_to_all(hidden_TH[order // K], send_splits, recv_splits, self.group)
 
@@ -184,15 +177,16 @@ class AllToAllBackend(AllToAll):
         # back to (token, k) order without atomics; pairs that were not sent stay zero
         y_TKH = back_SH.new_zeros((T * K, H))
         y_TKH.index_copy_(0, h.pair_order_S, back_SH)
-        # out[t] = Σ_k w[t, k] · y[t, k]: one batched matmul, fp32 accumulation
+        # out[t] = Σ_k w[t, k] · y[t, k]: one batched matmul in the expert dtype (weights
+        # rounded to it) with fp32 accumulation
         w_T1K = h.weights_TK.to(back_SH.dtype).unsqueeze(1)
         return torch.bmm(w_T1K, y_TKH.view(T, K, H)).squeeze(1)
 
     # ------------------------------------------------------------------- interface
     def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
-        batched = self.layout is Layout.EXPERT_BATCHED
-        check_dispatch_args(self.spec, hidden_TH, topk_ids_TK, topk_weights_TK, batched)
-        if batched:
+        # no fixed buffers: any T goes (the layer chunks to bound memory)
+        check_dispatch_args(self.spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
+        if self.layout is Layout.EXPERT_BATCHED:
             return self._dispatch_batched(hidden_TH, topk_ids_TK, topk_weights_TK)
         return self._dispatch_standard(hidden_TH, topk_ids_TK, topk_weights_TK)
 

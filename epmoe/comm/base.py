@@ -161,6 +161,11 @@ class AllToAll(ABC):
             )
         self.layout = layout
         caps = self.capabilities
+        if spec.dtype not in caps.dtypes:
+            raise TypeError(
+                f"backend {self.name!r} moves {sorted(str(d) for d in caps.dtypes)}, not "
+                f"{spec.dtype}; choose params_dtype among those"
+            )
         if spec.device.type not in caps.device_types:
             raise ValueError(
                 f"backend {self.name!r} runs on {sorted(caps.device_types)}, not on "

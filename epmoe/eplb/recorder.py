@@ -32,9 +32,12 @@ class LoadRecorder:
         """Count one step's physical expert ids ``[T, K]`` (``-1`` ignored), on the device."""
         if not self.enabled:
             return
-        # shift by one so that -1 (no expert) lands in bin 0 and is dropped: no host sync
-        shifted = physical_ids_TK.reshape(-1) + 1
-        counts = torch.bincount(shifted, minlength=self.num_physical + 1)[1:]
+        # shift by one so that -1 (no expert) lands in bin 0, dropped; scatter_add, unlike
+        # bincount on CUDA, never reads min/max back to the host
+        shifted = physical_ids_TK.reshape(-1).to(torch.int64) + 1
+        counts = torch.zeros(self.num_physical + 1, dtype=torch.int64, device=shifted.device)
+        counts.scatter_add_(0, shifted, torch.ones_like(shifted))
+        counts = counts[1:]
         self.counts_SP[self.step % self.window] = counts
         self.step += 1
 

@@ -315,18 +315,21 @@ def check_bad_inputs(rank, world, device="cpu"):
         epmoe.EPMoE(E, 2, H, I, apply_router_weight_on_input=True, device=dev)
     with pytest.raises(ValueError, match="unknown backend"):
         epmoe.EPMoE(E, K, H, I, backend="nope", device=dev)
-    spec = CommSpec(
-        hidden_size=H,
-        top_k=K,
-        rank_offsets=layer.placement.rank_offsets,
-        max_num_tokens=2,
-        dtype=torch.float32,
-        device=dev,
-    )
-    comm = create_backend("all_to_all", spec, None, Layout.EXPERT_BATCHED)
-    w, ids = epmoe.select_experts(logits, K)
-    with pytest.raises(ValueError, match="max_num_tokens"):
-        comm.dispatch(x, ids, w)
+    with pytest.raises(ValueError, match="num_expert_group"):
+        epmoe.EPMoE(E, K, H, I, num_expert_group=3, topk_group=1, device=dev)
+    with pytest.raises(ValueError, match="layout"):
+        epmoe.EPMoE(E, K, H, I, layout="batched", device=dev, params_dtype=torch.float32)
+    with pytest.raises(TypeError, match="hidden_states must be floating point"):
+        layer(x.to(torch.int64), logits)
+    # one rank's bad input raises on every rank (the others learn it in the chunk-count
+    # all-reduce) instead of leaving them waiting inside a collective
+    bad_rank = world - 1
+    if rank == bad_rank:
+        with pytest.raises(ValueError, match="hidden_states"):
+            layer(x[:, :-1], logits)
+    else:
+        with pytest.raises(RuntimeError, match="another rank"):
+            layer(x, logits)
     # the layer itself still works after the errors (no rank left inside a collective)
     out = layer(x, logits)
     assert_close(out, epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K)), 1e-5)
