@@ -57,6 +57,15 @@ def placements(E: int, W: int):
     )
 
 
+def loaded_layer(E, K, H, I, dtype, dev, seed=0, **kwargs):
+    """An EPMoE with the shared full weights of ``seed`` loaded; returns it and them."""
+    kwargs.setdefault("experts", "torch")
+    layer = epmoe.EPMoE(E, K, H, I, params_dtype=dtype, device=dev, **kwargs)
+    w13, w2 = full_weights(E, H, I, dtype, dev, seed=seed)
+    layer.load_experts(w13, w2)
+    return layer, w13, w2
+
+
 def backends_and_layouts():
     yield "naive", Layout.STANDARD
     yield "all_to_all", Layout.STANDARD
@@ -74,21 +83,10 @@ def check_layer_against_oracle(rank, world, device="cpu", dtype_name="float32", 
     for (E, K), (backend, layout) in itertools.product(E_TOP_K, backends_and_layouts()):
         for pname, placement in placements(E, world):
             with sweep.case(f"W={world} E={E} K={K} {backend} {layout.value} {pname}"):
-                layer = epmoe.EPMoE(
-                    E,
-                    K,
-                    H,
-                    I,
-                    placement=placement,
-                    backend=backend,
-                    experts=experts,
-                    params_dtype=dtype,
-                    device=dev,
-                    layout=layout,
-                    max_num_tokens=16,
-                )
-                w13, w2 = full_weights(E, H, I, dtype, dev)
-                layer.load_experts(w13, w2)
+                layer, w13, w2 = loaded_layer(
+                    E, K, H, I, dtype, dev, placement=placement, backend=backend,
+                    experts=experts, layout=layout, max_num_tokens=16,
+                )  # fmt: skip
                 x, logits = rank_tokens(rank, tokens[rank], H, E, dtype, dev)
                 out = layer(x, logits)
                 w, ids = epmoe.select_experts(logits, K)
@@ -108,20 +106,9 @@ def check_chunking(rank, world, device="cpu", dtype_name="float32"):
     sweep = Sweep()
     for backend, layout in backends_and_layouts():
         with sweep.case(f"{backend} {layout.value}"):
-            layer = epmoe.EPMoE(
-                E,
-                K,
-                H,
-                I,
-                backend=backend,
-                layout=layout,
-                experts="torch",
-                params_dtype=dtype,
-                device=dev,
-                max_num_tokens=4,
+            layer, w13, w2 = loaded_layer(
+                E, K, H, I, dtype, dev, seed=3, backend=backend, layout=layout, max_num_tokens=4
             )
-            w13, w2 = full_weights(E, H, I, dtype, dev, seed=3)
-            layer.load_experts(w13, w2)
             T = [13, 0, 4, 1][rank % 4]  # 4, 0, 1 and 1 chunks
             x, logits = rank_tokens(rank, T, H, E, dtype, dev, seed=3)
             out = layer(x, logits)
@@ -166,20 +153,9 @@ def check_variants(rank, world, device="cpu", dtype_name="float32"):
     for name, (kwargs, K) in cases.items():
         for backend, layout in backends_and_layouts():
             with sweep.case(f"{name} {backend} {layout.value}"):
-                layer = epmoe.EPMoE(
-                    E,
-                    K,
-                    H,
-                    I,
-                    backend=backend,
-                    layout=layout,
-                    experts="torch",
-                    params_dtype=dtype,
-                    device=dev,
-                    **kwargs,
+                layer, w13, w2 = loaded_layer(
+                    E, K, H, I, dtype, dev, seed=5, backend=backend, layout=layout, **kwargs
                 )
-                w13, w2 = full_weights(E, H, I, dtype, dev, seed=5)
-                layer.load_experts(w13, w2)
                 x, logits = rank_tokens(rank, 6 + rank, H, E, dtype, dev, seed=5)
                 out = layer(x, logits)
                 route = {
