@@ -1,0 +1,512 @@
+"""Expert-parallel drop-ins for the MoE blocks of Hugging Face ``transformers`` models.
+
+``replace_moe_blocks(model, group=...)`` walks a model and swaps every supported MoE block
+for an ``EPMoEBlock``: the block's router (``gate``) stays in the wrapper and runs
+data-parallel (every rank scores its own tokens), the routed experts move into an
+``epmoe.EPMoE`` that keeps only this rank's shard, and the shared experts (DeepSeek-V3,
+GLM-4-MoE, Qwen2-MoE) run beside them on every rank. The wrapper takes and returns what the
+Hugging Face block did, so the rest of the model (attention, norms, caches, ``generate``)
+is untouched::
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16).to(device)
+    epmoe.init_distributed()
+    replace_moe_blocks(model)  # collective: every rank of the group calls it
+    out = model(input_ids)     # each rank its own requests; the MoE layers are collective
+
+Supported blocks (``SUPPORTED_BLOCKS``), with transformers 5.x (fused 3-D expert weights,
+router modules; targeted: 5.24) and 4.57 (one MLP module per expert, ``nn.Linear`` routers):
+
+=========================  ============  ==============================================
+block class                family        routing
+=========================  ============  ==============================================
+``MixtralSparseMoeBlock``  mixtral       softmax, top-k, renormalized
+``Qwen2MoeSparseMoeBlock`` qwen2_moe     softmax, top-k, ``norm_topk_prob``; gated
+                                         shared expert
+``Qwen3MoeSparseMoeBlock`` qwen3_moe     softmax, top-k, ``norm_topk_prob``
+``OlmoeSparseMoeBlock``    olmoe         softmax, top-k, ``norm_topk_prob``
+``DeepseekV3MoE``          deepseek_v3   sigmoid, grouped top-k (``n_group``,
+                                         ``topk_group``), ``e_score_correction_bias``,
+                                         ``norm_topk_prob``, ``routed_scaling_factor``;
+                                         shared experts
+``Glm4MoeMoE``             glm4_moe      as deepseek_v3
+=========================  ============  ==============================================
+
+Only classes defined by ``transformers`` itself match (not ``trust_remote_code`` copies,
+whose code differs). ``transformers`` is imported when a block is wrapped, never when this
+module is imported.
+
+Shape legend: B batch · S sequence · T = B·S tokens on this rank · H hidden · I expert
+intermediate size · E routed experts · K top-k.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from epmoe.layer import EPMoE
+from epmoe.placement import ExpertPlacement
+
+__all__ = ["SUPPORTED_BLOCKS", "EPMoEBlock", "HFMoESpec", "replace_moe_blocks"]
+
+INSTALL_HINT = 'pip install "epmoe[hf]"'
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one Hugging Face MoE block class is built and routes."""
+
+    name: str
+    scoring: str  # "softmax" (softmax top-k) or "deepseek" (sigmoid, grouped, biased, scaled)
+    renormalize_field: str | None  # config field saying whether to renormalize; None: always
+    shared: str  # "none", "plain" (`shared_experts`, added) or "gated" (Qwen2-MoE)
+    v4_returns_router_logits: bool  # transformers 4.x forward returns (hidden, logits)
+
+
+_FAMILIES: dict[str, _Family] = {
+    "MixtralSparseMoeBlock": _Family("mixtral", "softmax", None, "none", True),
+    "Qwen2MoeSparseMoeBlock": _Family("qwen2_moe", "softmax", "norm_topk_prob", "gated", True),
+    "Qwen3MoeSparseMoeBlock": _Family("qwen3_moe", "softmax", "norm_topk_prob", "none", True),
+    "OlmoeSparseMoeBlock": _Family("olmoe", "softmax", "norm_topk_prob", "none", True),
+    "DeepseekV3MoE": _Family("deepseek_v3", "deepseek", "norm_topk_prob", "plain", False),
+    "Glm4MoeMoE": _Family("glm4_moe", "deepseek", "norm_topk_prob", "plain", False),
+}
+
+SUPPORTED_BLOCKS: tuple[str, ...] = tuple(_FAMILIES)
+"""Class names of the Hugging Face MoE blocks ``EPMoEBlock`` can replace."""
+
+# Hugging Face `hidden_act` → epmoe activation (`act(gate) * up`); gelu is the exact (erf) one.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
+
+# EPMoE arguments that the wrapper reads from the Hugging Face block and config.
+_FROM_BLOCK = frozenset(
+    {
+        "num_experts",
+        "top_k",
+        "hidden_size",
+        "intermediate_size",
+        "activation",
+        "renormalize",
+        "scoring_func",
+        "num_expert_group",
+        "topk_group",
+        "e_score_correction_bias",
+        "routed_scaling_factor",
+        "apply_router_weight_on_input",
+        "shared_experts",
+    }
+)
+
+PlacementArg = str | ExpertPlacement | Callable[[str], "str | ExpertPlacement"]
+
+
+@dataclass(frozen=True)
+class HFMoESpec:
+    """What ``EPMoEBlock`` read from a Hugging Face MoE block and its config.
+
+    ``expert_layout`` is ``"fused"`` (transformers 5: ``experts.gate_up_proj [E, 2I, H]``,
+    ``experts.down_proj [E, H, I]``) or ``"per_expert"`` (transformers 4: an
+    ``nn.ModuleList`` of MLPs with ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/
+    ``down_proj``). ``returns_router_logits``: the block's forward returns ``(hidden
+    [B, S, H], router_logits [T, E])`` instead of the hidden states alone.
+    """
+
+    block_class: str
+    family: str
+    num_experts: int  # E
+    top_k: int  # K
+    hidden_size: int  # H
+    intermediate_size: int  # I
+    activation: str
+    renormalize: bool
+    scoring_func: str
+    num_expert_group: int | None
+    topk_group: int | None
+    routed_scaling_factor: float
+    shared_experts: str  # "none", "plain" or "gated"
+    expert_layout: str  # "fused" or "per_expert"
+    returns_router_logits: bool
+
+
+def _require_transformers() -> int:
+    """Import transformers (lazily) and return its major version."""
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError as exc:
+        raise ImportError(
+            f"epmoe.integrations.huggingface needs the transformers package: {INSTALL_HINT} "
+            "(or pip install transformers)"
+        ) from exc
+    return int(str(transformers.__version__).split(".")[0])
+
+
+def _family_of(module: nn.Module) -> _Family | None:
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return None  # our own wrappers, user modules, trust_remote_code copies
+    return _FAMILIES.get(cls.__name__)
+
+
+def _unsupported(module: nn.Module, what: str) -> ValueError:
+    return ValueError(
+        f"cannot wrap {type(module).__name__}: {what}. EPMoEBlock supports the transformers "
+        f"classes {', '.join(SUPPORTED_BLOCKS)} as defined by transformers 4.57 and 5.x"
+    )
+
+
+# ---------------------------------------------------------------------- expert weights
+_PROJ_NAMES = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
+
+
+def _mlp_projections(mlp: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+    """(gate, up, down) Linear layers of a bias-free gated MLP, or None."""
+    for names in _PROJ_NAMES:
+        projs = [getattr(mlp, n, None) for n in names]
+        if all(isinstance(p, nn.Linear) and p.bias is None for p in projs):
+            return projs[0], projs[1], projs[2]
+    return None
+
+
+def _expert_tensors(block: nn.Module) -> tuple[str, torch.Tensor, int]:
+    """(layout, a weight tensor for dtype/device, I) of the block's routed experts."""
+    experts = getattr(block, "experts", None)
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        flags = {
+            "is_transposed": False,
+            "is_concatenated": True,
+            "has_bias": False,
+            "has_gate": True,
+        }
+        odd = [
+            f"{k}={getattr(experts, k)}" for k, v in flags.items() if getattr(experts, k, v) != v
+        ]
+        if odd:
+            raise _unsupported(
+                block, f"its experts use a weight layout epmoe does not read ({odd})"
+            )
+        w13, w2 = experts.gate_up_proj, experts.down_proj
+        if w13.dim() != 3 or w2.dim() != 3 or w13.shape[1] != 2 * w2.shape[2]:
+            raise _unsupported(
+                block,
+                f"experts.gate_up_proj {tuple(w13.shape)} and down_proj {tuple(w2.shape)} are "
+                "not [E, 2I, H] and [E, H, I]",
+            )
+        return "fused", w13, w2.shape[2]
+    if isinstance(experts, nn.ModuleList) and len(experts) > 0:
+        projs = [_mlp_projections(m) for m in experts]
+        if any(p is None for p in projs):
+            raise _unsupported(block, "an expert is not a bias-free gated MLP")
+        return "per_expert", projs[0][0].weight, projs[0][0].weight.shape[0]
+    raise _unsupported(block, f"its experts ({type(experts).__name__}) have no known layout")
+
+
+def _expert_weights_e(block: nn.Module, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13_e [2I, H], w2_e [H, I])`` of one expert of a per-expert (ModuleList) block."""
+    gate, up, down = _mlp_projections(block.experts[expert])
+    return torch.cat([gate.weight, up.weight], dim=0), down.weight
+
+
+# ---------------------------------------------------------------------- spec
+def _config_field(config, name: str, block: nn.Module):
+    if not hasattr(config, name):
+        raise ValueError(
+            f"the config passed for {type(block).__name__} has no field {name!r}; pass the "
+            "model's own config (model.config)"
+        )
+    return getattr(config, name)
+
+
+def _read_spec(block: nn.Module, config, family: _Family, tf_major: int) -> HFMoESpec:
+    gate = getattr(block, "gate", None)
+    router_w = getattr(gate, "weight", None)
+    if not isinstance(router_w, torch.Tensor) or router_w.dim() != 2:
+        raise _unsupported(block, "its router (gate) has no [E, H] weight")
+    E, H = router_w.shape
+    layout, w, I = _expert_tensors(block)
+    n_experts = w.shape[0] if layout == "fused" else len(block.experts)
+    if n_experts != E or w.shape[-1] != H:
+        raise _unsupported(
+            block, f"the router scores {E} experts of hidden size {H} but the experts differ"
+        )
+    top_k = int(_config_field(config, "num_experts_per_tok", block))
+    for owner in (block, gate):
+        seen = getattr(owner, "top_k", None)
+        if isinstance(seen, int) and seen != top_k:
+            raise ValueError(
+                f"config.num_experts_per_tok={top_k} but {type(block).__name__} was built with "
+                f"top_k={seen}; pass the config the model was built from"
+            )
+    act = _config_field(config, "hidden_act", block)
+    if act not in _ACTIVATIONS:
+        raise ValueError(
+            f"hidden_act={act!r} of {type(block).__name__} is not supported; epmoe experts "
+            f"compute act(gate) * up with act in {sorted(_ACTIVATIONS)}"
+        )
+    renormalize = (
+        True
+        if family.renormalize_field is None
+        else bool(_config_field(config, family.renormalize_field, block))
+    )
+    routing = dict(scoring_func="softmax", num_expert_group=None, topk_group=None, scale=1.0)
+    if family.scoring == "deepseek":
+        routing = dict(
+            scoring_func="sigmoid",
+            num_expert_group=int(_config_field(config, "n_group", block)),
+            topk_group=int(_config_field(config, "topk_group", block)),
+            scale=float(_config_field(config, "routed_scaling_factor", block)),
+        )
+    return HFMoESpec(
+        block_class=type(block).__name__,
+        family=family.name,
+        num_experts=E,
+        top_k=top_k,
+        hidden_size=H,
+        intermediate_size=I,
+        activation=_ACTIVATIONS[act],
+        renormalize=renormalize,
+        scoring_func=routing["scoring_func"],
+        num_expert_group=routing["num_expert_group"],
+        topk_group=routing["topk_group"],
+        routed_scaling_factor=routing["scale"],
+        shared_experts=family.shared,
+        expert_layout=layout,
+        returns_router_logits=tf_major < 5 and family.v4_returns_router_logits,
+    )
+
+
+class _GatedSharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert: ``sigmoid(gate(x)) · expert(x)``, ``[T, H] → [T, H]``."""
+
+    def __init__(self, expert: nn.Module, gate: nn.Module) -> None:
+        super().__init__()
+        self.expert, self.gate = expert, gate
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.gate(x_TH)) * self.expert(x_TH)
+
+
+def _shared_experts(block: nn.Module, spec: HFMoESpec) -> nn.Module | None:
+    if spec.shared_experts == "none":
+        return None
+    if spec.shared_experts == "plain":
+        shared = getattr(block, "shared_experts", None)
+        if not isinstance(shared, nn.Module):
+            raise _unsupported(block, "it has no shared_experts module")
+        return shared
+    expert = getattr(block, "shared_expert", None)
+    gate = getattr(block, "shared_expert_gate", None)
+    if not isinstance(expert, nn.Module) or not isinstance(gate, nn.Module):
+        raise _unsupported(block, "it has no shared_expert and shared_expert_gate modules")
+    return _GatedSharedExpert(expert, gate)
+
+
+# ---------------------------------------------------------------------- the wrapper
+class EPMoEBlock(nn.Module):
+    """A Hugging Face MoE block whose routed experts run expert-parallel in an ``EPMoE``.
+
+    Built from one supported block (``SUPPORTED_BLOCKS``) and the model's config; the block
+    itself is not modified (``replace_moe_blocks`` releases its experts afterwards).
+
+    * ``gate``: the block's own router module, kept as is and run on this rank's tokens
+      (data-parallel). On transformers 5 it is called like the block calls it, so
+      ``output_router_logits=True`` still records its logits.
+    * ``moe``: an ``EPMoE`` with the block's routing (top-k, scoring, renormalization,
+      grouped top-k, correction bias, scaling read from the config and router) holding this
+      rank's shard of the experts, loaded from the block; its ``shared_experts`` are the
+      block's shared experts (Qwen2-MoE's with their sigmoid gate), run on every rank.
+    * ``spec``: the ``HFMoESpec`` read from the block.
+
+    ``forward(hidden_states [B, S, H])`` returns what the Hugging Face block returns: the
+    output ``[B, S, H]`` in the input dtype, or with transformers 4.x for the softmax
+    families ``(output [B, S, H], router_logits [B·S, E])``. Any leading shape works
+    (``[T, H]`` too). Collective over the EP group like ``EPMoE.forward``: every rank calls
+    it the same number of times, also with no tokens (``S = 0``).
+
+    Inference only: the expert weights take no gradients and Mixtral's training-time router
+    jitter is not applied.
+
+    Args:
+        block: the Hugging Face MoE block; its expert weights must be materialised (not on
+            the meta device) on the device the layer should run on.
+        config: the model's (text) config; defaults to ``block.config`` where blocks keep one.
+        group, placement, backend, experts: as for ``EPMoE``.
+        **moe_kwargs: further ``EPMoE`` arguments (``max_num_tokens``, ``layout``,
+            ``params_dtype`` (default: the expert weights' dtype), ``device`` (default:
+            theirs), ``load_window``, ``prefer_local_replica``). Routing arguments come from
+            the block and may not be passed.
+    """
+
+    def __init__(
+        self,
+        block: nn.Module,
+        config=None,
+        *,
+        group: dist.ProcessGroup | None = None,
+        placement: str | ExpertPlacement = "linear",
+        backend: str = "auto",
+        experts: str = "auto",
+        **moe_kwargs,
+    ) -> None:
+        super().__init__()
+        tf_major = _require_transformers()
+        family = _family_of(block)
+        if family is None:
+            raise TypeError(
+                f"EPMoEBlock wraps a transformers MoE block ({', '.join(SUPPORTED_BLOCKS)}), "
+                f"got {type(block).__module__}.{type(block).__name__}"
+            )
+        fixed = sorted(_FROM_BLOCK.intersection(moe_kwargs))
+        if fixed:
+            raise TypeError(
+                f"EPMoEBlock reads {fixed} from the Hugging Face block and its config; do not "
+                "pass them (change the model's config instead)"
+            )
+        if config is None:
+            config = getattr(block, "config", None)
+            if config is None:
+                raise ValueError(
+                    f"{type(block).__name__} keeps no config; pass config=model.config"
+                )
+        spec = _read_spec(block, config, family, tf_major)
+        _, weight, _ = _expert_tensors(block)
+        if weight.device.type == "meta":
+            raise ValueError(
+                f"the expert weights of {spec.block_class} are on the meta device; load the "
+                "checkpoint (and move the model to its device) before replacing the block"
+            )
+        moe_kwargs.setdefault("params_dtype", weight.dtype)
+        moe_kwargs.setdefault("device", weight.device)
+
+        self.spec = spec
+        self.gate = block.gate
+        # transformers 4.x DeepSeek-V3 / GLM-4-MoE routers return (ids, weights), not
+        # logits: compute the logits as they do (a float32 linear) instead of calling them.
+        self._logits_from_weight = family.scoring == "deepseek" and tf_major < 5
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if family.scoring == "deepseek" and not isinstance(bias, torch.Tensor):
+            raise _unsupported(block, "its router has no e_score_correction_bias")
+        self.moe = EPMoE(
+            spec.num_experts,
+            spec.top_k,
+            spec.hidden_size,
+            spec.intermediate_size,
+            group=group,
+            placement=placement,
+            backend=backend,
+            experts=experts,
+            activation=spec.activation,
+            renormalize=spec.renormalize,
+            scoring_func=spec.scoring_func,
+            num_expert_group=spec.num_expert_group,
+            topk_group=spec.topk_group,
+            e_score_correction_bias=bias.detach() if family.scoring == "deepseek" else None,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            shared_experts=_shared_experts(block, spec),
+            **moe_kwargs,
+        )
+        self._load_experts(block)
+
+    @torch.no_grad()
+    def _load_experts(self, block: nn.Module) -> None:
+        """Copy this rank's experts from ``block`` (only the local shard is materialised)."""
+        if self.spec.expert_layout == "fused":
+            self.moe.load_experts(block.experts.gate_up_proj, block.experts.down_proj)
+            return
+        for expert in sorted(set(self.moe.local_experts)):
+            self.moe.load_expert(expert, *_expert_weights_e(block, expert))
+
+    def router_logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` → router logits ``[T, E]``, computed as the Hugging Face block does."""
+        if self._logits_from_weight:
+            return F.linear(hidden_TH.float(), self.gate.weight.float())
+        out = self.gate(hidden_TH)
+        return out if isinstance(out, torch.Tensor) else out[0]
+
+    def forward(self, hidden_states: torch.Tensor):
+        shape = hidden_states.shape
+        x_TH = hidden_states.reshape(-1, shape[-1])
+        logits_TE = self.router_logits(x_TH)
+        out = self.moe(x_TH, logits_TE).view(shape)
+        return (out, logits_TE) if self.spec.returns_router_logits else out
+
+    def extra_repr(self) -> str:
+        return f"family={self.spec.family}, returns_router_logits={self.spec.returns_router_logits}"
+
+
+# ---------------------------------------------------------------------- model surgery
+def replace_moe_blocks(
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup | None = None,
+    placement: PlacementArg = "linear",
+    backend: str = "auto",
+    experts: str = "auto",
+    config=None,
+    **moe_kwargs,
+) -> int:
+    """Swap every supported MoE block of ``model`` for an ``EPMoEBlock``, in place.
+
+    Collective: every rank of ``group`` calls it on the same model (same architecture and
+    weights) and replaces the same blocks in the same order. Each replaced block's routed
+    experts are released (``block.experts`` is set to ``None``), so after the call a rank
+    holds only its shard of every MoE layer (plus the router and shared experts).
+
+    Args:
+        model: a transformers model (or any module containing supported blocks).
+        group, backend, experts, **moe_kwargs: as for ``EPMoEBlock``.
+        placement: ``"linear"``, ``"round_robin"``, an ``ExpertPlacement`` used for every
+            layer, or a function ``qualified_block_name -> placement`` (per-layer EPLB
+            placements, e.g. ``"model.layers.3.mlp"``).
+        config: defaults to ``model.config`` (its text config for composite configs).
+
+    Returns:
+        How many blocks were replaced (at least 1).
+
+    Raises:
+        ValueError: no supported MoE block was found (the message lists the supported
+            classes, and says so when the model was already converted). Blocks of other
+            classes are left alone, so a model mixing supported and unsupported MoE blocks
+            is converted only partly: check the returned count.
+    """
+    _require_transformers()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if config is None:
+        config = getattr(model, "config", None)
+        if config is not None and callable(getattr(config, "get_text_config", None)):
+            config = config.get_text_config()
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if name and _family_of(module) is not None
+    ]
+    if not found:
+        done = sum(isinstance(m, EPMoEBlock) for m in model.modules())
+        note = f" (it already holds {done} EPMoEBlock(s))" if done else ""
+        raise ValueError(
+            f"no supported MoE block in {type(model).__name__}{note}; replace_moe_blocks "
+            f"handles the transformers classes {', '.join(SUPPORTED_BLOCKS)}"
+        )
+    for name, block in found:
+        per_layer = callable(placement) and not isinstance(placement, (str, ExpertPlacement))
+        where = placement(name) if per_layer else placement
+        wrapped = EPMoEBlock(
+            block,
+            config,
+            group=group,
+            placement=where,
+            backend=backend,
+            experts=experts,
+            **moe_kwargs,
+        )
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, wrapped)
+        block.experts = None  # release the full expert weights now
+    return len(found)

@@ -1,0 +1,234 @@
+"""``epmoe.integrations.huggingface``: EPMoE as a drop-in for Hugging Face MoE blocks.
+
+Every supported family is built tiny from a config (no downloads, ``tests/dist/hf_cases.py``),
+run, converted with ``replace_moe_blocks`` and run again: the logits must agree to 1e-5 in
+float32. The multi-rank test wraps one block on 2 gloo ranks and checks every rank's output
+against the original block on that rank's own tokens. Skipped without ``transformers``.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epmoe.integrations import huggingface as hf
+from epmoe.reference import TOLERANCES, assert_close
+from tests.dist import hf_cases
+from tests.harness import REPO_ROOT, requires_world, run_on_ranks
+from tests.harness import test_device as device_under_test
+
+pytest.importorskip("transformers")
+
+FAMILIES = list(hf_cases.FAMILIES)
+
+
+def _input_ids(batch: int = 2, seq: int = 7, seed: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, hf_cases.COMMON["vocab_size"], (batch, seq), generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replaced_model_matches_hf_logits(family):
+    model = hf_cases.tiny_model(family)
+    reference = copy.deepcopy(model)
+    names = hf_cases.moe_block_names(model)
+    assert len(names) == 2, names  # both layers are MoE layers in the tiny configs
+
+    replaced = hf.replace_moe_blocks(model)
+
+    assert replaced == 2
+    for name in names:
+        wrapped = model.get_submodule(name)
+        assert isinstance(wrapped, hf.EPMoEBlock)
+        assert wrapped.spec.family == family
+        assert wrapped.moe.ep_size == 1 and wrapped.moe.local_experts == list(
+            range(wrapped.spec.num_experts)
+        )
+    assert not hf_cases.moe_block_names(model), "an original MoE block is still in the model"
+    ids = _input_ids()
+    with torch.no_grad():
+        out, ref = model(ids).logits, reference(ids).logits
+    assert ref.abs().max() > 0.5  # the tiny model computes something non-trivial
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_contract_matches_hf(family):
+    """Same return type (tuple with router logits on transformers 4.x, tensor on 5.x), shape
+    and dtype as the Hugging Face block; also for a [T, H] input and zero tokens."""
+    model = hf_cases.tiny_model(family)
+    block = model.get_submodule(hf_cases.moe_block_names(model)[0])
+    wrapped = hf.EPMoEBlock(copy.deepcopy(block), model.config)
+    g = torch.Generator().manual_seed(11)
+    cases = {
+        "B=2 S=5": torch.randn(2, 5, 32, generator=g),
+        "S=0": torch.randn(1, 0, 32),
+    }
+    for what, x in cases.items():
+        with torch.no_grad():
+            out, ref = wrapped(x), block(x)
+        assert type(out) is type(ref), what
+        if isinstance(ref, tuple):
+            assert wrapped.spec.returns_router_logits
+            torch.testing.assert_close(out[1], ref[1], rtol=0, atol=0)
+            out, ref = out[0], ref[0]
+        assert out.shape == ref.shape and out.dtype == ref.dtype, what
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        if x.numel():  # the MoE output itself is checked, not a residual around it
+            assert ref.abs().max() > 0.1, what
+
+
+def test_greedy_generate_matches_hf():
+    model = hf_cases.tiny_model("mixtral")
+    reference = copy.deepcopy(model)
+    hf.replace_moe_blocks(model)
+    ids = _input_ids(batch=1, seq=6)
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+        ref_tokens = reference.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, ref_tokens)
+
+
+def test_output_router_logits_matches_hf():
+    """transformers 5 records the router's logits (kept in the wrapper) and the aux loss."""
+    if hf_cases.transformers_major() < 5:
+        pytest.skip("transformers 4.x records router logits from the original block class")
+    model = hf_cases.tiny_model("qwen3_moe")
+    reference = copy.deepcopy(model)
+    hf.replace_moe_blocks(model)
+    ids = _input_ids(batch=1, seq=6)
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+        ref = reference(ids, output_router_logits=True)
+    assert len(out.router_logits) == len(ref.router_logits) == 2
+    for a, b in zip(out.router_logits, ref.router_logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss)
+
+
+def test_bfloat16_model_within_bf16_tolerance():
+    model = hf_cases.tiny_model("deepseek_v3", dtype=torch.bfloat16)
+    reference = copy.deepcopy(model)
+    hf.replace_moe_blocks(model)
+    wrapped = model.get_submodule(hf_cases.moe_block_names(reference)[0])
+    assert wrapped.moe.w13.dtype == torch.bfloat16  # params_dtype follows the checkpoint
+    with torch.no_grad():
+        out, ref = model(_input_ids()).logits, reference(_input_ids()).logits
+    assert out.dtype == torch.bfloat16
+    assert_close(out.float(), ref.float(), TOLERANCES[torch.bfloat16])
+
+
+def test_per_layer_placement_and_moe_kwargs_pass_through():
+    model = hf_cases.tiny_model("qwen3_moe")
+    seen = []
+
+    def placement(name: str) -> str:
+        seen.append(name)
+        return "round_robin"
+
+    hf.replace_moe_blocks(model, placement=placement, experts="torch", max_num_tokens=4)
+    assert seen == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    moe = model.get_submodule(seen[0]).moe
+    assert moe.max_num_tokens == 4 and moe.experts.name == "torch"
+
+
+def test_original_experts_are_released():
+    model = hf_cases.tiny_model("mixtral")
+    name = hf_cases.moe_block_names(model)[0]
+    block = model.get_submodule(name)
+    hf.replace_moe_blocks(model)
+    assert block.experts is None
+    assert model.get_submodule(name).gate is block.gate  # the router is kept, not copied
+
+
+# ---------------------------------------------------------------------- errors
+def test_no_supported_block_raises_listing_supported():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=8,
+    )  # fmt: skip
+    dense = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="no supported MoE block.*MixtralSparseMoeBlock"):
+        hf.replace_moe_blocks(dense)
+
+
+def test_converting_twice_says_already_converted():
+    model = hf_cases.tiny_model("olmoe")
+    hf.replace_moe_blocks(model)
+    with pytest.raises(ValueError, match=r"already holds 2 EPMoEBlock"):
+        hf.replace_moe_blocks(model)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(top_k=1), TypeError, "reads .*top_k"),
+        (dict(shared_experts=torch.nn.Identity()), TypeError, "shared_experts"),
+    ],
+    ids=["routing kwarg", "shared_experts kwarg"],
+)
+def test_block_options_cannot_be_overridden(kwargs, error, match):
+    model = hf_cases.tiny_model("mixtral")
+    block = model.get_submodule(hf_cases.moe_block_names(model)[0])
+    with pytest.raises(error, match=match):
+        hf.EPMoEBlock(block, model.config, **kwargs)
+
+
+def test_bad_blocks_and_configs_raise_clearly():
+    model = hf_cases.tiny_model("mixtral")
+    block = model.get_submodule(hf_cases.moe_block_names(model)[0])
+    with pytest.raises(TypeError, match="wraps a transformers MoE block"):
+        hf.EPMoEBlock(torch.nn.Linear(4, 4), model.config)
+    if getattr(block, "config", None) is None:
+        with pytest.raises(ValueError, match="pass config=model.config"):
+            hf.EPMoEBlock(block)
+    bad = copy.deepcopy(model.config)
+    bad.hidden_act = "gelu_pytorch_tanh"
+    with pytest.raises(ValueError, match="hidden_act='gelu_pytorch_tanh'"):
+        hf.EPMoEBlock(block, bad)
+    bad = copy.deepcopy(model.config)
+    bad.num_experts_per_tok = 3
+    with pytest.raises(ValueError, match="num_experts_per_tok=3"):
+        hf.EPMoEBlock(block, bad)
+    meta = copy.deepcopy(block).to("meta")
+    with pytest.raises(ValueError, match="meta device"):
+        hf.EPMoEBlock(meta, model.config)
+
+
+def test_import_is_lazy_and_missing_transformers_is_explained():
+    code = (
+        "import sys, epmoe.integrations.huggingface as h\n"
+        "assert 'transformers' not in sys.modules, 'imported transformers'\n"
+        "sys.modules['transformers'] = None\n"
+        "try:\n"
+        "    h.replace_moe_blocks(None)\n"
+        "except ImportError as e:\n"
+        "    assert 'epmoe[hf]' in str(e), e\n"
+        "else:\n"
+        "    raise SystemExit('no ImportError')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+
+
+# ---------------------------------------------------------------------- 2 ranks
+@pytest.mark.parametrize("world", [2], ids=["W=2"])
+def test_block_across_ranks_matches_hf_on_each_ranks_tokens(world):
+    requires_world(world)
+    dtype = "bfloat16" if device_under_test() == "cuda" else "float32"
+    passed = run_on_ranks(
+        hf_cases.check_blocks_match_hf,
+        world,
+        device_under_test(),
+        dtype,
+        families=["mixtral", "qwen2_moe", "deepseek_v3"],
+    )
+    assert passed == [6] * world
