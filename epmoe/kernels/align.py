@@ -17,8 +17,11 @@ Three launches, no host synchronisation (see ``ops.align_pairs``):
 import triton
 import triton.language as tl
 
+# Row and pair counts change with every batch: no per-value specialisation (see
+# grouped_gemm.ROW_COUNT_ARGS), so a serving loop does not recompile as batches vary.
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["num_pairs"])
 def count_pairs_kernel(
     # pointers
     topk_ids_ptr,  # [P] int32/int64: local slot of pair p = r·K + k; outside [0, e): not local
@@ -40,7 +43,7 @@ def count_pairs_kernel(
     tl.store(rank_ptr + offs, rank, mask=local)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def block_table_kernel(
     # pointers
     counts_ptr,  # [e] int32: pairs per expert (from count_pairs_kernel)
@@ -89,7 +92,7 @@ def block_table_kernel(
     tl.store(sorted_pairs_ptr + pos, sentinel, mask=b_mask[:, None] & is_pad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def scatter_pairs_kernel(
     # pointers
     topk_ids_ptr,  # [P] int32/int64: local slot per pair (as for count_pairs_kernel)

@@ -26,6 +26,11 @@ accumulator, through ``_rescale`` (one register tile per accumulator, as in bf16
 import triton
 import triton.language as tl
 
+# Sizes that change with every batch: Triton would otherwise compile a variant per value
+# class (== 1, divisible by 16) of each, i.e. recompile as the batch size moves while
+# serving; they only bound loops and masks, so specialising on them gains nothing.
+ROW_COUNT_ARGS = ["num_pairs", "capacity", "num_m_blocks"]
+
 
 @triton.jit
 def _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
@@ -74,7 +79,7 @@ def _rescale(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def gate_up_kernel(
     # pointers
     x_ptr,  # Standard: [R, H] hidden rows; Batched: [e, C, H]; bf16/fp16/fp32 or fp8
@@ -259,7 +264,7 @@ def gate_up_kernel(
         tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def down_kernel(
     # pointers
     h_ptr,  # Standard: [P_pad, I] by padded position; Batched: [e, C, I]

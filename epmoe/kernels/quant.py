@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def per_token_group_quant_kernel(
     # pointers
     x_ptr,  # [M, D] input rows (unit column stride)
