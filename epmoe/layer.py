@@ -351,6 +351,19 @@ class EPMoE(nn.Module):
         expert_out = self.experts(result, self.expert_weights())
         return self.comm.combine(expert_out, result)
 
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.cuda()``, ``.half()`` … : the backend, maps and buffers were built
+        for one device and dtype, so moving only the weights would break them silently.
+        A conversion that would change either is refused before anything moves; build the
+        layer where it runs (``device=``, ``params_dtype=``)."""
+        probe = fn(torch.empty(0, dtype=self.params_dtype, device=self.device))
+        if probe.device != self.device or probe.dtype != self.params_dtype:
+            raise RuntimeError(
+                f"EPMoE lives on {self.device} in {self.params_dtype} and cannot be moved to "
+                f"{probe.device} / {probe.dtype}: build it with device= and params_dtype="
+            )
+        return super()._apply(fn, recurse)
+
     def extra_repr(self) -> str:
         return (
             f"E={self.num_experts}, K={self.top_k}, H={self.hidden_size}, "
