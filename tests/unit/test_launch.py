@@ -1,0 +1,41 @@
+"""The launch path users start with: the torchrun wrapper and the README's demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import epmoe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_init_distributed_without_torchrun_is_single_process(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    assert epmoe.init_distributed() is None
+    with pytest.raises(ValueError, match="timeout_s"):
+        epmoe.init_distributed(timeout_s=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU demo; the GPU tier runs its own")
+def test_demo_serves_on_two_gloo_ranks_and_matches_the_oracle():
+    """The README's first command, shortened: 2 ranks, 1 layer, a few steps."""
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "demo.py"), "--nproc", "2",
+           "--num-layers", "1", "--steps", "6", "--max-batch", "16"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "2 rank(s) on cpu" in out, out
+    assert re.search(r"[\d,]+ tokens/s", out), out
+    error = float(re.search(r"oracle: ([0-9.e+-]+)", out).group(1))
+    assert error < 1e-5, out
+    loads = [int(n) for n in re.findall(r"rank \d+: (\d+)", out)]
+    assert len(loads) == 2 and all(n > 0 for n in loads), out
