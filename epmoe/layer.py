@@ -125,7 +125,8 @@ class EPMoE(nn.Module):
             placement = builders[placement](num_experts, self.ep_size)
         self._check_placement(placement)
         self.placement = placement
-        self._maps = placement.maps_on(self.device)
+        # build the device maps now, so no forward (or graph capture) copies them over
+        placement.maps_on(self.device)
 
         if isinstance(layout, str):
             choices = [x.value for x in Layout]

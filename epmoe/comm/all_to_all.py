@@ -71,14 +71,13 @@ class AllToAllBackend(AllToAll):
     def __init__(self, spec, group, layout=None):
         super().__init__(spec, group, layout)
         offs = spec.rank_offsets
-        sizes = torch.tensor([b - a for a, b in zip(offs, offs[1:])])
-        # owner_P[p]: the rank holding physical expert p (physical ids are rank-major)
-        self._owner_P = torch.repeat_interleave(torch.arange(self.world_size), sizes).to(
-            spec.device
-        )
-        self._offsets_W = torch.tensor(offs[:-1], dtype=torch.int64, device=spec.device)
-        self._rank_sizes = [b - a for a, b in zip(offs, offs[1:])]
+        self._rank_sizes = [spec.num_local(r) for r in range(self.world_size)]
         self._num_local = self._rank_sizes[self.rank]
+        # owner_P[p]: the rank holding physical expert p (physical ids are rank-major)
+        self._owner_P = torch.repeat_interleave(
+            torch.arange(self.world_size), torch.tensor(self._rank_sizes)
+        ).to(spec.device)
+        self._offsets_W = torch.tensor(offs[:-1], dtype=torch.int64, device=spec.device)
 
     # ---------------------------------------------------------------- Standard layout
     def _dispatch_standard(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:

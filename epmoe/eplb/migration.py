@@ -292,7 +292,7 @@ def rebalance_layer(layer: EPMoE, new_placement: ExpertPlacement) -> MigrationSt
         layer.comm.close()
         layer.comm = create_backend(backend_name, spec, group, layout)
     layer.placement = new_placement
-    layer._maps = new_placement.maps_on(layer.device)
+    new_placement.maps_on(layer.device)  # device maps built before the next forward
     layer._loaded = torch.ones(mine.num_new, dtype=torch.bool)
     if layer.load_recorder is not None:
         layer.load_recorder.reset(new_placement.num_physical)
