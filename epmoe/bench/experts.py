@@ -284,7 +284,7 @@ def _measure(problem, args, dtype: str, weights, cfg, impl: str) -> dict[str, An
         x, xs = _inputs(problem, dtype)
         out_dtype = torch.bfloat16 if dtype == "fp8" else x.dtype
         ids, tw, e = problem.topk_ids, problem.topk_weights, args.local_experts
-        aligned = ops.align_pairs(ids, e, cfg.block_m)
+        aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail)
 
         def gemms():
             y, ys = ops.gate_up(x, w13, aligned, cfg, args.activation, xs, s13)
@@ -292,8 +292,9 @@ def _measure(problem, args, dtype: str, weights, cfg, impl: str) -> dict[str, An
 
         gemm_ms = _ms(gemms, args)
         rec.update(R=problem.R, pairs=problem.N, tflops=flops / ms / 1e9)
+        rec["weight_bytes"] = sum(t.numel() * t.element_size() for t in weights if t is not None)
         rec.update(gemm_ms=gemm_ms, gemm_tflops=flops / gemm_ms / 1e9)
-        rec["align_ms"] = _ms(lambda: ops.align_pairs(ids, e, cfg.block_m), args)
+        rec["align_ms"] = _ms(lambda: ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail), args)
         # Per-step times and the padding of the aligned rows: where the layer's time goes.
         y, ys = ops.gate_up(x, w13, aligned, cfg, args.activation, xs, s13)
         z = ops.down(y, w2, aligned, cfg, out_dtype, ys, s2, tw)
@@ -334,12 +335,33 @@ def _dense_ms(N: int, H: int, I: int, device: torch.device, args) -> float:
     return _ms(lambda: (a @ b1, h @ b2), args)
 
 
+def _dense_fp8_ms(N: int, H: int, I: int, device: torch.device, args) -> float:
+    """``_dense_ms`` in FP8 e4m3 (``torch._scaled_mm``, per-tensor scales, bf16 out)."""
+    f8 = torch.float8_e4m3fn
+    one = torch.ones((), device=device)
+    a = torch.randn(N, H, device=device).to(f8)
+    b1 = torch.randn(2 * I, H, device=device).to(f8).t()  # column-major, as cuBLASLt needs
+    h = torch.randn(N, I, device=device).to(f8)
+    b2 = torch.randn(H, I, device=device).to(f8).t()
+
+    def run():
+        kw = dict(scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(a, b1, **kw), torch._scaled_mm(h, b2, **kw)
+
+    return _ms(run, args)
+
+
 def _prefill_baselines(p: _Prefill, w13, w2, args) -> list[dict[str, Any]]:
     H, I = args.hidden, args.intermediate
     flops = p.flops(args)
     dev = w13.device
     ms = _dense_ms(p.N, H, I, dev, args)
     recs: list[dict[str, Any]] = [{"impl": "dense bf16 mm", "ms": ms, "tflops": flops / ms / 1e9}]
+    try:  # the FP8 tensor-core rate: the compute ceiling of the FP8 layer
+        ms = _dense_fp8_ms(p.N, H, I, dev, args)
+        recs.append({"impl": "dense fp8 scaled_mm", "ms": ms, "tflops": flops / ms / 1e9})
+    except Exception as exc:  # no FP8 GEMM in this torch / on this GPU
+        recs.append({"impl": "dense fp8 scaled_mm", "error": repr(exc)[:200]})
 
     def act(gu):
         gate, up = gu[..., :I], gu[..., I:]
@@ -449,13 +471,14 @@ def _sweep_space(dtype: str, block_m: int, which: str) -> list[Any]:
     return list(dict.fromkeys(out))
 
 
-def _sweep_block_ms(problem, dtype: str, base_block_m: int) -> list[int]:
-    """Row block sizes to try, the default first."""
+def _sweep_block_ms(problem, dtype: str, base: Any) -> list[tuple[int, bool]]:
+    """(block_m, half_tail) row blockings to try, the default first."""
     if problem.layout == "batched":
-        options = [16, 32, 64]
-    else:  # ≈128 rows per expert: 128-row tiles (fewer weight re-reads) or 64 (less padding)
-        options = [128, 64]
-    return list(dict.fromkeys([base_block_m, *options]))
+        options = [(16, False), (32, False), (64, False)]
+    else:  # ≈128 rows per expert: 128-row tiles (fewer weight re-reads) with or without
+        # half-height tails, or 64 (less padding)
+        options = [(128, True), (128, False), (64, False)]
+    return list(dict.fromkeys([(base.block_m, base.half_tail), *options]))
 
 
 def _sweep(problem, args, dtype: str, weights, budget_s: float):
@@ -487,23 +510,23 @@ def _sweep(problem, args, dtype: str, weights, budget_s: float):
         records.append({**tag, "ms": ms})
         return ms
 
-    block_ms = _sweep_block_ms(problem, dtype, seeds[0].block_m)
+    block_ms = _sweep_block_ms(problem, dtype, seeds[0])
     start, slice_s = time.monotonic(), budget_s / len(block_ms)
-    for i, block_m in enumerate(block_ms):
+    for i, (block_m, half) in enumerate(block_ms):
         # Each block_m gets an equal slice of the budget, half for each GEMM; the default
         # tiling of each GEMM is always timed.
         gu_deadline = start + slice_s * (i + 0.5)
         dn_deadline = start + slice_s * (i + 1)
-        seed = next((c for c in seeds if c.block_m == block_m), None)
+        seed = next((c for c in seeds if (c.block_m, c.half_tail) == (block_m, half)), None)
         if seed is None:
-            seed = MoEConfig(block_m, *gemm_configs(dtype, block_m)[0])
-        rows = ops.align_pairs(problem.topk_ids, e, block_m) if standard else problem.counts
+            seed = MoEConfig(block_m, *gemm_configs(dtype, block_m)[0], half_tail=half)
+        rows = ops.align_pairs(problem.topk_ids, e, block_m, half) if standard else problem.counts
         gu_best, gu_ms = seed.gate_up, math.inf
         options = dict.fromkeys([seed.gate_up, *_sweep_space(dtype, block_m, "gate_up")])
         for j, gu in enumerate(options):
             if j and time.monotonic() > gu_deadline:
                 break
-            cfg = MoEConfig(block_m, gu, seed.down)
+            cfg = MoEConfig(block_m, gu, seed.down, half)
             ms = timed(
                 "gate_up",
                 cfg,
@@ -512,14 +535,14 @@ def _sweep(problem, args, dtype: str, weights, budget_s: float):
             if ms < gu_ms:
                 gu_best, gu_ms = gu, ms
         y, ys = ops.gate_up(
-            x, w13, rows, MoEConfig(block_m, gu_best, seed.down), args.activation, xs, s13
+            x, w13, rows, MoEConfig(block_m, gu_best, seed.down, half), args.activation, xs, s13
         )
         dn_best, dn_ms = seed.down, math.inf
         options = dict.fromkeys([seed.down, *_sweep_space(dtype, block_m, "down")])
         for j, dn in enumerate(options):
             if j and time.monotonic() > dn_deadline:
                 break
-            cfg = MoEConfig(block_m, gu_best, dn)
+            cfg = MoEConfig(block_m, gu_best, dn, half)
             ms = timed(
                 "down",
                 cfg,
@@ -528,7 +551,7 @@ def _sweep(problem, args, dtype: str, weights, budget_s: float):
             if ms < dn_ms:
                 dn_best, dn_ms = dn, ms
         if math.isfinite(gu_ms + dn_ms) and (best is None or gu_ms + dn_ms < best[0]):
-            best = (gu_ms + dn_ms, MoEConfig(block_m, gu_best, dn_best))
+            best = (gu_ms + dn_ms, MoEConfig(block_m, gu_best, dn_best, half))
     return (best[1] if best else None), records
 
 
@@ -554,7 +577,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     table: dict[str, dict[str, Any]] = {}
     budget_each = args.sweep_budget_s / max(1, len(dtypes) * len(names))
-    copy_bw = _copy_bandwidth(device, args) if "decode" in names else None
+    copy_bw = _copy_bandwidth(device, args) if device.type == "cuda" else None
     problems = {
         "prefill": _Prefill(args, device) if "prefill" in names else None,
         "decode": _Decode(args, device) if "decode" in names else None,
@@ -608,8 +631,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     _add_ratios(records, copy_bw)
     main_recs = [r for r in records if "sweep" not in r]
     cols = ["scenario", "dtype", "impl", "ms", "tflops", "gemm_tflops", "vs_dense",
-            "vs_grouped_mm", "vs_cublas_loop", "weight_GBps", "frac_of_copy", "fp8_speedup",
-            "config", "error"]  # fmt: skip
+            "vs_grouped_mm", "vs_cublas_loop", "roofline_ms", "vs_roofline", "weight_GBps",
+            "frac_of_copy", "fp8_speedup", "config", "error"]  # fmt: skip
     print(format_table(main_recs, [c for c in cols if any(c in r for r in main_recs)]))
     steps = [r for r in main_recs if "gate_up_ms" in r]
     if steps:  # where the prefill layer's time goes
@@ -618,6 +641,9 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(format_table(steps, [c for c in cols if any(c in r for r in steps)]))
     if copy_bw:
         print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
+        if any("weight_bytes" in r for r in records):
+            print("roofline_ms = max(expert weight bytes / copy bandwidth, dense GEMM of the same "
+                  "FLOPs in the layer's dtype); vs_roofline = roofline_ms / ms")  # fmt: skip
         records.append({"scenario": "decode", "impl": "device copy", "copy_GBps": copy_bw / 1e9})
     if args.report_kernels:
         rep = _kernel_report()
@@ -662,6 +688,13 @@ def _add_ratios(records: list[dict[str, Any]], copy_bw: float | None) -> None:
                 b = find(sc, impl)
                 if b is not None:
                     r[key] = b["ms"] / r["ms"]
+            # The hardware ceiling of this run: reading every expert weight once at the copy
+            # bandwidth, or the FLOPs at the dense tensor-core rate of the dtype, whichever
+            # takes longer (a grouped GEMM can do no better than both).
+            dense = find(sc, "dense fp8 scaled_mm" if r["dtype"] == "fp8" else "dense bf16 mm")
+            if copy_bw and dense is not None and "weight_bytes" in r:
+                r["roofline_ms"] = max(r["weight_bytes"] / copy_bw * 1e3, dense["ms"])
+                r["vs_roofline"] = r["roofline_ms"] / r["ms"]
         elif copy_bw:
             r["frac_of_copy"] = r["weight_GBps"] * 1e9 / copy_bw
         if r["dtype"] == "fp8":

@@ -1,15 +1,17 @@
 """Triton kernels that sort (row, k) pairs by local expert and pad each group to BLOCK_M.
 
 Shape legend: R received rows · K top-k · e local experts · P = R·K (row, k) pairs ·
-P_pad = padded pair positions (worst case ``P + min(e, P)·(BLOCK_M − 1)``) · B = P_pad / BLOCK_M
-GEMM row blocks.
+P_pad = padded pair positions (worst case ``P + min(e, P)·(BLOCK_M − 1)``) · B GEMM row
+blocks (worst case ``P_pad / BLOCK_M``).
 
 Three launches, no host synchronisation (see ``ops.align_pairs``):
 
 1. ``count_pairs_kernel``: histogram of pairs per expert with atomics; each pair keeps the
    slot the atomic handed it (its rank inside the expert's group; order is arbitrary).
-2. ``block_table_kernel``: every block of ``BLOCK_M`` padded positions learns its expert
-   (``-1`` past the last real block) and fills its padding positions with the sentinel.
+2. ``block_table_kernel``: pads each expert's group to a multiple of ``PAD_M`` (``BLOCK_M``,
+   or ``BLOCK_M / 2`` with half-height tail blocks), cuts it into row blocks and writes
+   each block's expert (``-1`` past the last real block), first position and size; fills
+   the padding positions with the sentinel.
 3. ``scatter_pairs_kernel``: each pair writes its flat index ``r·K + k`` at position
    ``start[expert] + rank`` and that position into ``pair_pos`` (-1 for pairs not local).
 """
@@ -43,13 +45,22 @@ def count_pairs_kernel(
     tl.store(rank_ptr + offs, rank, mask=local)
 
 
+@triton.jit
+def _pick(own, per_expert):
+    """``[BLOCK_E]`` values per expert → ``[BLOCK_B]`` the value of each block's expert
+    (``own [BLOCK_B, BLOCK_E]`` marks it)."""
+    return tl.sum(tl.where(own, per_expert[None, :], 0), 1)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def block_table_kernel(
     # pointers
     counts_ptr,  # [e] int32: pairs per expert (from count_pairs_kernel)
     block_expert_ptr,  # [B] int32 out: expert of each row block, -1 past the last real block
+    block_start_ptr,  # [B] int32 out: first padded position of each row block (0 past the end)
+    block_rows_ptr,  # [B] int32 out: padded positions of each block, BLOCK_M or PAD_M (0 past)
     expert_start_ptr,  # [e] int32 out: first padded position of each expert's group
-    num_padded_ptr,  # [1] int32 out: total padded positions (a multiple of BLOCK_M)
+    num_padded_ptr,  # [1] int32 out: total padded positions (a multiple of PAD_M)
     sorted_pairs_ptr,  # [P_pad] int32 out: the sentinel `num_pairs` at every padding position
     # sizes
     num_pairs,  # P, the sentinel
@@ -57,39 +68,48 @@ def block_table_kernel(
     num_blocks,  # B
     # meta-parameters
     BLOCK_M: tl.constexpr,
+    PAD_M: tl.constexpr,  # each group is padded to a multiple of PAD_M (BLOCK_M or BLOCK_M/2)
     BLOCK_B: tl.constexpr,  # row blocks per program
     BLOCK_E: tl.constexpr,  # power of two >= e
 ):
+    """Each expert's group of ``ceil(count / PAD_M) · PAD_M`` positions is cut into row
+    blocks of ``BLOCK_M`` positions, the last one of ``PAD_M`` when ``PAD_M < BLOCK_M`` and
+    the rows fit (a half-height tile in the GEMMs)."""
     pid = tl.program_id(0)
     e_offs = tl.arange(0, BLOCK_E)
     e_mask = e_offs < num_experts
     counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)  # [BLOCK_E] inclusive prefix sums
+    padded = (counts + PAD_M - 1) // PAD_M * PAD_M
+    end = tl.cumsum(padded, 0)  # [BLOCK_E] inclusive prefix sums of positions
     start = end - padded
+    blocks_end = tl.cumsum((padded + BLOCK_M - 1) // BLOCK_M, 0)  # ... and of row blocks
     if pid == 0:
         tl.store(expert_start_ptr + e_offs, start, mask=e_mask)
         tl.store(num_padded_ptr, tl.sum(padded, 0))
 
     blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     b_mask = blocks < num_blocks
-    first = blocks * BLOCK_M  # first padded position of each block
-    # The expert of a block is the number of experts whose group ends at or before it
+    # The expert of a block is the number of experts whose blocks end at or before it
     # (empty experts end where the previous one does, so they are skipped).
-    ends_before = (end[None, :] <= first[:, None]) & e_mask[None, :]  # [BLOCK_B, BLOCK_E]
+    ends_before = (blocks_end[None, :] <= blocks[:, None]) & e_mask[None, :]  # [BLOCK_B, BLOCK_E]
     expert = tl.sum(ends_before.to(tl.int32), 1)
     is_real = expert < num_experts
+    own = (e_offs[None, :] == expert[:, None]) & e_mask[None, :]
+    own_start, own_end, own_count = _pick(own, start), _pick(own, end), _pick(own, counts)
+    own_first_block = _pick(own, blocks_end - (padded + BLOCK_M - 1) // BLOCK_M)
+    first = own_start + (blocks - own_first_block) * BLOCK_M  # first position of each block
+    rows = tl.where(is_real, tl.minimum(own_end - first, BLOCK_M), 0)
     tl.store(block_expert_ptr + blocks, tl.where(is_real, expert, -1), mask=b_mask)
+    tl.store(block_start_ptr + blocks, tl.where(is_real, first, 0), mask=b_mask)
+    tl.store(block_rows_ptr + blocks, rows, mask=b_mask)
 
     # Padding positions of each block: those at or past start + count of its expert.
-    own = (e_offs[None, :] == expert[:, None]) & e_mask[None, :]
-    own_start = tl.sum(tl.where(own, start[None, :], 0), 1)  # [BLOCK_B]
-    own_count = tl.sum(tl.where(own, counts[None, :], 0), 1)
     m_offs = tl.arange(0, BLOCK_M)
     pos = first[:, None] + m_offs[None, :]  # [BLOCK_B, BLOCK_M]
-    is_pad = (pos - own_start[:, None]) >= own_count[:, None]  # also true past the end
+    in_block = m_offs[None, :] < rows[:, None]
+    is_pad = (pos - own_start[:, None]) >= own_count[:, None]
     sentinel = tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_pairs
-    tl.store(sorted_pairs_ptr + pos, sentinel, mask=b_mask[:, None] & is_pad)
+    tl.store(sorted_pairs_ptr + pos, sentinel, mask=b_mask[:, None] & in_block & is_pad)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])

@@ -6,11 +6,17 @@ P_pad padded pair positions · B row blocks (Standard) · G = 128 (FP8 group siz
 
 Each kernel runs one ``[BLOCK_M, BLOCK_N]`` output tile of one expert per program:
 
-* ``BATCHED=False`` (Standard): row block ``b`` holds ``BLOCK_M`` padded positions of one
-  expert (``block_expert[b]``, -1: the program exits); ``sorted_pairs[pos]`` is the pair
-  ``r·K + k`` at each position, ``P`` at padding. Hidden rows are gathered (row ``pair // K``).
+* ``BATCHED=False`` (Standard): row block ``b`` holds ``block_rows[b]`` padded positions of
+  expert ``block_expert[b]`` from ``block_start[b]`` (0 rows past the last block: the
+  program exits); ``sorted_pairs[pos]`` is the pair ``r·K + k`` at each position, ``P`` at
+  padding. Hidden rows are gathered (row ``pair // K``).
 * ``BATCHED=True`` (ExpertBatched): a fixed grid of ``e · ceil(C / BLOCK_M)`` row blocks;
   programs whose rows all lie past ``counts[expert]`` exit at once (CUDA-graph safe).
+
+With ``HALF_TAIL`` a block of at most ``BLOCK_M / 2`` rows (an expert's last one) runs a
+half-height tile: at ≈ 1.1 blocks of rows per expert, 128-row tiles would otherwise compute
+≈ 1.5× the useful rows. Both tile heights are inlined in one kernel, so the tail tile runs
+beside its expert's full tiles and reads the same weight tiles while they are in L2.
 
 ``gate_up_kernel`` computes the gate and up tiles of ``w13`` in one program and stores
 ``act(gate) · up``; in FP8 mode it quantizes that tile per token group of 128 (so
@@ -79,6 +85,226 @@ def _rescale(
     return out
 
 
+@triton.jit
+def _block_of(
+    pid_m,
+    block_expert_ptr,
+    block_start_ptr,
+    block_rows_ptr,
+    counts_ptr,
+    capacity,
+    BATCHED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """(expert, first row or position, rows) of row block ``pid_m``; rows ≤ 0: no work.
+
+    Standard: the block table of ``align_pairs`` (rows = the block's padded positions).
+    Batched: block ``j`` of an expert starts at row ``j·BLOCK_M``; rows = the valid ones."""
+    if BATCHED:
+        per_expert = tl.cdiv(capacity, BLOCK_M)
+        expert = pid_m // per_expert
+        first = (pid_m % per_expert) * BLOCK_M
+        count = tl.minimum(tl.load(counts_ptr + expert), capacity)  # never past C
+        rows = tl.minimum(count - first, BLOCK_M)
+    else:
+        expert = tl.load(block_expert_ptr + pid_m)
+        first = tl.load(block_start_ptr + pid_m)
+        rows = tl.load(block_rows_ptr + pid_m)
+    return expert.to(tl.int64), first.to(tl.int64), rows
+
+
+@triton.jit
+def _tile_rows(
+    first,
+    rows,
+    sorted_pairs_ptr,
+    num_pairs,
+    TOP_K: tl.constexpr,
+    BATCHED: tl.constexpr,
+    BM: tl.constexpr,
+):
+    """The ``BM`` rows of a tile: (valid mask, source row in the input, destination row in
+    the output, pair index), int64. Standard: the input row is the pair's token (gathered),
+    the output row its padded position. Batched: both are the row in the expert's slab."""
+    if BATCHED:
+        offs = tl.arange(0, BM)
+        valid = offs < rows
+        dst = first + offs
+        src = dst
+        pair = dst
+    else:
+        dst = first + tl.arange(0, BM)
+        pair = tl.load(sorted_pairs_ptr + dst)  # every position of a block is in the table
+        valid = pair < num_pairs
+        src = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    return valid, src, dst, pair
+
+
+@triton.jit
+def _w_scale_ptrs(
+    ws_base,
+    n0,
+    stride_wsn,
+    W_SCALE_PER_TILE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Pointers to the FP8 weight scales of a tile whose weight rows start at ``n0``:
+    ``[BM]`` copies of the tile's one block row (``W_SCALE_PER_TILE``; a scalar
+    loop-carried value does not lower in triton 3.6), else ``[BLOCK_N]`` per column."""
+    if W_SCALE_PER_TILE:
+        ptrs = ws_base + (n0 // GROUP) * stride_wsn + tl.zeros((BM,), tl.int32)
+    else:
+        ptrs = ws_base + ((n0 + tl.arange(0, BLOCK_N)) // GROUP) * stride_wsn
+    return ptrs
+
+
+@triton.jit
+def _load_w_scale(
+    ptrs,
+    ws_base,
+    n_mask,
+    W_BLOCK_SCALE: tl.constexpr,
+    W_SCALE_PER_TILE: tl.constexpr,
+    BM: tl.constexpr,
+):
+    """One K step's weight scales (1 for padding columns); per-expert scales: ``[BM]``
+    copies of the expert's one scale."""
+    if W_SCALE_PER_TILE:
+        scale = tl.load(ptrs)
+    elif W_BLOCK_SCALE:
+        scale = tl.load(ptrs, mask=n_mask, other=1.0)
+    else:
+        scale = tl.load(ws_base + tl.zeros((BM,), tl.int32))
+    return scale
+
+
+@triton.jit
+def _gate_up_tile(
+    x_ptr,
+    x_scale_ptr,
+    w_base,  # w13[expert]
+    ws_base,  # w13_scale[expert]
+    y_ptr,
+    y_scale_ptr,
+    sorted_pairs_ptr,
+    expert,
+    first,
+    rows,
+    pid_n,
+    N,
+    K,
+    num_pairs,
+    stride_xe,
+    stride_xm,
+    stride_xk,
+    stride_xse,
+    stride_xsm,
+    stride_xsk,
+    stride_wn,
+    stride_wk,
+    stride_wsn,
+    stride_wsk,
+    stride_ye,
+    stride_ym,
+    stride_yn,
+    stride_yse,
+    stride_ysm,
+    stride_ysn,
+    TOP_K: tl.constexpr,
+    BATCHED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    FP8: tl.constexpr,
+    W_BLOCK_SCALE: tl.constexpr,
+    W_SCALE_PER_TILE: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One ``[BM, BLOCK_N]`` tile of ``act(x @ gate.T) · (x @ up.T)`` (see gate_up_kernel)."""
+    row_mask, src, dst, _ = _tile_rows(first, rows, sorted_pairs_ptr, num_pairs, TOP_K, BATCHED, BM)
+    x_rows = expert * stride_xe + src * stride_xm
+    y_rows = expert * stride_ye + dst * stride_ym
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk  # [BM, BLOCK_K]
+    # [BLOCK_K, BLOCK_N] tiles of the gate rows and of the up rows (N rows further on)
+    wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    wu_ptrs = wg_ptrs + N * stride_wn
+    acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    if FP8:
+        xs_ptrs = x_scale_ptr + expert * stride_xse + src * stride_xsm  # [BM]
+        n0 = pid_n * BLOCK_N
+        wgs_ptrs = _w_scale_ptrs(ws_base, n0, stride_wsn, W_SCALE_PER_TILE, GROUP, BM, BLOCK_N)
+        wus_ptrs = _w_scale_ptrs(ws_base, n0 + N, stride_wsn, W_SCALE_PER_TILE, GROUP, BM, BLOCK_N)
+        # The previous K step's scales (see _rescale), started at the first step's; padding
+        # rows and columns get 1.
+        xs_prev = tl.load(xs_ptrs, mask=row_mask, other=1.0)
+        wgs_prev = _load_w_scale(wgs_ptrs, ws_base, n_mask, W_BLOCK_SCALE, W_SCALE_PER_TILE, BM)
+        wus_prev = _load_w_scale(wus_ptrs, ws_base, n_mask, W_BLOCK_SCALE, W_SCALE_PER_TILE, BM)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            wg = tl.load(wg_ptrs, mask=n_mask[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if FP8:
+            group_k = k0 // GROUP
+            xs = tl.load(xs_ptrs + group_k * stride_xsk, mask=row_mask, other=1.0)
+            gk = group_k * stride_wsk
+            wgs = _load_w_scale(wgs_ptrs + gk, ws_base, n_mask, W_BLOCK_SCALE, W_SCALE_PER_TILE, BM)
+            wus = _load_w_scale(wus_ptrs + gk, ws_base, n_mask, W_BLOCK_SCALE, W_SCALE_PER_TILE, BM)
+            acc_g = tl.dot(
+                x,
+                wg,
+                _rescale(acc_g, xs_prev / xs, wgs_prev / wgs, W_BLOCK_SCALE, W_SCALE_PER_TILE),
+            )
+            acc_u = tl.dot(
+                x,
+                wu,
+                _rescale(acc_u, xs_prev / xs, wus_prev / wus, W_BLOCK_SCALE, W_SCALE_PER_TILE),
+            )
+            xs_prev = xs
+            wgs_prev = wgs
+            wus_prev = wus
+        else:
+            acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    if FP8:  # undo the last step's division: acc · xs · ws
+        acc_g = _rescale(acc_g, xs_prev, wgs_prev, W_BLOCK_SCALE, W_SCALE_PER_TILE)
+        acc_u = _rescale(acc_u, xs_prev, wus_prev, W_BLOCK_SCALE, W_SCALE_PER_TILE)
+
+    h = _act_and_mul(acc_g, acc_u, ACTIVATION)
+    y_ptrs = y_ptr + y_rows[:, None] + offs_n[None, :] * stride_yn
+    y_mask = row_mask[:, None] & n_mask[None, :]
+    if FP8:
+        # One group of GROUP columns per tile: quantize it for down_kernel (amax / FP8_MAX).
+        tl.static_assert(BLOCK_N == GROUP, "FP8 gate_up tiles must be one group wide")
+        h = tl.where(n_mask[None, :], h, 0.0)
+        scale = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) * INV_FP8_MAX  # [BM], as quant.py
+        q = tl.minimum(tl.maximum(tl.div_rn(h, scale[:, None]), -FP8_MAX), FP8_MAX)
+        tl.store(y_ptrs, q.to(y_ptr.dtype.element_ty), mask=y_mask)
+        ys_ptrs = y_scale_ptr + expert * stride_yse + dst * stride_ysm + pid_n * stride_ysn
+        tl.store(ys_ptrs, scale, mask=row_mask)
+    else:
+        tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
 @triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def gate_up_kernel(
     # pointers
@@ -90,6 +316,8 @@ def gate_up_kernel(
     y_scale_ptr,  # FP8 out: [P_pad, ceil(I/G)] / [e, C, ceil(I/G)] float32 group scales of y
     sorted_pairs_ptr,  # Standard: [P_pad] int32 pair r·K + k per position, P at padding
     block_expert_ptr,  # Standard: [B] int32 expert of each row block, -1 past the last one
+    block_start_ptr,  # Standard: [B] int32 first padded position of each row block
+    block_rows_ptr,  # Standard: [B] int32 padded positions of each row block, 0 past the last
     counts_ptr,  # Batched: [e] int32 valid rows of each expert
     # sizes
     N,  # I
@@ -134,6 +362,7 @@ def gate_up_kernel(
     INV_FP8_MAX: tl.constexpr,  # float32(1 / FP8_MAX)
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K
+    HALF_TAIL: tl.constexpr,  # blocks of ≤ BLOCK_M / 2 rows run a half-height tile
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -141,127 +370,130 @@ def gate_up_kernel(
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_ids(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-
-    if BATCHED:
-        m_blocks_per_expert = tl.cdiv(capacity, BLOCK_M)
-        expert = pid_m // m_blocks_per_expert
-        first_row = (pid_m % m_blocks_per_expert) * BLOCK_M
-        count = tl.minimum(tl.load(counts_ptr + expert), capacity)  # never past C
-        if first_row >= count:
+    expert, first, rows = _block_of(
+        pid_m, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr, capacity,
+        BATCHED, BLOCK_M,
+    )  # fmt: skip
+    if rows <= 0:
+        return
+    w_base = w_ptr + expert * stride_we
+    ws_base = w_scale_ptr + expert * stride_wse
+    # Two tile heights, one inlined body each; a block of at most BLOCK_M / 2 rows (an
+    # expert's last) takes the half-height one. HALF_TAIL is tested alone (a constexpr
+    # `if`), so without it the half-height body is not compiled.
+    if HALF_TAIL:  # noqa: SIM102
+        if rows <= BLOCK_M // 2:
+            _gate_up_tile(
+                x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
+                expert, first, rows, pid_n, N, K, num_pairs,
+                stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
+                stride_wn, stride_wk, stride_wsn, stride_wsk,
+                stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
+                TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, FP8_MAX,
+                INV_FP8_MAX, DOT_PRECISION, EVEN_K,
+                BLOCK_M // 2, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
             return
-        rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_mask = rows < count
-        expert = expert.to(tl.int64)
-        x_rows = expert * stride_xe + rows * stride_xm
-        xs_rows = expert * stride_xse + rows * stride_xsm
-        y_rows = expert * stride_ye + rows * stride_ym
-        ys_rows = expert * stride_yse + rows * stride_ysm
-    else:
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        expert = expert.to(tl.int64)
-        pos = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_pairs_ptr + pos, mask=pos < num_m_blocks * BLOCK_M, other=num_pairs)
-        row_mask = pair < num_pairs
-        token = tl.where(row_mask, pair // TOP_K, 0).to(tl.int64)
-        x_rows = token * stride_xm
-        xs_rows = token * stride_xsm
-        y_rows = pos * stride_ym
-        ys_rows = pos * stride_ysm
+    _gate_up_tile(
+        x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
+        expert, first, rows, pid_n, N, K, num_pairs,
+        stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
+        stride_wn, stride_wk, stride_wsn, stride_wsk,
+        stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
+        TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, FP8_MAX,
+        INV_FP8_MAX, DOT_PRECISION, EVEN_K,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
 
+
+@triton.jit
+def _down_tile(
+    h_ptr,
+    h_scale_ptr,
+    w_base,  # w2[expert]
+    ws_base,  # w2_scale[expert]
+    out_ptr,
+    topk_weights_ptr,
+    sorted_pairs_ptr,
+    expert,
+    first,
+    rows,
+    pid_n,
+    N,
+    K,
+    num_pairs,
+    stride_he,
+    stride_hm,
+    stride_hk,
+    stride_hse,
+    stride_hsm,
+    stride_hsk,
+    stride_wn,
+    stride_wk,
+    stride_wsn,
+    stride_wsk,
+    stride_oe,
+    stride_om,
+    stride_on,
+    BATCHED: tl.constexpr,
+    FP8: tl.constexpr,
+    W_BLOCK_SCALE: tl.constexpr,
+    W_SCALE_PER_TILE: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One ``[BM, BLOCK_N]`` tile of ``h @ w2[expert].T`` (see down_kernel). ``h`` is
+    stored by output row (padded position or slab row), so both row offsets use ``dst``."""
+    row_mask, _, dst, pair = _tile_rows(first, rows, sorted_pairs_ptr, num_pairs, 1, BATCHED, BM)
+    h_rows = expert * stride_he + dst * stride_hm
+    out_rows = expert * stride_oe + dst * stride_om
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + x_rows[:, None] + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
-    w_base = w_ptr + expert * stride_we
-    # [BLOCK_K, BLOCK_N] tiles of the gate rows and of the up rows (I rows further on)
-    wg_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    wu_ptrs = wg_ptrs + N * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    h_ptrs = h_ptr + h_rows[:, None] + offs_k[None, :] * stride_hk  # [BM, BLOCK_K]
+    w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     if FP8:
-        xs_ptrs = x_scale_ptr + xs_rows  # [BLOCK_M]
-        ws_base = w_scale_ptr + expert * stride_wse
-        if W_SCALE_PER_TILE:  # the scale of the tile's block row of the gate and of the up
-            # rows, loaded as a [BLOCK_M] broadcast (a scalar loop-carried value does not
-            # lower in triton 3.6)
-            zero_m = tl.zeros((BLOCK_M,), tl.int32)
-            wgs_ptrs = ws_base + ((pid_n * BLOCK_N) // GROUP) * stride_wsn + zero_m
-            wus_ptrs = ws_base + ((pid_n * BLOCK_N + N) // GROUP) * stride_wsn + zero_m
-        else:
-            wgs_ptrs = ws_base + (offs_n // GROUP) * stride_wsn  # [BLOCK_N]
-            wus_ptrs = ws_base + ((offs_n + N) // GROUP) * stride_wsn
-        # The previous K step's scales (see _rescale), started at the first step's; padding
-        # rows and columns get 1.
-        xs_prev = tl.load(xs_ptrs, mask=row_mask, other=1.0)
-        if W_SCALE_PER_TILE:
-            wgs_prev = tl.load(wgs_ptrs)
-            wus_prev = tl.load(wus_ptrs)
-        elif W_BLOCK_SCALE:
-            wgs_prev = tl.load(wgs_ptrs, mask=n_mask, other=1.0)
-            wus_prev = tl.load(wus_ptrs, mask=n_mask, other=1.0)
-        else:
-            wgs_prev = tl.load(ws_base + tl.zeros((BLOCK_M,), tl.int32))  # [BLOCK_M] broadcast
-            wus_prev = wgs_prev
+        hs_ptrs = h_scale_ptr + expert * stride_hse + dst * stride_hsm  # [BM]
+        n0 = pid_n * BLOCK_N
+        ws_ptrs = _w_scale_ptrs(ws_base, n0, stride_wsn, W_SCALE_PER_TILE, GROUP, BM, BLOCK_N)
+        # The previous K step's scales (see _rescale), started at the first step's.
+        hs_prev = tl.load(hs_ptrs, mask=row_mask, other=1.0)
+        ws_prev = _load_w_scale(ws_ptrs, ws_base, n_mask, W_BLOCK_SCALE, W_SCALE_PER_TILE, BM)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            wg = tl.load(wg_ptrs, mask=n_mask[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=n_mask[None, :], other=0.0)
+            a = tl.load(h_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
         else:
             k_mask = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if FP8:
             group_k = k0 // GROUP
-            xs = tl.load(xs_ptrs + group_k * stride_xsk, mask=row_mask, other=1.0)
-            if W_SCALE_PER_TILE:
-                wgs = tl.load(wgs_ptrs + group_k * stride_wsk)
-                wus = tl.load(wus_ptrs + group_k * stride_wsk)
-            elif W_BLOCK_SCALE:
-                wgs = tl.load(wgs_ptrs + group_k * stride_wsk, mask=n_mask, other=1.0)
-                wus = tl.load(wus_ptrs + group_k * stride_wsk, mask=n_mask, other=1.0)
-            else:
-                wgs = wgs_prev
-                wus = wus_prev
-            acc_g = tl.dot(
-                x,
-                wg,
-                _rescale(acc_g, xs_prev / xs, wgs_prev / wgs, W_BLOCK_SCALE, W_SCALE_PER_TILE),
+            hs = tl.load(hs_ptrs + group_k * stride_hsk, mask=row_mask, other=1.0)
+            gk = group_k * stride_wsk
+            ws = _load_w_scale(ws_ptrs + gk, ws_base, n_mask, W_BLOCK_SCALE, W_SCALE_PER_TILE, BM)
+            acc = tl.dot(
+                a, b, _rescale(acc, hs_prev / hs, ws_prev / ws, W_BLOCK_SCALE, W_SCALE_PER_TILE)
             )
-            acc_u = tl.dot(
-                x,
-                wu,
-                _rescale(acc_u, xs_prev / xs, wus_prev / wus, W_BLOCK_SCALE, W_SCALE_PER_TILE),
-            )
-            xs_prev = xs
-            wgs_prev = wgs
-            wus_prev = wus
+            hs_prev = hs
+            ws_prev = ws
         else:
-            acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
-            acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xk
-        wg_ptrs += BLOCK_K * stride_wk
-        wu_ptrs += BLOCK_K * stride_wk
-    if FP8:  # undo the last step's division: acc · xs · ws
-        acc_g = _rescale(acc_g, xs_prev, wgs_prev, W_BLOCK_SCALE, W_SCALE_PER_TILE)
-        acc_u = _rescale(acc_u, xs_prev, wus_prev, W_BLOCK_SCALE, W_SCALE_PER_TILE)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K * stride_hk
+        w_ptrs += BLOCK_K * stride_wk
+    if FP8:  # undo the last step's division: acc · hs · ws
+        acc = _rescale(acc, hs_prev, ws_prev, W_BLOCK_SCALE, W_SCALE_PER_TILE)
+    if not BATCHED:
+        router_w = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)
+        acc *= router_w[:, None]
 
-    h = _act_and_mul(acc_g, acc_u, ACTIVATION)
-    y_ptrs = y_ptr + y_rows[:, None] + offs_n[None, :] * stride_yn
-    y_mask = row_mask[:, None] & n_mask[None, :]
-    if FP8:
-        # One group of GROUP columns per tile: quantize it for down_kernel (amax / FP8_MAX).
-        tl.static_assert(BLOCK_N == GROUP, "FP8 gate_up tiles must be one group wide")
-        h = tl.where(n_mask[None, :], h, 0.0)
-        scale = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) * INV_FP8_MAX  # [BLOCK_M], as quant.py
-        q = tl.minimum(tl.maximum(tl.div_rn(h, scale[:, None]), -FP8_MAX), FP8_MAX)
-        tl.store(y_ptrs, q.to(y_ptr.dtype.element_ty), mask=y_mask)
-        tl.store(y_scale_ptr + ys_rows + pid_n * stride_ysn, scale, mask=row_mask)
-    else:
-        tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=y_mask)
+    out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit(do_not_specialize=ROW_COUNT_ARGS)
@@ -275,6 +507,8 @@ def down_kernel(
     topk_weights_ptr,  # Standard: [P] float32 router weight of pair r·K + k
     sorted_pairs_ptr,  # Standard: [P_pad] int32 pair per position, P at padding
     block_expert_ptr,  # Standard: [B] int32 expert of each row block, -1 past the last one
+    block_start_ptr,  # Standard: [B] int32 first padded position of each row block
+    block_rows_ptr,  # Standard: [B] int32 padded positions of each row block, 0 past the last
     counts_ptr,  # Batched: [e] int32 valid rows of each expert
     # sizes
     N,  # H
@@ -311,6 +545,7 @@ def down_kernel(
     GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    HALF_TAIL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -318,86 +553,33 @@ def down_kernel(
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = _tile_ids(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-
-    if BATCHED:
-        m_blocks_per_expert = tl.cdiv(capacity, BLOCK_M)
-        expert = pid_m // m_blocks_per_expert
-        first_row = (pid_m % m_blocks_per_expert) * BLOCK_M
-        count = tl.minimum(tl.load(counts_ptr + expert), capacity)  # never past C
-        if first_row >= count:
+    expert, first, rows = _block_of(
+        pid_m, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr, capacity,
+        BATCHED, BLOCK_M,
+    )  # fmt: skip
+    if rows <= 0:
+        return
+    w_base = w_ptr + expert * stride_we
+    ws_base = w_scale_ptr + expert * stride_wse
+    # Two tile heights, one inlined body each; a block of at most BLOCK_M / 2 rows (an
+    # expert's last) takes the half-height one. HALF_TAIL is tested alone (a constexpr
+    # `if`), so without it the half-height body is not compiled.
+    if HALF_TAIL:  # noqa: SIM102
+        if rows <= BLOCK_M // 2:
+            _down_tile(
+                h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+                expert, first, rows, pid_n, N, K, num_pairs,
+                stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
+                stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
+                BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
+                BLOCK_M // 2, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
             return
-        rows = (first_row + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_mask = rows < count
-        expert = expert.to(tl.int64)
-        h_rows = expert * stride_he + rows * stride_hm
-        hs_rows = expert * stride_hse + rows * stride_hsm
-        out_rows = expert * stride_oe + rows * stride_om
-    else:
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        expert = expert.to(tl.int64)
-        pos = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_pairs_ptr + pos, mask=pos < num_m_blocks * BLOCK_M, other=num_pairs)
-        row_mask = pair < num_pairs
-        h_rows = pos * stride_hm
-        hs_rows = pos * stride_hsm
-        out_rows = pos * stride_om
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = h_ptr + h_rows[:, None] + offs_k[None, :] * stride_hk  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8:
-        hs_ptrs = h_scale_ptr + hs_rows  # [BLOCK_M]
-        ws_base = w_scale_ptr + expert * stride_wse
-        if W_SCALE_PER_TILE:  # the tile's block row of w2, as a [BLOCK_M] broadcast
-            ws_ptrs = (
-                ws_base + ((pid_n * BLOCK_N) // GROUP) * stride_wsn + tl.zeros((BLOCK_M,), tl.int32)
-            )
-        else:
-            ws_ptrs = ws_base + (offs_n // GROUP) * stride_wsn  # [BLOCK_N]
-        # The previous K step's scales (see _rescale), started at the first step's.
-        hs_prev = tl.load(hs_ptrs, mask=row_mask, other=1.0)
-        if W_SCALE_PER_TILE:
-            ws_prev = tl.load(ws_ptrs)
-        elif W_BLOCK_SCALE:
-            ws_prev = tl.load(ws_ptrs, mask=n_mask, other=1.0)
-        else:
-            ws_prev = tl.load(ws_base + tl.zeros((BLOCK_M,), tl.int32))  # [BLOCK_M] broadcast
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(h_ptrs, mask=row_mask[:, None], other=0.0)
-            b = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = offs_k < K - k0
-            a = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        if FP8:
-            group_k = k0 // GROUP
-            hs = tl.load(hs_ptrs + group_k * stride_hsk, mask=row_mask, other=1.0)
-            if W_SCALE_PER_TILE:
-                ws = tl.load(ws_ptrs + group_k * stride_wsk)
-            elif W_BLOCK_SCALE:
-                ws = tl.load(ws_ptrs + group_k * stride_wsk, mask=n_mask, other=1.0)
-            else:
-                ws = ws_prev
-            acc = tl.dot(
-                a, b, _rescale(acc, hs_prev / hs, ws_prev / ws, W_BLOCK_SCALE, W_SCALE_PER_TILE)
-            )
-            hs_prev = hs
-            ws_prev = ws
-        else:
-            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_K * stride_hk
-        w_ptrs += BLOCK_K * stride_wk
-    if FP8:  # undo the last step's division: acc · hs · ws
-        acc = _rescale(acc, hs_prev, ws_prev, W_BLOCK_SCALE, W_SCALE_PER_TILE)
-    if not BATCHED:
-        router_w = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)
-        acc *= router_w[:, None]
-
-    out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    _down_tile(
+        h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+        expert, first, rows, pid_n, N, K, num_pairs,
+        stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
+        stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
+        BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip

@@ -43,21 +43,29 @@ ACTIVATIONS = ("silu", "gelu")
 class AlignedPairs:
     """The (row, k) pairs of a Standard-layout batch, grouped by local expert.
 
+    Each expert's group is padded to a multiple of ``pad_m`` positions (``block_m``, or
+    ``block_m / 2`` with half-height tail blocks) and cut into row blocks of ``block_m``
+    positions, the last one ``pad_m`` long when the rows fit.
     ``sorted_pairs [B·block_m]`` int32: the pair ``r·K + k`` at each padded position, the
-    sentinel ``P`` at padding; each expert's group starts on a multiple of ``block_m``.
+    sentinel ``P`` at padding (positions past ``num_padded`` are unspecified).
     ``block_expert [B]`` int32: the expert of each row block, ``-1`` past the last real
-    block. ``pair_pos [P]`` int32: the padded position of each pair, ``-1`` when its id is
-    not local. ``expert_counts [e]`` int32: pairs per expert. ``num_padded [1]`` int32:
-    padded positions in use. Only ``B = ceil((P + min(e, P)·(block_m − 1)) / block_m)``
-    (the worst case) is known on the host.
+    block; ``block_start [B]`` / ``block_rows [B]`` int32: its first position and its size
+    (``block_m`` or ``pad_m``; 0 past the last block). ``pair_pos [P]`` int32: the padded
+    position of each pair, ``-1`` when its id is not local. ``expert_counts [e]`` int32:
+    pairs per expert. ``num_padded [1]`` int32: padded positions in use. Only
+    ``B = ceil((P + min(e, P)·(block_m − 1)) / block_m)`` (the worst case) is known on the
+    host.
     """
 
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
+    block_start: torch.Tensor
+    block_rows: torch.Tensor
     pair_pos: torch.Tensor
     expert_counts: torch.Tensor
     num_padded: torch.Tensor
     block_m: int
+    pad_m: int
     num_rows: int  # R
     top_k: int  # K
 
@@ -92,8 +100,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def align_pairs(topk_ids_RK: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
-    """Group the (row, k) pairs by local expert, each group padded to ``block_m`` rows.
+def align_pairs(
+    topk_ids_RK: torch.Tensor, num_experts: int, block_m: int, half_tail: bool = False
+) -> AlignedPairs:
+    """Group the (row, k) pairs by local expert, each group padded to ``block_m`` rows
+    (to ``block_m / 2`` with ``half_tail``: an expert's last block may be half a block).
 
     ``topk_ids_RK [R, K]`` int32/int64 local slots; ids outside ``[0, num_experts)`` (``-1``
     for experts on other ranks) are not local and get no position. Three small launches,
@@ -108,21 +119,29 @@ def align_pairs(topk_ids_RK: torch.Tensor, num_experts: int, block_m: int) -> Al
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if half_tail and block_m < 2:
+        raise ValueError(f"half_tail needs block_m >= 2, got {block_m}")
+    pad_m = block_m // 2 if half_tail else block_m
     device = _check_device(topk_ids_RK)
     R, K = topk_ids_RK.shape
     P = R * K
     ids = topk_ids_RK.contiguous().view(-1)
+    # ceil(count / pad_m)·pad_m positions need ceil(count / block_m) blocks: the worst case
+    # of B does not depend on pad_m.
     num_blocks = triton.cdiv(P + min(num_experts, P) * (block_m - 1), block_m)
     i32 = dict(dtype=torch.int32, device=device)
     counts = torch.zeros(num_experts, **i32)
     sorted_pairs = torch.empty(num_blocks * block_m, **i32)
-    block_expert = torch.empty(num_blocks, **i32)
+    block_table = torch.empty(3, num_blocks, **i32)  # expert, start, rows
     expert_start = torch.empty(num_experts, **i32)
     num_padded = torch.zeros(1, **i32)
     pair_pos = torch.empty(P, **i32)
     rank = torch.empty(P, **i32)
+    aligned = AlignedPairs(
+        sorted_pairs, *block_table, pair_pos, counts, num_padded, block_m, pad_m, R, K
+    )
     if P == 0:
-        return AlignedPairs(sorted_pairs, block_expert, pair_pos, counts, num_padded, block_m, R, K)
+        return aligned
     block = 1024
     align.count_pairs_kernel[(triton.cdiv(P, block),)](
         ids, counts, rank, P, num_experts, BLOCK=block, num_warps=4
@@ -131,7 +150,7 @@ def align_pairs(topk_ids_RK: torch.Tensor, num_experts: int, block_m: int) -> Al
     block_b = max(1, min(64, 8192 // max(block_e, block_m)))
     align.block_table_kernel[(triton.cdiv(num_blocks, block_b),)](
         counts,
-        block_expert,
+        *block_table,
         expert_start,
         num_padded,
         sorted_pairs,
@@ -139,6 +158,7 @@ def align_pairs(topk_ids_RK: torch.Tensor, num_experts: int, block_m: int) -> Al
         num_experts,
         num_blocks,
         BLOCK_M=block_m,
+        PAD_M=pad_m,
         BLOCK_B=block_b,
         BLOCK_E=block_e,
         num_warps=4,
@@ -146,7 +166,7 @@ def align_pairs(topk_ids_RK: torch.Tensor, num_experts: int, block_m: int) -> Al
     align.scatter_pairs_kernel[(triton.cdiv(P, block),)](
         ids, rank, expert_start, sorted_pairs, pair_pos, P, num_experts, BLOCK=block, num_warps=4
     )
-    return AlignedPairs(sorted_pairs, block_expert, pair_pos, counts, num_padded, block_m, R, K)
+    return aligned
 
 
 def per_token_group_quant_fp8(
@@ -242,6 +262,8 @@ class _Rows(NamedTuple):
     num_m_blocks: int  # Standard: B; Batched: e · ceil(C / block_m)
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
+    block_start: torch.Tensor
+    block_rows: torch.Tensor
     counts: torch.Tensor
     num_pairs: int  # Standard: P, the sentinel
     capacity: int  # Batched: C
@@ -250,13 +272,22 @@ class _Rows(NamedTuple):
 
 def _rows(rows: AlignedPairs | torch.Tensor, config: MoEConfig, e: int, x: torch.Tensor) -> _Rows:
     if isinstance(rows, AlignedPairs):
-        assert rows.block_m == config.block_m, "pairs aligned for another block_m"
-        sp, be = rows.sorted_pairs, rows.block_expert
-        return _Rows(False, rows.num_blocks, sp, be, sp, rows.num_pairs, 0, rows.top_k)
+        pad_m = config.block_m // 2 if config.half_tail else config.block_m
+        if (rows.block_m, rows.pad_m) != (config.block_m, pad_m):
+            raise ValueError(
+                f"pairs aligned for block_m={rows.block_m}, pad_m={rows.pad_m}; the config "
+                f"needs block_m={config.block_m}, pad_m={pad_m} (align_pairs(..., "
+                f"config.block_m, config.half_tail))"
+            )
+        sp = rows.sorted_pairs
+        return _Rows(
+            False, rows.num_blocks, sp, rows.block_expert, rows.block_start, rows.block_rows,
+            sp, rows.num_pairs, 0, rows.top_k,
+        )  # fmt: skip
     if rows.shape != (e,) or rows.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
     C = x.shape[1]
-    return _Rows(True, e * triton.cdiv(C, config.block_m), rows, rows, rows, 0, C, 1)
+    return _Rows(True, e * triton.cdiv(C, config.block_m), rows, rows, rows, rows, rows, 0, C, 1)
 
 
 def _check_operands(
@@ -325,6 +356,8 @@ def gate_up(
         y_scale if y_scale is not None else y,
         r.sorted_pairs,
         r.block_expert,
+        r.block_start,
+        r.block_rows,
         r.counts,
         N,
         H,
@@ -350,6 +383,7 @@ def gate_up(
         INV_FP8_MAX=INV_FP8_MAX,
         DOT_PRECISION=_dot_precision(x.dtype),
         EVEN_K=H % cfg.block_k == 0,
+        HALF_TAIL=config.half_tail,
         BLOCK_M=config.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -403,6 +437,8 @@ def down(
         weights if weights is not None else out,
         r.sorted_pairs,
         r.block_expert,
+        r.block_start,
+        r.block_rows,
         r.counts,
         H,
         I,
@@ -423,6 +459,7 @@ def down(
         GROUP=FP8_GROUP,
         DOT_PRECISION=_dot_precision(h.dtype),
         EVEN_K=I % cfg.block_k == 0,
+        HALF_TAIL=config.half_tail,
         BLOCK_M=config.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -553,7 +590,7 @@ def standard_with_config(
     config: MoEConfig,
 ) -> torch.Tensor:
     """The Standard pipeline on prepared inputs (no checks): align, GEMM 1, GEMM 2, sum."""
-    aligned = align_pairs(topk_ids_RK, w13.shape[0], config.block_m)
+    aligned = align_pairs(topk_ids_RK, w13.shape[0], config.block_m, config.half_tail)
     y, y_scale = gate_up(x, w13, aligned, config, activation, x_scale, w13_scale)
     z = down(y, w2, aligned, config, out_dtype, y_scale, w2_scale, topk_weights_RK)
     return sum_topk(z, aligned, out_dtype)

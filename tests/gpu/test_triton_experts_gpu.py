@@ -211,6 +211,42 @@ def test_every_candidate_config_is_correct(dtype, layout, m):
                     assert_close(out[i, :n], ref, rtol, name=f"{cfg.short()} expert {i}")
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+@pytest.mark.parametrize("layout", ["standard", "batched"])
+def test_half_tail_tiles(dtype, layout):
+    """128-row blocks with half-height tails (the prefill config) at the benchmark's H and
+    I, with rows per expert on both sides of every tile boundary."""
+    counts = [0, 1, 63, 64, 65, 128, 129, 192, 200]
+    e, H, I = len(counts), 7168, 2048
+    w13, w2 = _weights(e, H, I, seed=17)
+    if dtype == "fp8":
+        (q13, s13), (q2, s2) = _quant_weights(w13, False), _quant_weights(w2, False)
+        w13d, w2d = dequantize_block(q13, s13), dequantize_block(q2, s2)
+    else:
+        q13, q2, s13, s2 = w13.to(BF16), w2.to(BF16), None, None
+        w13d, w2d = q13.double(), q2.double()
+    rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
+    cfg = MoEConfig(128, *configs.gemm_configs(dtype, 128)[0], half_tail=True)
+    if layout == "batched":
+        C = max(counts)
+        x = torch.randn(e, C, H, generator=_gen(18), device=DEV).to(BF16)
+        n_e = torch.tensor(counts, dtype=torch.int32, device=DEV)
+        out = ops.fused_moe_batched(x, n_e, q13, q2, w13_scale=s13, w2_scale=s2, config=cfg)
+        for i, n in enumerate(counts):
+            if n:
+                ref = expert_mlp(x[i, :n].double(), w13d[i].double(), w2d[i].double())
+                assert_close(out[i, :n], ref, rtol, name=f"{cfg.short()} expert {i}")
+        return
+    ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
+    R = ids.numel()
+    ids = ids[torch.randperm(R, generator=_gen(19), device=DEV)][:, None]  # K = 1
+    x = torch.randn(R, H, generator=_gen(20), device=DEV).to(BF16)
+    w = torch.rand(R, 1, generator=_gen(21), device=DEV) + 0.1
+    ref = moe(x.double(), w13d, w2d, w, ids)
+    out = ops.fused_moe_standard(x, ids, w, q13, q2, w13_scale=s13, w2_scale=s2, config=cfg)
+    assert_close(out, ref, rtol, name=cfg.short())
+
+
 def test_no_host_sync_and_cuda_graph():
     """Both layouts run without a host synchronisation; the ExpertBatched layer replays in
     a CUDA graph with new counts and inputs written in place."""

@@ -40,6 +40,12 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id
 # Small tiles so that the shapes below span several blocks in every dimension.
 SMALL = MoEConfig(16, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1))
 SMALL_FP8 = MoEConfig(16, GemmConfig(128, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1))
+# Half-height tail tiles: 32-row blocks, an expert's last block of <= 16 rows runs 16-row tiles.
+HALF = MoEConfig(32, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1), half_tail=True)
+HALF_FP8 = MoEConfig(32, GemmConfig(128, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1), half_tail=True)
+# Rows per expert around the tile boundaries of HALF: none, one, a half tile exactly, just
+# over it, a full block, a full block and a half tile, two full blocks.
+HALF_TAIL_COUNTS = [0, 1, 16, 17, 32, 33, 48, 49, 64]
 # FP8 GEMMs fed with exactly quantized inputs: exact fp32 sums in the interpreter; on sm_90
 # the tensor cores accumulate each 128-wide K step with a shorter mantissa (as DeepGEMM).
 FP8_ACC_RTOL = 1e-5 if DEVICE == "cpu" else 2e-3
@@ -165,39 +171,86 @@ def test_batched_matches_oracle(counts, C, H, I, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["standard", "batched"])
+def test_half_tail_matches_oracle(layout, dtype):
+    """``half_tail``: blocks of at most block_m / 2 rows run half-height tiles; rows per
+    expert on both sides of every tile boundary, against the oracle."""
+    counts = HALF_TAIL_COUNTS
+    e, H, I = len(counts), 64, 48
+    g = _gen(51)
+    w13, w2 = _weights(e, H, I, seed=52)
+    if layout == "batched":
+        C = max(counts)
+        x = torch.randn(e, C, H, generator=g, dtype=torch.float64)
+        out = ops.fused_moe_batched(
+            x.to(dtype).to(DEVICE), torch.tensor(counts, dtype=torch.int32, device=DEVICE),
+            w13.to(dtype).to(DEVICE), w2.to(dtype).to(DEVICE), config=HALF,
+        )  # fmt: skip
+        w13d, w2d = w13.to(dtype), w2.to(dtype)
+        _check_batched(out, x.to(dtype), counts, w13d, w2d, "silu", TOLERANCES[dtype], "half")
+        return
+    # K = 2: each row's first id gives the counts above, its second is another rank's (-1)
+    # or a repeat of expert 3 (17 → 17 + R / 4 rows, still spread over the boundaries).
+    first = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    R = first.numel()
+    first = first[torch.randperm(R, generator=g)]
+    second = torch.where(torch.rand(R, generator=g) < 0.25, 3, -1)
+    second[first == 3] = -1
+    ids = torch.stack([first, second], dim=1)
+    x = torch.randn(R, H, generator=g, dtype=torch.float64)
+    w = torch.rand(R, 2, generator=g, dtype=torch.float64) + 0.1
+    ref = moe(x, w13, w2, w, ids)
+    out = ops.fused_moe_standard(
+        x.to(dtype).to(DEVICE), ids.to(DEVICE), w.float().to(DEVICE),
+        w13.to(dtype).to(DEVICE), w2.to(dtype).to(DEVICE), config=HALF,
+    )  # fmt: skip
+    assert_close(out.cpu(), ref, TOLERANCES[dtype], name="standard, half tails")
+
+
+@pytest.mark.parametrize("half_tail", [False, True], ids=["full", "half-tail"])
 @pytest.mark.parametrize(
     "R,K,e,block_m,ids_case",
     [
         pytest.param(9, 3, 4, 16, "random", id="random"),
         pytest.param(700, 2, 13, 16, "random", id="many-pairs-E-not-pow2"),
         pytest.param(40, 1, 3, 16, "one_expert", id="one-expert-3-blocks"),
+        pytest.param(36, 1, 3, 32, "one_expert", id="one-expert-tail-of-half"),
         pytest.param(5, 2, 4, 32, "none_local", id="none-local"),
         pytest.param(0, 2, 4, 16, "random", id="R=0"),
         pytest.param(6, 2, 1, 64, "random", id="e=1"),
     ],
 )
-def test_align_pairs(R, K, e, block_m, ids_case):
+def test_align_pairs(R, K, e, block_m, ids_case, half_tail):
     ids = _ids_for(ids_case, R, K, e, seed=R + e)
-    a = ops.align_pairs(ids.to(torch.int32).to(DEVICE), e, block_m)
+    a = ops.align_pairs(ids.to(torch.int32).to(DEVICE), e, block_m, half_tail)
     P = R * K
+    pad_m = block_m // 2 if half_tail else block_m
+    assert (a.block_m, a.pad_m) == (block_m, pad_m)
     flat = ids.reshape(-1)
     counts = torch.bincount(flat[flat >= 0], minlength=e)
-    padded = (counts + block_m - 1) // block_m * block_m
+    padded = (counts + pad_m - 1) // pad_m * pad_m
     assert torch.equal(a.expert_counts.cpu().long(), counts)
     assert int(a.num_padded.cpu()) == int(padded.sum())
+    # The worst case of B does not depend on pad_m.
     assert a.num_blocks == math.ceil((P + min(e, P) * (block_m - 1)) / block_m)
     if P == 0:
         return
-    sp, be, pos = a.sorted_pairs.cpu().long(), a.block_expert.cpu().long(), a.pair_pos.cpu().long()
-    start = 0
+    sp, pos = a.sorted_pairs.cpu().long(), a.pair_pos.cpu().long()
+    be, bs, br = (t.cpu().long() for t in (a.block_expert, a.block_start, a.block_rows))
+    start, b = 0, 0
     for i in range(e):
         c, p = int(counts[i]), int(padded[i])
         got = sp[start : start + c]
         assert sorted(got.tolist()) == (flat == i).nonzero().squeeze(1).tolist(), f"expert {i}"
         assert (sp[start + c : start + p] == P).all(), f"padding of expert {i}"
-        assert (be[start // block_m : (start + p) // block_m] == i).all()
+        # Blocks of block_m positions, the last of pad_m when the group's rows fit in it.
+        sizes = [block_m] * (p // block_m) + ([p % block_m] if p % block_m else [])
+        for j, size in enumerate(sizes):
+            assert (be[b], bs[b], br[b]) == (i, start + j * block_m, size), f"block {b}"
+            b += 1
         start += p
-    assert (sp[start:] == P).all() and (be[start // block_m :] == -1).all()
+    assert (be[b:] == -1).all() and (br[b:] == 0).all(), "blocks past the last real one"
     local = flat >= 0
     assert (pos[~local] == -1).all()
     assert torch.equal(sp[pos[local]], local.nonzero().squeeze(1))
@@ -354,7 +407,8 @@ def test_fp8_gate_up_scales(per_tensor):
         assert_close(deq, h, 0.04 if DEVICE == "cuda" else 0.1, name=f"expert {i}")
 
 
-def test_fp8_pipeline_smoke():
+@pytest.mark.parametrize("config", [SMALL_FP8, HALF_FP8], ids=["full", "half-tail"])
+def test_fp8_pipeline_smoke(config):
     """Whole FP8 layers (bf16 in, FP8 weights) in both layouts against the oracle with the
     dequantized weights; the interpreter's FP8 cast makes this loose on CPU."""
     R, K, e, H, I = 9, 3, 4, 256, 128
@@ -369,7 +423,7 @@ def test_fp8_pipeline_smoke():
     dev = [t.to(DEVICE) for t in (q13, q2, s13, s2)]
     out = ops.fused_moe_standard(
         x.float().to(DEVICE), ids.to(DEVICE), w.float().to(DEVICE), dev[0], dev[1],
-        w13_scale=dev[2], w2_scale=dev[3], config=SMALL_FP8,
+        w13_scale=dev[2], w2_scale=dev[3], config=config,
     )  # fmt: skip
     assert out.dtype == torch.float32
     assert_close(out.cpu(), ref, rtol, name="fp8 standard")
@@ -378,7 +432,7 @@ def test_fp8_pipeline_smoke():
     xq, xs = _quant_groups_torch(x.float())
     out8 = ops.fused_moe_standard(
         xq.to(DEVICE), ids.to(DEVICE), w.float().to(DEVICE), dev[0], dev[1],
-        hidden_scale=xs.to(DEVICE), w13_scale=dev[2], w2_scale=dev[3], config=SMALL_FP8,
+        hidden_scale=xs.to(DEVICE), w13_scale=dev[2], w2_scale=dev[3], config=config,
     )  # fmt: skip
     assert out8.dtype == torch.bfloat16
     assert_close(out8.cpu(), ref, rtol + 2e-2, name="fp8 standard, fp8 input")
@@ -387,7 +441,7 @@ def test_fp8_pipeline_smoke():
     xb = torch.randn(e, 3, H, generator=g)
     outb = ops.fused_moe_batched(
         xb.to(DEVICE), torch.tensor(counts, dtype=torch.int32, device=DEVICE), dev[0], dev[1],
-        w13_scale=dev[2], w2_scale=dev[3], config=SMALL_FP8,
+        w13_scale=dev[2], w2_scale=dev[3], config=config,
     )  # fmt: skip
     w13d, w2d = dequantize_block(q13, s13), dequantize_block(q2, s2)
     _check_batched(outb, xb.float(), counts, w13d, w2d, "silu", rtol, "fp8 batched")
