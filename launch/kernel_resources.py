@@ -1,0 +1,188 @@
+"""Compile the MoE GEMM kernels for sm_90a without a GPU and print what limits them.
+
+    python launch/kernel_resources.py                      # the shipped H200 prefill configs
+    python launch/kernel_resources.py --config '{"block_m": 64, ...}' --dtype fp8
+
+For each kernel, as ``epmoe.kernels.ops`` would launch it at the benchmark's shapes
+(H = 7168, I = 2048, Standard layout): shared memory, registers, stack (spills) and the
+``pendings`` of every wgmma wait in the TTGIR (0: each MMA completes before the loop goes
+on; 2: two MMA groups stay in flight). Uses Triton's bundled ptxas and cuobjdump and
+internals of triton 3.x (``ASTSource``, ``GPUTarget``): a developer's tool, best effort.
+It mirrors Triton's launch-time specialisation (integer arguments equal to 1 become
+constants, multiples of 16 get a divisibility hint, pointers are 16-byte aligned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+POINTER_TYPES = {
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
+
+
+class _Capture:
+    """Stands in for a kernel: ``kernel[grid](*args, **meta)`` records the launch."""
+
+    def __init__(self) -> None:
+        self.launches: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launches.append((args, meta))
+
+
+def _compile(fn, args: tuple, meta: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    meta = dict(meta)
+    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
+    names = fn.arg_names
+    keep = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
+    signature, constants, attrs = {}, dict(meta), {}
+    for i, (name, value) in enumerate(zip(names, args, strict=False)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if value == 1 and name not in keep:
+                constants[name] = 1
+            else:
+                signature[name] = "i64" if abs(value) >= 2**31 else "i32"
+                if value % 16 == 0 and name not in keep:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+    for name in constants:
+        signature[name] = "constexpr"
+    src = ASTSource(
+        fn,
+        {n: signature[n] for n in names if n in signature},
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs=attrs,
+    )
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _resources(kernel) -> dict:
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    usage = subprocess.run(
+        [os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+        capture_output=True,
+        text=True,
+    ).stdout
+    os.unlink(f.name)
+
+    def field(key: str):
+        m = re.search(rf"{key}:(\d+)", usage)
+        return int(m.group(1)) if m else None
+
+    waits = re.findall(r"warp_group_dot_wait.*?pendings = (\d+)", kernel.asm["ttgir"])
+    return {
+        "smem": kernel.metadata.shared,
+        "regs": field("REG"),
+        "stack": field("STACK"),
+        "wgmma_wait_pendings": sorted({int(w) for w in waits}),
+    }
+
+
+def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list[dict]:
+    """Compile ``gate_up`` and ``down`` of ``config`` for the Standard layout."""
+    from epmoe.kernels import grouped_gemm, ops
+
+    fp8 = dtype == "fp8"
+    wdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    R, K, B = 64, 8, 64
+    pad_m = config.block_m // 2 if config.half_tail else config.block_m
+    i32 = torch.int32
+    aligned = ops.AlignedPairs(
+        torch.empty(B * config.block_m, dtype=i32),
+        *torch.empty(3, B, dtype=i32),
+        torch.empty(R * K, dtype=i32),
+        torch.empty(e, dtype=i32),
+        torch.empty(1, dtype=i32),
+        config.block_m,
+        pad_m,
+        R,
+        K,
+    )
+
+    def scales(*shape):
+        return torch.empty(*shape) if fp8 else None
+
+    gate_up, down = _Capture(), _Capture()
+    with (
+        mock.patch.object(grouped_gemm, "gate_up_kernel", gate_up),
+        mock.patch.object(grouped_gemm, "down_kernel", down),
+        mock.patch.object(ops, "_check_device", lambda *t: torch.device("cpu")),
+    ):
+        ops.gate_up(
+            torch.empty(R, H, dtype=wdt),
+            torch.empty(e, 2 * I, H, dtype=wdt),
+            aligned,
+            config,
+            "silu",
+            scales(R, H // 128),
+            scales(e, 2 * I // 128, H // 128),
+        )
+        ops.down(
+            torch.empty(B * config.block_m, I, dtype=wdt),
+            torch.empty(e, H, I, dtype=wdt),
+            aligned,
+            config,
+            torch.bfloat16,
+            scales(B * config.block_m, I // 128),
+            scales(e, H // 128, I // 128),
+            torch.empty(R, K),
+        )
+    rows = []
+    for name, capture, fn in (
+        ("gate_up", gate_up, grouped_gemm.gate_up_kernel),
+        ("down", down, grouped_gemm.down_kernel),
+    ):
+        row = {"dtype": dtype, "config": config.short(), "kernel": name}
+        try:
+            row.update(_resources(_compile(fn, *capture.launches[0])))
+        except Exception as exc:  # e.g. out of shared memory
+            row["error"] = str(exc).splitlines()[0][:200]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    from epmoe.kernels.configs import MoEConfig, load_table, lookup, problem_key
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", choices=("bf16", "fp8"), action="append")
+    p.add_argument("--config", help="a MoEConfig as JSON (MoEConfig.to_dict); default: table")
+    args = p.parse_args()
+    for dtype in args.dtype or ["bf16", "fp8"]:
+        if args.config:
+            config = MoEConfig.from_dict(json.loads(args.config))
+        else:
+            key = problem_key("standard", dtype, 7168, 2048, 128)
+            config = lookup(load_table("NVIDIA H200"), key, 4096)
+        for row in report(dtype, config):
+            print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
