@@ -23,6 +23,16 @@ import triton.language as tl
 # grouped_gemm.ROW_COUNT_ARGS), so a serving loop does not recompile as batches vary.
 
 
+@triton.jit
+def _local_pairs(topk_ids_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` pairs: (index, in range, local, local slot or 0)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
+    local = in_range & (ids >= 0) & (ids < num_experts)
+    return offs, in_range, local, tl.where(local, ids, 0)
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def count_pairs_kernel(
     # pointers
@@ -35,12 +45,7 @@ def count_pairs_kernel(
     # meta-parameters
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < num_pairs
-    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
-    local = in_range & (ids >= 0) & (ids < num_experts)
-    slot = tl.where(local, ids, 0)
+    offs, in_range, local, slot = _local_pairs(topk_ids_ptr, num_pairs, num_experts, BLOCK)
     rank = tl.atomic_add(counts_ptr + slot, 1, mask=local)
     tl.store(rank_ptr + offs, rank, mask=local)
 
@@ -126,12 +131,7 @@ def scatter_pairs_kernel(
     # meta-parameters
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    in_range = offs < num_pairs
-    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
-    local = in_range & (ids >= 0) & (ids < num_experts)
-    slot = tl.where(local, ids, 0)
+    offs, in_range, local, slot = _local_pairs(topk_ids_ptr, num_pairs, num_experts, BLOCK)
     start = tl.load(expert_start_ptr + slot, mask=local, other=0)
     rank = tl.load(rank_ptr + offs, mask=local, other=0)
     pos = start + rank

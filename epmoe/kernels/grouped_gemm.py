@@ -86,8 +86,9 @@ def _rescale(
 
 
 @triton.jit
-def _block_of(
-    pid_m,
+def _program_block(
+    num_m_blocks,
+    N,
     block_expert_ptr,
     block_start_ptr,
     block_rows_ptr,
@@ -95,11 +96,15 @@ def _block_of(
     capacity,
     BATCHED: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    """(expert, first row or position, rows) of row block ``pid_m``; rows ≤ 0: no work.
+    """This program's column block and row block: (pid_n, expert, first row or position,
+    rows); rows ≤ 0: no work.
 
     Standard: the block table of ``align_pairs`` (rows = the block's padded positions).
     Batched: block ``j`` of an expert starts at row ``j·BLOCK_M``; rows = the valid ones."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if BATCHED:
         per_expert = tl.cdiv(capacity, BLOCK_M)
         expert = pid_m // per_expert
@@ -110,7 +115,7 @@ def _block_of(
         expert = tl.load(block_expert_ptr + pid_m)
         first = tl.load(block_start_ptr + pid_m)
         rows = tl.load(block_rows_ptr + pid_m)
-    return expert.to(tl.int64), first.to(tl.int64), rows
+    return pid_n, expert.to(tl.int64), first.to(tl.int64), rows
 
 
 @triton.jit
@@ -368,11 +373,9 @@ def gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_m, pid_n = _tile_ids(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    expert, first, rows = _block_of(
-        pid_m, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr, capacity,
-        BATCHED, BLOCK_M,
+    pid_n, expert, first, rows = _program_block(
+        num_m_blocks, N, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr,
+        capacity, BATCHED, BLOCK_M, BLOCK_N, GROUP_M,
     )  # fmt: skip
     if rows <= 0:
         return
@@ -551,11 +554,9 @@ def down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    pid_m, pid_n = _tile_ids(pid, num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
-    expert, first, rows = _block_of(
-        pid_m, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr, capacity,
-        BATCHED, BLOCK_M,
+    pid_n, expert, first, rows = _program_block(
+        num_m_blocks, N, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr,
+        capacity, BATCHED, BLOCK_M, BLOCK_N, GROUP_M,
     )  # fmt: skip
     if rows <= 0:
         return
