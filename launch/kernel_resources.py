@@ -133,6 +133,8 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
         mock.patch.object(grouped_gemm, "gate_up_kernel", gate_up),
         mock.patch.object(grouped_gemm, "down_kernel", down),
         mock.patch.object(ops, "_check_device", lambda *t: torch.device("cpu")),
+        # FP8 GEMM 1 tiles narrower than a group quantize in a separate kernel: not reported
+        mock.patch.object(ops, "per_token_group_quant_fp8", lambda y, counts=None: (y, None)),
     ):
         ops.gate_up(
             torch.empty(R, H, dtype=wdt),

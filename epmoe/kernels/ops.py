@@ -337,60 +337,65 @@ def gate_up(
     cfg = config.gate_up
     r = _rows(rows, config, e, x)
     y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
-    y = torch.empty(y_shape, dtype=FP8_DTYPE if fp8 else x.dtype, device=x.device)
+    # FP8: tiles one quantization group wide quantize in their epilogue; other widths store
+    # bf16 and are quantized below (one more pass over y).
+    fused_quant = fp8 and cfg.block_n == FP8_GROUP
+    y_dtype = FP8_DTYPE if fused_quant else (torch.bfloat16 if fp8 else x.dtype)
+    y = torch.empty(y_shape, dtype=y_dtype, device=x.device)
     y_scale = None
-    if fp8:
+    if fused_quant:
         y_scale = torch.empty(
             (*y_shape[:-1], triton.cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device
         )
     w_block, ws_strides = _weight_scale_strides(w13_scale, w13, "w13_scale")
     grid = (r.num_m_blocks * triton.cdiv(N, cfg.block_n),)
-    if grid[0] == 0:
-        return y, y_scale
-    grouped_gemm.gate_up_kernel[grid](
-        x,
-        x_scale if x_scale is not None else x,
-        w13,
-        w13_scale if w13_scale is not None else w13,
-        y,
-        y_scale if y_scale is not None else y,
-        r.sorted_pairs,
-        r.block_expert,
-        r.block_start,
-        r.block_rows,
-        r.counts,
-        N,
-        H,
-        r.num_pairs,
-        r.capacity,
-        r.num_m_blocks,
-        *_row_strides(x, r.batched),
-        *_row_strides(x_scale, r.batched),
-        w13.stride(0),
-        w13.stride(1),
-        w13.stride(2),
-        *ws_strides,
-        *_row_strides(y, r.batched),
-        *_row_strides(y_scale, r.batched),
-        TOP_K=r.top_k,
-        BATCHED=r.batched,
-        ACTIVATION=activation,
-        FP8=fp8,
-        W_BLOCK_SCALE=w_block,
-        W_SCALE_PER_TILE=fp8 and w_block and _tile_in_block(cfg.block_n, N),
-        GROUP=FP8_GROUP,
-        FP8_MAX=FP8_MAX,
-        INV_FP8_MAX=INV_FP8_MAX,
-        DOT_PRECISION=_dot_precision(x.dtype),
-        EVEN_K=H % cfg.block_k == 0,
-        HALF_TAIL=config.half_tail,
-        BLOCK_M=config.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    if grid[0] > 0:
+        grouped_gemm.gate_up_kernel[grid](
+            x,
+            x_scale if x_scale is not None else x,
+            w13,
+            w13_scale if w13_scale is not None else w13,
+            y,
+            y_scale if y_scale is not None else y,
+            r.sorted_pairs,
+            r.block_expert,
+            r.block_start,
+            r.block_rows,
+            r.counts,
+            N,
+            H,
+            r.num_pairs,
+            r.capacity,
+            r.num_m_blocks,
+            *_row_strides(x, r.batched),
+            *_row_strides(x_scale, r.batched),
+            w13.stride(0),
+            w13.stride(1),
+            w13.stride(2),
+            *ws_strides,
+            *_row_strides(y, r.batched),
+            *_row_strides(y_scale, r.batched),
+            TOP_K=r.top_k,
+            BATCHED=r.batched,
+            ACTIVATION=activation,
+            FP8=fp8,
+            W_BLOCK_SCALE=w_block,
+            W_SCALE_PER_TILE=fp8 and w_block and _tile_in_block(cfg.block_n, N),
+            GROUP=FP8_GROUP,
+            FP8_MAX=FP8_MAX,
+            INV_FP8_MAX=INV_FP8_MAX,
+            DOT_PRECISION=_dot_precision(x.dtype),
+            EVEN_K=H % cfg.block_k == 0,
+            HALF_TAIL=config.half_tail,
+            BLOCK_M=config.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    if fp8 and not fused_quant:
+        y, y_scale = per_token_group_quant_fp8(y, counts=r.counts if r.batched else None)
     return y, y_scale
 
 

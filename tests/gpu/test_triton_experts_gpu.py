@@ -211,11 +211,21 @@ def test_every_candidate_config_is_correct(dtype, layout, m):
                     assert_close(out[i, :n], ref, rtol, name=f"{cfg.short()} expert {i}")
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+NARROW_FP8 = MoEConfig(
+    128, configs.GemmConfig(64, 128, 8, 8, 3), configs.GemmConfig(128, 64, 8, 4, 5), True
+)
+
+
+@pytest.mark.parametrize(
+    "dtype,cfg",
+    [("bf16", None), ("fp8", None), ("fp8", NARROW_FP8)],
+    ids=["bf16", "fp8", "fp8-narrow"],
+)
 @pytest.mark.parametrize("layout", ["standard", "batched"])
-def test_half_tail_tiles(dtype, layout):
+def test_half_tail_tiles(dtype, cfg, layout):
     """128-row blocks with half-height tails (the prefill config) at the benchmark's H and
-    I, with rows per expert on both sides of every tile boundary."""
+    I, with rows per expert on both sides of every tile boundary; ``fp8-narrow``: GEMM 1
+    tiles of 64 columns, whose bf16 output is quantized in a separate pass."""
     counts = [0, 1, 63, 64, 65, 128, 129, 192, 200]
     e, H, I = len(counts), 7168, 2048
     w13, w2 = _weights(e, H, I, seed=17)
@@ -226,7 +236,7 @@ def test_half_tail_tiles(dtype, layout):
         q13, q2, s13, s2 = w13.to(BF16), w2.to(BF16), None, None
         w13d, w2d = q13.double(), q2.double()
     rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
-    cfg = MoEConfig(128, *configs.gemm_configs(dtype, 128)[0], half_tail=True)
+    cfg = cfg or MoEConfig(128, *configs.gemm_configs(dtype, 128)[0], half_tail=True)
     if layout == "batched":
         C = max(counts)
         x = torch.randn(e, C, H, generator=_gen(18), device=DEV).to(BF16)

@@ -40,6 +40,8 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id
 # Small tiles so that the shapes below span several blocks in every dimension.
 SMALL = MoEConfig(16, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1))
 SMALL_FP8 = MoEConfig(16, GemmConfig(128, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1))
+# GEMM 1 tiles narrower than an FP8 group: bf16 out, quantized in a separate pass.
+SMALL_FP8_UNFUSED = MoEConfig(16, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1))
 # Half-height tail tiles: 32-row blocks, an expert's last block of <= 16 rows runs 16-row tiles.
 HALF = MoEConfig(32, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1), half_tail=True)
 HALF_FP8 = MoEConfig(32, GemmConfig(128, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1), half_tail=True)
@@ -407,7 +409,11 @@ def test_fp8_gate_up_scales(per_tensor):
         assert_close(deq, h, 0.04 if DEVICE == "cuda" else 0.1, name=f"expert {i}")
 
 
-@pytest.mark.parametrize("config", [SMALL_FP8, HALF_FP8], ids=["full", "half-tail"])
+@pytest.mark.parametrize(
+    "config",
+    [SMALL_FP8, HALF_FP8, SMALL_FP8_UNFUSED],
+    ids=["full", "half-tail", "narrow-gate-up"],
+)
 def test_fp8_pipeline_smoke(config):
     """Whole FP8 layers (bf16 in, FP8 weights) in both layouts against the oracle with the
     dequantized weights; the interpreter's FP8 cast makes this loose on CPU."""
@@ -497,8 +503,8 @@ def test_invalid_inputs_raise():
         )
     with pytest.raises(ValueError, match="counts_e"):
         ops.fused_moe_batched(x.view(1, 3, H).expand(e, 3, H), ids[:, 0], w13, w2)
-    with pytest.raises(ValueError, match="gate_up.block_n"):
-        configs.check_config(SMALL, fp8=True)
+    with pytest.raises(ValueError, match="down.block_k"):
+        configs.check_config(MoEConfig(16, SMALL.gate_up, GemmConfig(32, 256)), fp8=True)
 
 
 def test_config_tables_and_heuristics(monkeypatch, tmp_path):
