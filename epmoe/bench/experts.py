@@ -731,7 +731,11 @@ def _add_ratios(records: list[dict[str, Any]], copy_bw: float | None) -> None:
                 r["vs_roofline"] = r["roofline_ms"] / r["ms"]
         elif copy_bw:
             r["frac_of_copy"] = r["weight_GBps"] * 1e9 / copy_bw
-        if r["dtype"] == "fp8":
-            b = find(sc, r["impl"], "bf16")
-            if b is not None:
-                r["fp8_speedup"] = b["ms"] / r["ms"]
+        if r["dtype"] == "fp8":  # against the fastest bf16 Triton layer of the same run
+            bf16 = [
+                b["ms"] for b in records
+                if b.get("scenario") == sc and b.get("dtype") == "bf16" and "ms" in b
+                and "sweep" not in b and str(b.get("impl", "")).startswith("epmoe")
+            ]  # fmt: skip
+            if bf16:
+                r["fp8_speedup"] = min(bf16) / r["ms"]
