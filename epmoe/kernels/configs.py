@@ -105,7 +105,7 @@ class MoEConfig:
 def check_config(config: MoEConfig, fp8: bool) -> None:
     """Raise ValueError if ``config`` cannot run the FP8 kernels (K steps inside one scale
     group). ``gate_up.block_n == 128`` quantizes GEMM 1's output in its epilogue; other
-    widths store bf16 and quantize it in a separate pass."""
+    widths store it in fp32 and quantize it in a separate pass (the same values)."""
     if not fp8:
         return
     for name, c in (("gate_up", config.gate_up), ("down", config.down)):

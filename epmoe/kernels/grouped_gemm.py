@@ -20,7 +20,7 @@ beside its expert's full tiles and reads the same weight tiles while they are in
 
 ``gate_up_kernel`` computes the gate and up tiles of ``w13`` in one program and stores
 ``act(gate) · up``; in FP8 mode with ``BLOCK_N == 128`` it quantizes that tile per token
-group of 128 for ``down_kernel`` (other widths store bf16, quantized by a separate pass). ``down_kernel`` multiplies by ``w2``; for the
+group of 128 for ``down_kernel`` (other widths store fp32, quantized by a separate pass). ``down_kernel`` multiplies by ``w2``; for the
 Standard layout it scales each row by its router weight.
 
 FP8 (W8A8, e4m3, DeepSeek-V3 format): activations carry float32 scales per token and group
@@ -299,7 +299,7 @@ def _gate_up_tile(
     y_mask = row_mask[:, None] & n_mask[None, :]
     if FP8 and BLOCK_N == GROUP:
         # One group of GROUP columns per tile: quantize it for down_kernel (amax / FP8_MAX).
-        # (Other widths store h in y's 16-bit dtype; ops.gate_up quantizes it afterwards.)
+        # (Other widths store h in fp32; ops.gate_up quantizes it afterwards.)
         h = tl.where(n_mask[None, :], h, 0.0)
         scale = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) * INV_FP8_MAX  # [BM], as quant.py
         q = tl.minimum(tl.maximum(tl.div_rn(h, scale[:, None]), -FP8_MAX), FP8_MAX)

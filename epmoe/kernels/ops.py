@@ -338,9 +338,9 @@ def gate_up(
     r = _rows(rows, config, e, x)
     y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
     # FP8: tiles one quantization group wide quantize in their epilogue; other widths store
-    # bf16 and are quantized below (one more pass over y).
+    # fp32 (what the epilogue quantizes) and are quantized below, one more pass over y.
     fused_quant = fp8 and cfg.block_n == FP8_GROUP
-    y_dtype = FP8_DTYPE if fused_quant else (torch.bfloat16 if fp8 else x.dtype)
+    y_dtype = FP8_DTYPE if fused_quant else (torch.float32 if fp8 else x.dtype)
     y = torch.empty(y_shape, dtype=y_dtype, device=x.device)
     y_scale = None
     if fused_quant:

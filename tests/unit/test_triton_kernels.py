@@ -40,7 +40,7 @@ DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id
 # Small tiles so that the shapes below span several blocks in every dimension.
 SMALL = MoEConfig(16, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1))
 SMALL_FP8 = MoEConfig(16, GemmConfig(128, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1))
-# GEMM 1 tiles narrower than an FP8 group: bf16 out, quantized in a separate pass.
+# GEMM 1 tiles narrower than an FP8 group: fp32 out, quantized in a separate pass.
 SMALL_FP8_UNFUSED = MoEConfig(16, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1))
 # Half-height tail tiles: 32-row blocks, an expert's last block of <= 16 rows runs 16-row tiles.
 HALF = MoEConfig(32, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1), half_tail=True)
@@ -451,6 +451,31 @@ def test_fp8_pipeline_smoke(config):
     )  # fmt: skip
     w13d, w2d = dequantize_block(q13, s13), dequantize_block(q2, s2)
     _check_batched(outb, xb.float(), counts, w13d, w2d, "silu", rtol, "fp8 batched")
+
+
+def test_fp8_narrow_gate_up_quantizes_like_the_fused_epilogue():
+    """GEMM 1 tiles narrower than a group (separate quantization pass) give the same
+    layer output as one-group tiles (quantization in the epilogue): same fp32 values,
+    same scale formula."""
+    R, K, e, H, I = 7, 2, 3, 256, 256
+    g = _gen(61)
+    w13, w2 = _weights(e, H, I, seed=62)
+    (q13, s13), (q2, s2) = _quant_weights(w13, False), _quant_weights(w2, False)
+    ids = _ids_for("random", R, K, e, seed=63).to(DEVICE)
+    x = torch.randn(R, H, generator=g).to(DEVICE)
+    w = torch.rand(R, K, generator=g).to(DEVICE)
+    dev = [t.to(DEVICE) for t in (q13, q2, s13, s2)]
+    outs = [
+        ops.fused_moe_standard(
+            x, ids, w, dev[0], dev[1], w13_scale=dev[2], w2_scale=dev[3], config=cfg
+        )
+        for cfg in (SMALL_FP8, SMALL_FP8_UNFUSED)
+    ]
+    assert SMALL_FP8.gate_up.block_k == SMALL_FP8_UNFUSED.gate_up.block_k
+    if DEVICE == "cpu":  # the interpreter: identical fp32 sums
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    else:  # tensor cores: a 1-ulp change of h may move a value to the next FP8 code
+        assert_close(outs[1].cpu(), outs[0].cpu().double(), 5e-3, name="narrow vs fused")
 
 
 def test_fp8_hidden_with_unquantized_weights():
