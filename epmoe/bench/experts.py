@@ -615,7 +615,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                     try:
                         tuned = _measure(problem, args, dtype, weights, other, impl)
                     except Exception as exc:  # e.g. out of resources on this device
-                        recs.append({"impl": impl, "config": other.short(), "error": repr(exc)})
+                        err = repr(exc)[:300]
+                        recs.append({"impl": impl, "config": other.short(), "error": err})
                         continue
                     # Another tiling must compute what the default one does.
                     diff = relative_error(
@@ -691,11 +692,25 @@ def _load_candidates(path: str | None) -> dict[tuple[str, str], list[Any]]:
     from epmoe.kernels.configs import MoEConfig
 
     out: dict[tuple[str, str], list[Any]] = {}
-    if path:
-        with open(path) as f:
-            for item in json.load(f):
-                key = (item["scenario"], item["dtype"])
-                out.setdefault(key, []).append(MoEConfig.from_dict(item["config"]))
+    if not path:
+        return out
+    with open(path) as f:
+        items = json.load(f)
+    for i, item in enumerate(items):
+        try:
+            key = (item["scenario"], item["dtype"])
+            config = MoEConfig.from_dict(item["config"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"--candidates {path}: item {i} must be {{scenario, dtype, config}} with a "
+                f"MoEConfig dict as config ({exc!r})"
+            ) from exc
+        if key[0] not in ("prefill", "decode") or key[1] not in ("bf16", "fp16", "fp8"):
+            raise ValueError(
+                f"--candidates {path}: item {i} has scenario {key[0]!r} / dtype {key[1]!r}; "
+                "scenario is prefill or decode, dtype bf16, fp16 or fp8"
+            )
+        out.setdefault(key, []).append(config)
     return out
 
 
@@ -736,6 +751,7 @@ def _add_ratios(records: list[dict[str, Any]], copy_bw: float | None) -> None:
                 b["ms"] for b in records
                 if b.get("scenario") == sc and b.get("dtype") == "bf16" and "ms" in b
                 and "sweep" not in b and str(b.get("impl", "")).startswith("epmoe")
+                and b.get("diff_vs_default", 0.0) < 1e-2  # only tilings that agree
             ]  # fmt: skip
             if bf16:
                 r["fp8_speedup"] = min(bf16) / r["ms"]

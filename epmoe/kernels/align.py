@@ -1,4 +1,4 @@
-"""Triton kernels that sort (row, k) pairs by local expert and pad each group to BLOCK_M.
+"""Triton kernels that sort (row, k) pairs by local expert and pad each group to PAD_M.
 
 Shape legend: R received rows · K top-k · e local experts · P = R·K (row, k) pairs ·
 P_pad = padded pair positions (worst case ``P + min(e, P)·(BLOCK_M − 1)``) · B GEMM row

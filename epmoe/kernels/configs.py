@@ -89,7 +89,7 @@ class MoEConfig:
             block_m=int(d["block_m"]),
             gate_up=GemmConfig(**d["gate_up"]),
             down=GemmConfig(**d["down"]),
-            half_tail=bool(d.get("half_tail", False)),
+            half_tail=_bool_field(d, "half_tail"),
         )
 
     def short(self) -> str:
@@ -100,6 +100,13 @@ class MoEConfig:
 
         half = "h" if self.half_tail else ""
         return f"m{self.block_m}{half} gu{g(self.gate_up)} dn{g(self.down)}"
+
+
+def _bool_field(d: dict[str, Any], key: str) -> bool:
+    value = d.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"config field {key!r} must be true or false, got {value!r}")
+    return value
 
 
 def check_config(config: MoEConfig, fp8: bool) -> None:
@@ -216,7 +223,7 @@ def gemm_configs(dtype: str, block_m: int) -> list[tuple[GemmConfig, GemmConfig]
     G = GemmConfig
     if dtype == "fp32":
         return [(G(64, 32, 8, 4, 2), G(64, 32, 8, 4, 2)), (G(32, 32, 8, 4, 3), G(64, 32, 8, 4, 3))]
-    if dtype == "fp8":  # gate_up.block_n is the quantization group of its output
+    if dtype == "fp8":  # gate_up.block_n == 128 fuses the quantization of its output
         if block_m <= 32:
             warps = 4 if block_m == 16 else 8  # 32-row tiles spill with 4 warps
             return [

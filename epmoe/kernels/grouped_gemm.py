@@ -20,8 +20,9 @@ beside its expert's full tiles and reads the same weight tiles while they are in
 
 ``gate_up_kernel`` computes the gate and up tiles of ``w13`` in one program and stores
 ``act(gate) · up``; in FP8 mode with ``BLOCK_N == 128`` it quantizes that tile per token
-group of 128 for ``down_kernel`` (other widths store fp32, quantized by a separate pass). ``down_kernel`` multiplies by ``w2``; for the
-Standard layout it scales each row by its router weight.
+group of 128 for ``down_kernel`` (other widths store fp32, quantized by a separate pass).
+``down_kernel`` multiplies by ``w2``; for the Standard layout it scales each row by its
+router weight.
 
 FP8 (W8A8, e4m3, DeepSeek-V3 format): activations carry float32 scales per token and group
 of 128 columns, weights per 128×128 block (``W_BLOCK_SCALE``) or one per expert. Each

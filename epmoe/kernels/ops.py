@@ -132,7 +132,9 @@ def align_pairs(
     i32 = dict(dtype=torch.int32, device=device)
     counts = torch.zeros(num_experts, **i32)
     sorted_pairs = torch.empty(num_blocks * block_m, **i32)
-    block_table = torch.empty(3, num_blocks, **i32)  # expert, start, rows
+    # expert, start, rows: three allocations, so each pointer has the allocator's alignment
+    # whatever B is (Triton specialises kernels on 16-byte pointer alignment)
+    block_table = [torch.empty(num_blocks, **i32) for _ in range(3)]
     expert_start = torch.empty(num_experts, **i32)
     num_padded = torch.zeros(1, **i32)
     pair_pos = torch.empty(P, **i32)
@@ -328,7 +330,7 @@ def gate_up(
     (``w13`` is ``float8_e4m3fn``) ``x`` is FP8 with ``x_scale [..., ceil(H/128)]`` and
     ``w13_scale`` is given. Returns ``(y, y_scale)``: ``y`` is ``[B·block_m, I]`` by padded
     position (Standard) or ``[e, C, I]``, in ``x``'s dtype, or FP8 with ``y_scale [...,
-    ceil(I/128)]`` float32 (otherwise ``None``). Rows that hold no pair are not written.
+    ceil(I/128)]`` float32 (otherwise ``None``). Rows that hold no pair are unspecified.
     """
     fp8 = _check_operands(x, w13, x_scale, w13_scale)
     check_config(config, fp8)
@@ -338,7 +340,8 @@ def gate_up(
     r = _rows(rows, config, e, x)
     y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
     # FP8: tiles one quantization group wide quantize in their epilogue; other widths store
-    # fp32 (what the epilogue quantizes) and are quantized below, one more pass over y.
+    # fp32 (what the epilogue quantizes) and are quantized below, one more pass over every
+    # row of y (Standard: all B·block_m positions; padding rows are never read by down()).
     fused_quant = fp8 and cfg.block_n == FP8_GROUP
     y_dtype = FP8_DTYPE if fused_quant else (torch.float32 if fp8 else x.dtype)
     y = torch.empty(y_shape, dtype=y_dtype, device=x.device)
@@ -414,7 +417,7 @@ def down(
     ``h`` and ``rows`` as returned by / given to ``gate_up``; ``w2 [e, H, I]``. Standard:
     returns ``[B·block_m, H]`` by padded position, each row scaled by its router weight
     (``topk_weights_RK [R, K]`` float32, required). ExpertBatched: ``[e, C, H]`` unweighted.
-    Rows that hold no pair are not written.
+    Rows that hold no pair are unspecified.
     """
     fp8 = _check_operands(h, w2, h_scale, w2_scale)
     check_config(config, fp8)

@@ -225,7 +225,7 @@ NARROW_FP8 = MoEConfig(
 def test_half_tail_tiles(dtype, cfg, layout):
     """128-row blocks with half-height tails (the prefill config) at the benchmark's H and
     I, with rows per expert on both sides of every tile boundary; ``fp8-narrow``: GEMM 1
-    tiles of 64 columns, whose bf16 output is quantized in a separate pass."""
+    tiles of 64 columns, whose fp32 output is quantized in a separate pass."""
     counts = [0, 1, 63, 64, 65, 128, 129, 192, 200]
     e, H, I = len(counts), 7168, 2048
     w13, w2 = _weights(e, H, I, seed=17)

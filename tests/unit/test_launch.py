@@ -44,8 +44,9 @@ def test_demo_serves_on_two_gloo_ranks_and_matches_the_oracle():
 
 def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
     """``launch/kernel_resources.py`` compiles the shipped H200 prefill tilings for sm_90a
-    offline (Triton's bundled ptxas; no GPU): shared memory within 227 KiB, at most 255
-    registers, and the bf16 GEMM 1 keeps wgmma groups in flight inside its K loop."""
+    offline (Triton's bundled ptxas; no GPU): shared memory within 227 KiB, no stack frame
+    (spills) in the bf16 kernels, and the bf16 GEMM 1 keeps wgmma groups in flight inside
+    its K loop."""
     pytest.importorskip("triton.backends.compiler", reason="needs triton with its compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, os.path.join(ROOT, "launch", "kernel_resources.py")]
@@ -59,6 +60,9 @@ def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
     }
     for r in rows:
         assert "error" not in r, r
-        assert r["smem"] <= 227 * 1024 and r["regs"] <= 255, r
+        assert r["smem"] <= 227 * 1024, r
+        assert r["regs"] is not None and r["stack"] is not None, r
+        if r["dtype"] == "bf16":  # no spills (FP8 GEMM 1: 0 with triton 3.6, 24 B with 3.9)
+            assert r["stack"] == 0, r
     bf16_gate_up = next(r for r in rows if r["dtype"] == "bf16" and r["kernel"] == "gate_up")
     assert max(bf16_gate_up["wgmma_wait_pendings"]) >= 1, bf16_gate_up

@@ -532,6 +532,23 @@ def test_invalid_inputs_raise():
         configs.check_config(MoEConfig(16, SMALL.gate_up, GemmConfig(32, 256)), fp8=True)
 
 
+def test_half_tail_config_and_alignment_must_match():
+    half = MoEConfig(64, SMALL.gate_up, SMALL.down, half_tail=True)
+    assert MoEConfig.from_dict(json.loads(json.dumps(half.to_dict()))) == half
+    assert half.short().startswith("m64h ")
+    with pytest.raises(ValueError, match="half_tail needs block_m >= 32"):
+        MoEConfig(16, SMALL.gate_up, SMALL.down, half_tail=True)
+    with pytest.raises(ValueError, match="'half_tail' must be true or false"):
+        MoEConfig.from_dict({**half.to_dict(), "half_tail": "false"})
+    # pairs aligned without half tails cannot run a half-tail config (and back)
+    ids = torch.tensor([[0, 1], [1, -1]], device=DEVICE)
+    x = torch.randn(2, 64, device=DEVICE)
+    w13 = torch.randn(2, 64, 64, device=DEVICE)
+    aligned = ops.align_pairs(ids, 2, 64)
+    with pytest.raises(ValueError, match="pad_m=64.*pad_m=32"):
+        ops.gate_up(x, w13, aligned, half)
+
+
 def test_config_tables_and_heuristics(monkeypatch, tmp_path):
     cfg = MoEConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4))
     assert MoEConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

@@ -1,0 +1,53 @@
+"""Pure-Python parts of the experts benchmark: candidate files and the ratios it reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epmoe.bench import experts
+from epmoe.kernels.configs import GemmConfig, MoEConfig
+
+CFG = MoEConfig(128, GemmConfig(128, 64, 8, 8, 4), GemmConfig(256, 64, 8, 8, 3), half_tail=True)
+
+
+def test_candidates_file_round_trips_and_rejects_bad_items(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps([{"scenario": "prefill", "dtype": "fp8", "config": CFG.to_dict()}]))
+    assert experts._load_candidates(str(path)) == {("prefill", "fp8"): [CFG]}
+    assert experts._load_candidates(None) == {}
+    for bad, match in (
+        ({"scenario": "prefil", "dtype": "fp8", "config": CFG.to_dict()}, "scenario 'prefil'"),
+        ({"dtype": "fp8", "config": CFG.to_dict()}, "item 0 must be"),
+        ({"scenario": "decode", "dtype": "fp8", "config": {"block_m": 48}}, "item 0 must be"),
+    ):
+        path.write_text(json.dumps([bad]))
+        with pytest.raises(ValueError, match=match):
+            experts._load_candidates(str(path))
+
+
+def test_ratios_roofline_and_fp8_speedup():
+    """Roofline = max(weight bytes / copy bandwidth, dense GEMM of the dtype); the FP8
+    speedup is against the fastest bf16 layer whose output agrees with the default."""
+    recs = [
+        {"scenario": "prefill", "dtype": "bf16", "impl": "epmoe triton", "ms": 4.0,
+         "weight_bytes": 8e9},
+        {"scenario": "prefill", "dtype": "bf16", "impl": "epmoe triton candidate", "ms": 3.0,
+         "weight_bytes": 8e9, "diff_vs_default": 0.5},  # disagrees: not a reference
+        {"scenario": "prefill", "dtype": "bf16", "impl": "epmoe triton candidate", "ms": 3.6,
+         "weight_bytes": 8e9, "diff_vs_default": 0.0},
+        {"scenario": "prefill", "dtype": "fp8", "impl": "epmoe triton", "ms": 2.4,
+         "weight_bytes": 4e9},
+        {"scenario": "prefill", "dtype": "bf16", "impl": "dense bf16 mm", "ms": 1.5},
+        {"scenario": "prefill", "dtype": "bf16", "impl": "dense fp8 scaled_mm", "ms": 1.2},
+        {"scenario": "prefill", "dtype": "bf16", "impl": "torch._grouped_mm", "ms": 5.0},
+    ]  # fmt: skip
+    experts._add_ratios(recs, copy_bw=4e12)
+    bf16, _, best, fp8 = recs[:4]
+    assert bf16["roofline_ms"] == pytest.approx(2.0)  # 8 GB at 4 TB/s > 1.5 ms dense
+    assert bf16["vs_roofline"] == pytest.approx(0.5)
+    assert bf16["vs_dense"] == pytest.approx(1.5 / 4.0)
+    assert bf16["vs_grouped_mm"] == pytest.approx(5.0 / 4.0)
+    assert fp8["roofline_ms"] == pytest.approx(1.2)  # the FP8 dense rate bounds it here
+    assert fp8["fp8_speedup"] == pytest.approx(best["ms"] / 2.4)
