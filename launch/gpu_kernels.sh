@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the Triton MoE kernels on one GPU (H100/H200), in one call of at most 6 minutes:
+# GPU check of the Triton MoE kernels on one GPU (H100/H200), in one call of about 7 minutes:
 #   1. tests/gpu/test_triton_experts_gpu.py   (bf16 / FP8 against the oracle, graphs, ...)
 #   2. python -m epmoe.bench experts --configs (default tiling, a tiling sweep, baselines,
 #      per-step times, compiler resource report)

@@ -3,7 +3,8 @@
 Shape legend: L MoE layers · E logical experts · P physical slots (E + redundant) · W EP
 ranks.
 
-Cycle (vLLM and SGLang run the same one; FACTS.md gives their cadences): every layer's
+Cycle (vLLM and SGLang run the same one; vLLM records a window of 1000 steps and re-plans
+every 3000, SGLang every 1000): every layer's
 :class:`~epmoe.eplb.recorder.LoadRecorder` counts tokens per physical slot on the device
 while serving; every ``rebalance_interval`` steps the manager sums each layer's window over
 the EP ranks (one all-reduce for all layers), folds replicas into logical load ``[L, E]``,
@@ -104,7 +105,7 @@ class EPLBManager:
         layers: the MoE layers, sharing one EP group and E; each built with
             ``EPMoE(..., load_window=N)`` so that it records its load.
         num_redundant: extra replica slots per layer (``E + num_redundant`` must be a
-            multiple of W; FACTS.md: E/8 is a common choice).
+            multiple of W; E/8 is a common choice).
         num_groups, num_nodes: the hierarchical policy of DeepSeek's EPLB (expert groups
             kept within one node); ``num_groups % num_nodes != 0`` falls back to global.
         rebalance_interval: :meth:`step` re-plans every this many steps.
