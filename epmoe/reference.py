@@ -27,13 +27,17 @@ __all__ = [
     "TOLERANCES",
     "moe",
     "expert_mlp",
+    "quantize_block",
     "dequantize_block",
+    "quantize_groups",
     "relative_error",
     "assert_close",
 ]
 
 ACTIVATIONS = ("silu", "gelu")
 FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest float8_e4m3fn value
+FP8_EPS = 1e-10  # smallest amax a scale is computed from (all-zero blocks and groups)
 
 # Relative tolerance (‖out − ref‖ / ‖ref‖) of an implementation computing in each dtype,
 # against this module's float64 oracle. Read-only.
@@ -88,6 +92,48 @@ def expert_mlp(
     gate, up = gate_up[:, :I], gate_up[:, I:]
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="none")
     return (act * up) @ w2_e.t()
+
+
+def _quant_dtype(x: torch.Tensor) -> torch.dtype:
+    """Compute in float64 for float64 inputs, else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def quantize_block(
+    w: torch.Tensor, block: int = FP8_BLOCK, per_matrix: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``w [E, N, M]`` to ``float8_e4m3fn`` in DeepSeek-V3's weight format.
+
+    Scales are ``max(amax, 1e-10) / 448`` (float32) per ``block × block`` tile, shape
+    ``[E, ceil(N/block), ceil(M/block)]`` (the last tiles may be partial), or one per matrix
+    (``[E]``) with ``per_matrix``; values are ``w / scale`` cast to FP8. Computes in float32
+    (float64 for float64 input). ``dequantize_block`` inverts it up to the FP8 rounding.
+    """
+    if w.dim() != 3:
+        raise ValueError(f"w must be [E, N, M], got shape {tuple(w.shape)}")
+    x = w.to(_quant_dtype(w))
+    if per_matrix:
+        s = x.abs().amax(dim=(1, 2)).clamp(min=FP8_EPS) / FP8_MAX
+        return (x / s[:, None, None]).to(torch.float8_e4m3fn), s.float()
+    E, N, M = w.shape
+    nb, mb = math.ceil(N / block), math.ceil(M / block)
+    tiles = F.pad(x, (0, mb * block - M, 0, nb * block - N)).view(E, nb, block, mb, block)
+    s = tiles.abs().amax(dim=(2, 4)).clamp(min=FP8_EPS) / FP8_MAX
+    q = (tiles / s[:, :, None, :, None]).view(E, nb * block, mb * block)[:, :N, :M]
+    return q.to(torch.float8_e4m3fn), s.float()
+
+
+def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize activations ``x [..., D]`` to ``float8_e4m3fn`` per token and group of
+    ``group`` columns: returns ``(q [..., D], scale [..., ceil(D/group)])`` with float32
+    scales ``max(amax, 1e-10) · float32(1/448)`` (the product the Triton kernel computes)
+    and ``q = clamp(x / scale, ±448)`` rounded to nearest even."""
+    D = x.shape[-1]
+    G = math.ceil(D / group)
+    xp = F.pad(x.float(), (0, G * group - D)).unflatten(-1, (G, group))
+    scale = xp.abs().amax(-1).clamp(min=FP8_EPS) * (1.0 / FP8_MAX)
+    q = (xp / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2)[..., :D], scale
 
 
 def dequantize_block(

@@ -106,18 +106,15 @@ def _make_weights(e: int, H: int, I: int, dtype: str, device: torch.device, seed
 
 
 def _quant_block(w: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [e, N, K]`` → FP8 with float32 scales per 128×128 block (amax / 448)."""
+    """``w [e, N, K]`` → FP8 with float32 scales per 128×128 block (``quantize_block``),
+    ``chunk`` experts at a time so that the fp32 temporaries stay small."""
+    from epmoe.reference import quantize_block
+
     e, N, K = w.shape
-    nb, kb = math.ceil(N / 128), math.ceil(K / 128)
     q = torch.empty(w.shape, dtype=FP8, device=w.device)
-    s = torch.empty(e, nb, kb, dtype=torch.float32, device=w.device)
+    s = torch.empty(e, math.ceil(N / 128), math.ceil(K / 128), device=w.device)
     for i in range(0, e, chunk):
-        blk = F.pad(w[i : i + chunk].float(), (0, kb * 128 - K, 0, nb * 128 - N))
-        blk = blk.view(-1, nb, 128, kb, 128)
-        sc = blk.abs().amax(dim=(2, 4)).clamp(min=1e-10) / 448.0
-        qq = (blk / sc[:, :, None, :, None]).view(-1, nb * 128, kb * 128)[:, :N, :K]
-        q[i : i + chunk] = qq.to(FP8)
-        s[i : i + chunk] = sc
+        q[i : i + chunk], s[i : i + chunk] = quantize_block(w[i : i + chunk])
     return q, s
 
 

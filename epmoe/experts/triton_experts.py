@@ -13,6 +13,8 @@ quantized per token and group of 128 columns (or arrive so from an FP8 dispatch)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from epmoe.experts.base import Experts, ExpertWeights
@@ -52,8 +54,20 @@ class TritonExperts(Experts):
         self.config = config
         self.autotune = autotune
 
-    def _out_dtype(self, hidden: torch.Tensor) -> torch.dtype | None:
-        return self.out_dtype if hidden.dtype == ops.FP8_DTYPE else None
+    def _options(
+        self, hidden: torch.Tensor, hidden_scale: torch.Tensor | None, weights: ExpertWeights
+    ) -> dict[str, Any]:
+        """The keyword arguments both layouts' kernels take: scales, activation, tiling;
+        ``out_dtype`` only for FP8 input (otherwise the output keeps the input's dtype)."""
+        return dict(
+            activation=self.activation,
+            hidden_scale=hidden_scale,
+            w13_scale=weights.w13_scale,
+            w2_scale=weights.w2_scale,
+            out_dtype=self.out_dtype if hidden.dtype == ops.FP8_DTYPE else None,
+            config=self.config,
+            autotune=self.autotune,
+        )
 
     def standard(
         self,
@@ -69,13 +83,7 @@ class TritonExperts(Experts):
             topk_weights_RK,
             weights.w13,
             weights.w2,
-            activation=self.activation,
-            hidden_scale=hidden_scale,
-            w13_scale=weights.w13_scale,
-            w2_scale=weights.w2_scale,
-            out_dtype=self._out_dtype(hidden_RH),
-            config=self.config,
-            autotune=self.autotune,
+            **self._options(hidden_RH, hidden_scale, weights),
         )
 
     def expert_batched(
@@ -90,11 +98,5 @@ class TritonExperts(Experts):
             counts_e,
             weights.w13,
             weights.w2,
-            activation=self.activation,
-            hidden_scale=hidden_scale,
-            w13_scale=weights.w13_scale,
-            w2_scale=weights.w2_scale,
-            out_dtype=self._out_dtype(hidden_eCH),
-            config=self.config,
-            autotune=self.autotune,
+            **self._options(hidden_eCH, hidden_scale, weights),
         )

@@ -12,14 +12,20 @@ C rows of capacity per expert.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from epmoe.comm.base import DispatchResult, Layout
 from epmoe.experts.base import ExpertWeights
-from epmoe.reference import TOLERANCES, assert_close, dequantize_block, expert_mlp, moe
+from epmoe.reference import (
+    TOLERANCES,
+    assert_close,
+    dequantize_block,
+    expert_mlp,
+    moe,
+    quantize_block,
+    quantize_groups,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -44,32 +50,35 @@ def _weights(e: int, H: int, I: int, seed: int) -> tuple[torch.Tensor, torch.Ten
     return w13, w2
 
 
+def _layer_weights(dtype: str, e: int, H: int, I: int, seed: int):
+    """``(w13, w2, w13_scale, w2_scale)`` for the kernels in ``dtype`` (bf16, or FP8 with
+    128×128 block scales), the float64 weights the oracle uses, and the dtype's tolerance."""
+    w13, w2 = _weights(e, H, I, seed=seed)
+    if dtype == "fp8":
+        (q13, s13), (q2, s2) = quantize_block(w13), quantize_block(w2)
+        w13d, w2d = dequantize_block(q13, s13), dequantize_block(q2, s2)
+    else:
+        q13, q2, s13, s2 = w13.to(BF16), w2.to(BF16), None, None
+        w13d, w2d = q13, q2
+    return (
+        (q13, q2, s13, s2),
+        (w13d.double(), w2d.double()),
+        TOLERANCES[FP8 if dtype == "fp8" else BF16],
+    )
+
+
+def _assert_batched(out, x, counts, w13d, w2d, rtol: float, name: str) -> None:
+    """Each expert's valid rows of an ExpertBatched output against the oracle."""
+    for i, n in enumerate(counts):
+        if n:
+            ref = expert_mlp(x[i, :n].double(), w13d[i].double(), w2d[i].double())
+            assert_close(out[i, :n], ref, rtol, name=f"{name} expert {i}")
+
+
 def _ids(R: int, K: int, e: int, E: int, seed: int) -> torch.Tensor:
     """Top-K of E experts per row (distinct); those >= e live elsewhere (-1)."""
     ids = torch.rand(R, E, generator=_gen(seed), device=DEV).argsort(dim=1)[:, :K]
     return torch.where(ids < e, ids, -1)
-
-
-def _quant_weights(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if per_tensor:
-        s = w.abs().amax(dim=(1, 2)).clamp(min=1e-10) / 448.0
-        return (w / s[:, None, None]).to(FP8), s.float()
-    e, N, K = w.shape
-    nb, kb = math.ceil(N / 128), math.ceil(K / 128)
-    wp = torch.nn.functional.pad(w.float(), (0, kb * 128 - K, 0, nb * 128 - N))
-    blocks = wp.view(e, nb, 128, kb, 128)
-    s = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-10) / 448.0
-    q = (blocks / s[:, :, None, :, None]).view(e, nb * 128, kb * 128)[:, :N, :K]
-    return q.to(FP8), s.float()
-
-
-def _quant_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    D = x.shape[-1]
-    G = math.ceil(D / 128)
-    xp = torch.nn.functional.pad(x.float(), (0, G * 128 - D)).unflatten(-1, (G, 128))
-    scale = xp.abs().amax(-1).clamp(min=1e-10) * (1.0 / 448.0)  # the format's exact scale
-    q = (xp / scale.unsqueeze(-1)).clamp(-448, 448).to(FP8).flatten(-2)[..., :D]
-    return q, scale
 
 
 STANDARD_SHAPES = [
@@ -102,11 +111,9 @@ def test_bf16_batched(C, H, I):
     counts = torch.tensor([0, 1, C, 17, C // 2, 3], dtype=torch.int32, device=DEV)
     w13, w2 = _weights(e, H, I, seed=C)
     x = torch.randn(e, C, H, generator=_gen(C + 1), device=DEV).to(BF16)
-    out = ops.fused_moe_batched(x, counts, w13.to(BF16), w2.to(BF16), autotune=False)
-    for i, n in enumerate(counts.tolist()):
-        if n:
-            ref = expert_mlp(x[i, :n].double(), w13[i].to(BF16).double(), w2[i].to(BF16).double())
-            assert_close(out[i, :n], ref, TOLERANCES[BF16], name=f"expert {i}")
+    w13, w2 = w13.to(BF16), w2.to(BF16)
+    out = ops.fused_moe_batched(x, counts, w13, w2, autotune=False)
+    _assert_batched(out, x, counts.tolist(), w13, w2, TOLERANCES[BF16], "bf16")
 
 
 @pytest.mark.parametrize("fp8_input", [False, True], ids=["bf16-in", "fp8-in"])
@@ -121,13 +128,14 @@ def test_bf16_batched(C, H, I):
 )
 def test_fp8_standard(R, K, e, E, H, I, per_tensor, fp8_input):
     w13, w2 = _weights(e, H, I, seed=R + e)
-    (q13, s13), (q2, s2) = _quant_weights(w13, per_tensor), _quant_weights(w2, per_tensor)
+    q13, s13 = quantize_block(w13, per_matrix=per_tensor)
+    q2, s2 = quantize_block(w2, per_matrix=per_tensor)
     x = torch.randn(R, H, generator=_gen(R), device=DEV).to(BF16)
     ids = _ids(R, K, e, E, seed=R + 1)
     w = torch.rand(R, K, generator=_gen(R + 2), device=DEV)
     kw = dict(w13_scale=s13, w2_scale=s2, autotune=False)
     if fp8_input:
-        xq, xs = _quant_groups(x)
+        xq, xs = quantize_groups(x)
         out = ops.fused_moe_standard(xq, ids, w, q13, q2, hidden_scale=xs, **kw)
     else:
         out = ops.fused_moe_standard(x, ids, w, q13, q2, **kw)
@@ -141,9 +149,10 @@ def test_fp8_batched(per_tensor):
     e, C, H, I = 6, 256, 7168, 2048
     counts = torch.tensor([0, 1, C, 17, 100, 3], dtype=torch.int32, device=DEV)
     w13, w2 = _weights(e, H, I, seed=5)
-    (q13, s13), (q2, s2) = _quant_weights(w13, per_tensor), _quant_weights(w2, per_tensor)
+    q13, s13 = quantize_block(w13, per_matrix=per_tensor)
+    q2, s2 = quantize_block(w2, per_matrix=per_tensor)
     x = torch.randn(e, C, H, generator=_gen(6), device=DEV).to(BF16)
-    xq, xs = _quant_groups(x)
+    xq, xs = quantize_groups(x)
     out = ops.fused_moe_batched(
         xq, counts, q13, q2, hidden_scale=xs, w13_scale=s13, w2_scale=s2, autotune=False
     )
@@ -151,10 +160,7 @@ def test_fp8_batched(per_tensor):
         dequantize_block(q13, s13, dtype=torch.float64),
         dequantize_block(q2, s2, dtype=torch.float64),
     )
-    for i, n in enumerate(counts.tolist()):
-        if n:
-            ref = expert_mlp(x[i, :n].double(), w13d[i], w2d[i])
-            assert_close(out[i, :n], ref, TOLERANCES[FP8], name=f"expert {i}")
+    _assert_batched(out, x, counts.tolist(), w13d, w2d, TOLERANCES[FP8], "fp8")
 
 
 def test_quant_kernel_matches_torch_bitwise():
@@ -164,7 +170,7 @@ def test_quant_kernel_matches_torch_bitwise():
     both bit-equal to the torch code of the format."""
     x = torch.randn(333, 7168, generator=_gen(0), device=DEV).to(BF16) * 5
     q, s = ops.per_token_group_quant_fp8(x)
-    q_ref, s_ref = _quant_groups(x)
+    q_ref, s_ref = quantize_groups(x)
     ulps = (s.view(torch.int32) - s_ref.view(torch.int32)).abs()
     assert int(ulps.max()) == 0, (
         f"{(ulps > 0).float().mean().item():.1%} of the scales differ, by up to "
@@ -182,14 +188,7 @@ def test_every_candidate_config_is_correct(dtype, layout, m):
     """Each tiling the autotuner may choose for the benchmark shapes gives the right answer
     (on a smaller problem with the same H and I)."""
     e, H, I, K = 4, 7168, 2048, 8
-    w13, w2 = _weights(e, H, I, seed=7)
-    if dtype == "fp8":
-        (q13, s13), (q2, s2) = _quant_weights(w13, False), _quant_weights(w2, False)
-        w13d, w2d = dequantize_block(q13, s13), dequantize_block(q2, s2)
-    else:
-        q13, q2, s13, s2 = w13.to(BF16), w2.to(BF16), None, None
-        w13d, w2d = q13.double(), q2.double()
-    rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
+    (q13, q2, s13, s2), (w13d, w2d), rtol = _layer_weights(dtype, e, H, I, seed=7)
     cands = configs.candidate_configs(layout, dtype, m, H, I, 128, K)
     if layout == "standard":
         R = 160
@@ -205,10 +204,7 @@ def test_every_candidate_config_is_correct(dtype, layout, m):
         x = torch.randn(e, C, H, generator=_gen(11), device=DEV).to(BF16)
         for cfg in cands:
             out = ops.fused_moe_batched(x, counts, q13, q2, w13_scale=s13, w2_scale=s2, config=cfg)
-            for i, n in enumerate(counts.tolist()):
-                if n:
-                    ref = expert_mlp(x[i, :n].double(), w13d[i].double(), w2d[i].double())
-                    assert_close(out[i, :n], ref, rtol, name=f"{cfg.short()} expert {i}")
+            _assert_batched(out, x, counts.tolist(), w13d, w2d, rtol, cfg.short())
 
 
 NARROW_FP8 = MoEConfig(
@@ -228,24 +224,14 @@ def test_half_tail_tiles(dtype, cfg, layout):
     tiles of 64 columns, whose fp32 output is quantized in a separate pass."""
     counts = [0, 1, 63, 64, 65, 128, 129, 192, 200]
     e, H, I = len(counts), 7168, 2048
-    w13, w2 = _weights(e, H, I, seed=17)
-    if dtype == "fp8":
-        (q13, s13), (q2, s2) = _quant_weights(w13, False), _quant_weights(w2, False)
-        w13d, w2d = dequantize_block(q13, s13), dequantize_block(q2, s2)
-    else:
-        q13, q2, s13, s2 = w13.to(BF16), w2.to(BF16), None, None
-        w13d, w2d = q13.double(), q2.double()
-    rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
+    (q13, q2, s13, s2), (w13d, w2d), rtol = _layer_weights(dtype, e, H, I, seed=17)
     cfg = cfg or MoEConfig(128, *configs.gemm_configs(dtype, 128)[0], half_tail=True)
     if layout == "batched":
         C = max(counts)
         x = torch.randn(e, C, H, generator=_gen(18), device=DEV).to(BF16)
         n_e = torch.tensor(counts, dtype=torch.int32, device=DEV)
         out = ops.fused_moe_batched(x, n_e, q13, q2, w13_scale=s13, w2_scale=s2, config=cfg)
-        for i, n in enumerate(counts):
-            if n:
-                ref = expert_mlp(x[i, :n].double(), w13d[i].double(), w2d[i].double())
-                assert_close(out[i, :n], ref, rtol, name=f"{cfg.short()} expert {i}")
+        _assert_batched(out, x, counts, w13d, w2d, rtol, cfg.short())
         return
     ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
     R = ids.numel()

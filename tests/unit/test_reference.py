@@ -19,6 +19,8 @@ from epmoe.reference import (
     dequantize_block,
     expert_mlp,
     moe,
+    quantize_block,
+    quantize_groups,
     relative_error,
 )
 
@@ -207,6 +209,29 @@ def test_dequantize_block_elementwise():
     torch.testing.assert_close(dequantize_block(q, per_e), q.float() * per_e[:, None, None])
     torch.testing.assert_close(dequantize_block(q, 0.5), q.float() * 0.5)
     torch.testing.assert_close(dequantize_block(q, None), q.float())
+
+
+@pytest.mark.parametrize("shape", [(2, 256, 128), (3, 200, 300)], ids=["whole", "partial"])
+def test_quantize_block_matches_the_loop_oracle(shape):
+    w = _rand(*shape, seed=11, dtype=torch.float32)  # the loop oracle computes in float32
+    q, s = quantize_block(w)
+    q_ref, s_ref = _quantize_block(w)
+    assert s.dtype == torch.float32 and torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    q, s = quantize_block(w, per_matrix=True)
+    assert s.shape == (shape[0],)
+    torch.testing.assert_close(s, w.abs().amax(dim=(1, 2)) / FP8_MAX)
+    assert relative_error(dequantize_block(q, s, dtype=torch.float64), w) < 4e-2
+
+
+def test_quantize_groups_scales_and_round_trip():
+    x = _rand(5, 300, seed=12)  # 3 groups, the last partial
+    q, s = quantize_groups(x)
+    assert q.shape == x.shape and q.dtype == FP8 and s.shape == (5, 3)
+    amax = torch.stack([x[:, g * 128 : (g + 1) * 128].abs().amax(1) for g in range(3)], 1)
+    torch.testing.assert_close(s.double(), amax / FP8_MAX, rtol=1e-6, atol=0)
+    deq = q.double() * s.double().repeat_interleave(128, dim=-1)[:, :300]
+    assert relative_error(deq, x) < 4e-2
 
 
 def test_dequantize_block_rejects_bad_scale_shape():

@@ -21,7 +21,15 @@ import torch
 
 from epmoe.comm.base import DispatchResult, Layout
 from epmoe.experts.base import ExpertWeights
-from epmoe.reference import TOLERANCES, assert_close, dequantize_block, expert_mlp, moe
+from epmoe.reference import (
+    TOLERANCES,
+    assert_close,
+    dequantize_block,
+    expert_mlp,
+    moe,
+    quantize_block,
+    quantize_groups,
+)
 
 ops = pytest.importorskip("epmoe.kernels.ops", reason="needs triton")
 from epmoe.kernels import configs  # noqa: E402
@@ -290,39 +298,15 @@ def test_experts_interface_both_layouts():
 # ----------------------------------------------------------------------------- FP8
 
 
-def _quant_groups_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token-group-128 FP8 quantization in torch (round to nearest even)."""
-    D = x.shape[-1]
-    G = math.ceil(D / 128)
-    xp = torch.nn.functional.pad(x.float(), (0, G * 128 - D)).unflatten(-1, (G, 128))
-    scale = xp.abs().amax(-1).clamp(min=1e-10) * (1.0 / 448.0)  # the format's exact scale
-    q = (xp / scale.unsqueeze(-1)).clamp(-448, 448).to(FP8).flatten(-2)[..., :D]
-    return q, scale
-
-
 def _dequant_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     D = q.shape[-1]
     return q.double() * scale.double().repeat_interleave(128, dim=-1)[..., :D]
 
 
-def _quant_weights(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [e, N, K]`` → FP8 with 128×128 block scales or one scale per expert."""
-    if per_tensor:
-        s = w.abs().amax(dim=(1, 2)).clamp(min=1e-10) / 448.0
-        return (w / s[:, None, None]).to(FP8), s.float()
-    e, N, K = w.shape
-    nb, kb = math.ceil(N / 128), math.ceil(K / 128)
-    wp = torch.nn.functional.pad(w, (0, kb * 128 - K, 0, nb * 128 - N))
-    blocks = wp.view(e, nb, 128, kb, 128)
-    s = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-10) / 448.0
-    q = (blocks / s[:, :, None, :, None]).view(e, nb * 128, kb * 128)[:, :N, :K]
-    return q.to(FP8), s.float()
-
-
 def test_per_token_group_quant():
     x = torch.randn(5, 300, generator=_gen(0)) * 3
     q, s = ops.per_token_group_quant_fp8(x.to(DEVICE))
-    q_ref, s_ref = _quant_groups_torch(x)
+    q_ref, s_ref = quantize_groups(x)
     assert q.shape == (5, 300) and s.shape == (5, 3) and q.dtype == FP8
     assert torch.equal(s.cpu(), s_ref), "scales must be bit-equal to amax * float32(1/448)"
     err = (_dequant_groups(q.cpu(), s.cpu()) - x.double()).norm() / x.double().norm()
@@ -333,7 +317,7 @@ def test_per_token_group_quant():
     xb = torch.randn(3, 4, 256, generator=_gen(1))
     counts = torch.tensor([2, 0, 4], dtype=torch.int32)
     qb, sb = ops.per_token_group_quant_fp8(xb.to(DEVICE), counts=counts.to(DEVICE))
-    _, sb_ref = _quant_groups_torch(xb)
+    _, sb_ref = quantize_groups(xb)
     for i, n in enumerate(counts.tolist()):
         assert torch.equal(sb.cpu()[i, :n], sb_ref[i, :n]), f"slot {i}"
 
@@ -345,12 +329,12 @@ def test_fp8_down_exact(batched, per_tensor):
     e, H, I, R, K, C = 3, 200, 136, 7, 2, 5
     g = _gen(11)
     _, w2 = _weights(e, H, I, seed=12)
-    q2, s2 = _quant_weights(w2, per_tensor)
+    q2, s2 = quantize_block(w2, per_matrix=per_tensor)
     w2_deq = dequantize_block(q2, s2, dtype=torch.float64)
     if batched:
         counts = [3, 0, 5]
         h = torch.randn(e, C, I, generator=g)
-        hq, hs = _quant_groups_torch(h)
+        hq, hs = quantize_groups(h)
         rows = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
         z = ops.down(
             hq.to(DEVICE),
@@ -370,7 +354,7 @@ def test_fp8_down_exact(batched, per_tensor):
     aligned = ops.align_pairs(ids.to(DEVICE), e, SMALL_FP8.block_m)
     P_pad = aligned.sorted_pairs.shape[0]
     h = torch.randn(P_pad, I, generator=g)  # activations at every padded position
-    hq, hs = _quant_groups_torch(h)
+    hq, hs = quantize_groups(h)
     z = ops.down(
         hq.to(DEVICE), q2.to(DEVICE), aligned, SMALL_FP8, torch.float32, hs.to(DEVICE),
         s2.to(DEVICE), w.to(DEVICE),
@@ -389,10 +373,10 @@ def test_fp8_gate_up_scales(per_tensor):
     e, H, I, C = 2, 200, 136, 5
     counts = [4, 2]
     w13, _ = _weights(e, H, I, seed=21)
-    q13, s13 = _quant_weights(w13, per_tensor)
+    q13, s13 = quantize_block(w13, per_matrix=per_tensor)
     w13_deq = dequantize_block(q13, s13, dtype=torch.float64)
     x = torch.randn(e, C, H, generator=_gen(22))
-    xq, xs = _quant_groups_torch(x)
+    xq, xs = quantize_groups(x)
     rows = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
     y, ys = ops.gate_up(
         xq.to(DEVICE), q13.to(DEVICE), rows, SMALL_FP8, "silu", xs.to(DEVICE), s13.to(DEVICE)
@@ -421,7 +405,7 @@ def test_fp8_pipeline_smoke(config):
     g = _gen(31)
     x = torch.randn(R, H, generator=g, dtype=torch.float64)
     w13, w2 = _weights(e, H, I, seed=32)
-    (q13, s13), (q2, s2) = _quant_weights(w13, False), _quant_weights(w2, False)
+    (q13, s13), (q2, s2) = quantize_block(w13), quantize_block(w2)
     ids = _ids_for("random", R, K, e, seed=33)
     w = torch.rand(R, K, generator=g, dtype=torch.float64)
     ref = moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2)
@@ -435,7 +419,7 @@ def test_fp8_pipeline_smoke(config):
     assert_close(out.cpu(), ref, rtol, name="fp8 standard")
 
     # FP8 hidden states as an FP8 dispatch delivers them: bf16 output by default.
-    xq, xs = _quant_groups_torch(x.float())
+    xq, xs = quantize_groups(x.float())
     out8 = ops.fused_moe_standard(
         xq.to(DEVICE), ids.to(DEVICE), w.float().to(DEVICE), dev[0], dev[1],
         hidden_scale=xs.to(DEVICE), w13_scale=dev[2], w2_scale=dev[3], config=config,
@@ -460,7 +444,7 @@ def test_fp8_narrow_gate_up_quantizes_like_the_fused_epilogue():
     R, K, e, H, I = 7, 2, 3, 256, 256
     g = _gen(61)
     w13, w2 = _weights(e, H, I, seed=62)
-    (q13, s13), (q2, s2) = _quant_weights(w13, False), _quant_weights(w2, False)
+    (q13, s13), (q2, s2) = quantize_block(w13), quantize_block(w2)
     ids = _ids_for("random", R, K, e, seed=63).to(DEVICE)
     x = torch.randn(R, H, generator=g).to(DEVICE)
     w = torch.rand(R, K, generator=g).to(DEVICE)
@@ -485,7 +469,7 @@ def test_fp8_hidden_with_unquantized_weights():
     R, K, e, H, I = 6, 2, 3, 200, 48
     g = _gen(41)
     x = torch.randn(R, H, generator=g)
-    xq, xs = _quant_groups_torch(x)
+    xq, xs = quantize_groups(x)
     w13, w2 = _weights(e, H, I, seed=42)
     ids = _ids_for("random", R, K, e, seed=43)
     w = torch.rand(R, K, generator=g)
