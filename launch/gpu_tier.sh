@@ -41,7 +41,7 @@ for s in "${STEPS[@]}"; do
         step env 60 bash -c 'nvidia-smi; nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"'
         ;;
     tests)
-        step tests_gpu 300 env EPMOE_TEST_DEVICE=cuda python3 -m pytest -q tests/gpu tests/dist -p no:cacheprovider
+        step tests_gpu 300 env EPMOE_TEST_DEVICE=cuda python3 -m pytest -q tests/gpu tests/distributed -p no:cacheprovider
         ;;
     demo)
         step demo 180 python3 launch/demo.py --nproc "$NGPU" --hidden-size 1024 --intermediate-size 512 --num-experts 64 --top-k 6 --max-batch 512 --steps 40

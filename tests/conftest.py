@@ -15,6 +15,11 @@ import torch
 
 from tests.harness import shutdown_pools, test_device
 
+# Test modules pytest's collection reached in this session (collected or skipped at module
+# level), relative to the repository root: tests/unit/test_collection.py compares them with
+# the files on disk, so a folder pytest silently skips (``dist``, ``build``, …) fails CI.
+COLLECTED_MODULES: set[str] = set()
+
 
 def pytest_configure(config: pytest.Config) -> None:
     if not torch.cuda.is_available():  # before any test module imports triton
@@ -24,6 +29,12 @@ def pytest_configure(config: pytest.Config) -> None:
                 "EPMOE_TEST_DEVICE=cuda but torch.cuda.is_available() is False: unset it to "
                 "run the CPU tier, or run on a machine with CUDA GPUs"
             )
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    path = report.nodeid.split("::")[0]
+    if path.endswith(".py") and "::" not in report.nodeid:
+        COLLECTED_MODULES.add(path)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

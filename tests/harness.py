@@ -7,7 +7,7 @@ every rank calls ``fn(rank, world_size, *args, **kwargs)`` and its return value 
 
 Writing a distributed test::
 
-    # tests/dist/test_example.py: the rank body lives at module level (children import it)
+    # tests/distributed/test_example.py: the rank body lives at module level (children import it)
     import pytest, torch, torch.distributed as dist
     from tests.harness import requires_world, run_on_ranks, test_device
 
@@ -409,9 +409,9 @@ def _encode_task(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
         return pickle.dumps(("run", fn, args, kwargs))
     except Exception as e:
         raise TypeError(
-            f"cannot send {fn!r} and its arguments to the ranks ({type(e).__name__}: {e}); define "
-            "the rank function at module level of an importable module (tests/dist/test_x.py) "
-            "and pass picklable arguments"
+            f"cannot send {fn!r} and its arguments to the ranks ({type(e).__name__}: {e}); "
+            "define the rank function at module level of an importable module "
+            "(tests/distributed/test_x.py) and pass picklable arguments"
         ) from e
 
 

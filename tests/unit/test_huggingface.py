@@ -1,9 +1,10 @@
 """``epmoe.integrations.huggingface``: EPMoE as a drop-in for Hugging Face MoE blocks.
 
-Every supported family is built tiny from a config (no downloads, ``tests/dist/hf_cases.py``),
-run, converted with ``replace_moe_blocks`` and run again: the logits must agree to 1e-5 in
-float32. The multi-rank test wraps one block on 2 gloo ranks and checks every rank's output
-against the original block on that rank's own tokens. Skipped without ``transformers``.
+Every supported family is built tiny from a config (no downloads,
+``tests/distributed/hf_cases.py``), run, converted with ``replace_moe_blocks`` and run
+again: the logits must agree to 1e-5 in float32. The multi-rank test wraps one block on 2
+gloo ranks and checks every rank's output against the original block on that rank's own
+tokens. Skipped without ``transformers``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from epmoe.integrations import huggingface as hf
 from epmoe.reference import TOLERANCES, assert_close
-from tests.dist import hf_cases
+from tests.distributed import hf_cases
 from tests.harness import REPO_ROOT, requires_world, run_on_ranks
 from tests.harness import test_device as device_under_test
 

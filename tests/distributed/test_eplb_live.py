@@ -1,7 +1,7 @@
 """Live EPLB: weight migration plans (single process) and re-placements on W ranks.
 
 The distributed tests run whole sweeps inside one process group per world size (rank
-bodies in ``tests/dist/eplb_cases.py``); the plan and manager-validation tests need no
+bodies in ``tests/distributed/eplb_cases.py``); the plan and manager-validation tests need no
 process group.
 """
 
@@ -15,7 +15,7 @@ from epmoe.eplb.manager import EPLBManager, measured_balancedness
 from epmoe.eplb.migration import MigrationPlan, migrate_slots
 from epmoe.eplb.recorder import logical_load
 from epmoe.placement import ExpertPlacement
-from tests.dist import eplb_cases
+from tests.distributed import eplb_cases
 from tests.harness import run_on_ranks
 from tests.harness import test_device as device_under_test
 

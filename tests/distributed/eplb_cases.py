@@ -19,7 +19,7 @@ from epmoe.eplb.migration import migrate_slots
 from epmoe.placement import ExpertPlacement
 from epmoe.reference import TOLERANCES, assert_close
 from epmoe.routing import RoutingSimulator
-from tests.dist.cases import (
+from tests.distributed.cases import (
     backends_and_layouts,
     device_for,
     full_weights,

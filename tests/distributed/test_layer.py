@@ -1,14 +1,14 @@
 """EPMoE on W ranks (gloo on CPU; NCCL with EPMOE_TEST_DEVICE=cuda) against the oracle.
 
 Each test runs one sweep per world size inside one process group and lists every failing
-case at the end (see ``tests/dist/cases.py`` for the rank bodies).
+case at the end (see ``tests/distributed/cases.py`` for the rank bodies).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.dist import cases
+from tests.distributed import cases
 from tests.harness import requires_world, run_on_ranks
 from tests.harness import test_device as device_under_test
 
