@@ -1,8 +1,13 @@
-"""All-to-all backends behind one registry.
+"""All-to-all backends behind one registry, chosen by name or by capability.
 
 Backends are named by the strings users pass (``EPMoE(backend=...)``). Each lives in its
 own module, imported only when asked for, so a missing optional package (DeepEP,
-pplx-kernels, NVSHMEM) costs nothing until that backend is chosen.
+pplx-kernels, NVSHMEM) or a backend that cannot import costs nothing until that backend is
+chosen by name; ``auto`` and ``available_backends`` report it with its reason.
+
+``auto`` takes the first backend, in registry order, that can run here
+(``unavailable_reason``), offers the requested layout, can serve the spec (``supports``)
+and, while a CUDA graph is being captured, is graph safe.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import importlib
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.base import AllToAll, Capabilities, CommSpec, DispatchResult, Layout
+from epmoe.comm.base import AllToAll, Capabilities, CommSpec, DispatchResult, Layout, Pending
+from epmoe.distributed import default_device
 
 __all__ = [
     "AllToAll",
@@ -20,73 +26,150 @@ __all__ = [
     "CommSpec",
     "DispatchResult",
     "Layout",
+    "Pending",
     "available_backends",
     "backend_class",
+    "backend_names",
     "create_backend",
     "resolve_backend",
 ]
 
-# name -> "module:Class"; the order is the preference of "auto" among usable backends.
+# name -> "module:Class"; the order is the preference of "auto" among usable backends:
+# the fixed-buffer, graph-safe kernels first, the portable collectives after them.
 _BACKENDS: dict[str, str] = {
+    "symm_ll": "epmoe.comm.symm.ll:SymmLLBackend",
     "all_to_all": "epmoe.comm.all_to_all:AllToAllBackend",
     "naive": "epmoe.comm.naive:NaiveBackend",
 }
 
 
 def backend_names() -> list[str]:
+    """Registered backend names, in ``auto``'s order of preference."""
     return list(_BACKENDS)
 
 
 def backend_class(name: str) -> type[AllToAll]:
-    """The backend class registered under ``name`` (imports its module)."""
+    """The backend class registered under ``name`` (imports its module).
+
+    Raises ``ValueError`` for an unknown name and ``ImportError`` when the module cannot be
+    imported or lacks the class.
+    """
     if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {backend_names()} or 'auto'")
-    module, cls = _BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    module_name, cls_name = _BACKENDS[name].split(":")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name, None)
+    if cls is None:
+        raise ImportError(f"module {module_name} defines no {cls_name}")
+    return cls
 
 
-def _unavailable(name: str, device: torch.device, group) -> str | None:
-    try:
-        cls = backend_class(name)
-    except ImportError as exc:  # a backend module whose own imports fail
-        return f"import failed: {exc}"
-    return cls.unavailable_reason(device, group)
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (never on other devices)."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
-def available_backends(
-    device: torch.device | str | None = None, group: dist.ProcessGroup | None = None
-) -> dict[str, str | None]:
-    """Every backend name → ``None`` if it can run here, else the reason it cannot.
-
-    ``device`` defaults to the current CUDA device when there is one, else the CPU.
-    """
-    device = _default_device(device)
-    return {name: _unavailable(name, device, group) for name in _BACKENDS}
-
-
-def resolve_backend(
+def _why_not(
     name: str,
     device: torch.device,
     group: dist.ProcessGroup | None,
     layout: Layout | None = None,
-) -> type[AllToAll]:
-    """The class for ``name``; for ``"auto"`` the first usable backend offering ``layout``."""
-    if name != "auto":
+    spec: CommSpec | None = None,
+    capturing: bool = False,
+) -> str | None:
+    """Why backend ``name`` cannot serve this request (``None``: it can). Side-effect free
+    beyond importing the backend's module."""
+    try:
         cls = backend_class(name)
-        reason = cls.unavailable_reason(device, group)
+    except ImportError as exc:  # a backend module whose own imports fail, or not there yet
+        return f"import failed ({exc})"
+    reason = cls.unavailable_reason(device, group)
+    if reason is not None:
+        return reason
+    caps = cls.capabilities
+    if layout is not None and layout not in caps.layouts:
+        offered = sorted(x.value for x in caps.layouts)
+        return f"does not produce layout {layout.value!r} (it offers {offered})"
+    if spec is not None:
+        reason = cls.supports(spec)
         if reason is not None:
-            raise RuntimeError(f"backend {name!r} is unavailable: {reason}")
+            return reason
+    if capturing and not caps.graph_safe:
+        return "not graph safe, and a CUDA graph is being captured"
+    return None
+
+
+def available_backends(
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    spec: CommSpec | None = None,
+) -> dict[str, str | None]:
+    """Every backend name → ``None`` if it can run here, else the reason it cannot.
+
+    ``device`` defaults to ``spec.device`` when a spec is given, else to the device of
+    ``group``'s collectives (``epmoe.distributed.default_device``: CPU for gloo, else the
+    current CUDA device when there is one). With ``spec``, a backend that could run but
+    cannot serve it (dtype, token limit, FP8 dispatch, …) gets ``supports(spec)``'s reason.
+    """
+    device = _device(device, group, spec)
+    return {name: _why_not(name, device, group, spec=spec) for name in _BACKENDS}
+
+
+def resolve_backend(
+    name: str,
+    device: torch.device | str | None,
+    group: dist.ProcessGroup | None,
+    layout: Layout | None = None,
+    spec: CommSpec | None = None,
+    *,
+    capturing: bool | None = None,
+) -> type[AllToAll]:
+    """The backend class for ``name``, checked against this request.
+
+    ``name == "auto"``: the first backend in registry order that can run on ``device`` and
+    ``group``, produces ``layout`` (any when ``None``), serves ``spec`` (when given) and,
+    while a CUDA graph is being captured, is graph safe (a host-synchronising backend
+    cannot run inside a capture); ``RuntimeError`` naming every candidate with its reason
+    when none does. ``capturing`` ``None`` asks ``torch.cuda.is_current_stream_capturing()``.
+
+    A named backend is checked for the environment and the capture (``RuntimeError`` with
+    the reason and the usable alternatives); its constructor checks ``layout`` and ``spec``
+    (``ValueError``, or ``TypeError`` for a dtype it cannot move).
+    """
+    device = _device(device, group, spec)
+    if capturing is None:
+        capturing = _capturing(device)
+    if name != "auto":
+        cls = backend_class(name)  # an unknown name or a broken module raises here
+        reason = _why_not(name, device, group, capturing=capturing)
+        if reason is not None:
+            usable = [
+                n for n in _BACKENDS if _why_not(n, device, group, layout, spec, capturing) is None
+            ]
+            hint = f"; usable here: {usable} or 'auto'" if usable else "; no backend is usable"
+            raise RuntimeError(f"backend {name!r} cannot run here: {reason}{hint}")
         return cls
-    reasons = []
+    reasons = {}
     for candidate in _BACKENDS:
-        reason = _unavailable(candidate, device, group)
+        reason = _why_not(candidate, device, group, layout, spec, capturing)
         if reason is None:
-            cls = backend_class(candidate)
-            if layout is None or layout in cls.capabilities.layouts:
-                return cls
-            reason = f"does not offer layout {layout.value}"
-        reasons.append(f"{candidate}: {reason}")
-    raise RuntimeError("no backend can run here: " + "; ".join(reasons))
+            return backend_class(candidate)
+        reasons[candidate] = reason
+    wanted = [f"device {device}"]
+    if layout is not None:
+        wanted.append(f"layout {layout.value!r}")
+    if spec is not None:
+        wanted.append(f"dtype {spec.dtype}, wire dtype {spec.wire_dtype}")
+    if capturing:
+        wanted.append("CUDA graph capture")
+    raise RuntimeError(
+        f"no backend can serve {', '.join(wanted)}:\n"
+        + "\n".join(f"  {candidate}: {reason}" for candidate, reason in reasons.items())
+    )
 
 
 def create_backend(
@@ -96,12 +179,14 @@ def create_backend(
     layout: Layout | None = None,
 ) -> AllToAll:
     """Build backend ``name`` (or ``"auto"``) for ``spec`` on ``group``."""
-    return resolve_backend(name, spec.device, group, layout)(spec, group, layout)
+    return resolve_backend(name, spec.device, group, layout, spec)(spec, group, layout)
 
 
-def _default_device(device) -> torch.device:
+def _device(
+    device: torch.device | str | None, group: dist.ProcessGroup | None, spec: CommSpec | None
+) -> torch.device:
     if device is not None:
         return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if spec is not None:
+        return spec.device
+    return default_device(group)

@@ -8,8 +8,19 @@ Portable (gloo and NCCL) and exact; the host waits for the counts, so it is not 
   of each local expert into ``[e, C, H]``, rows ``[:counts[i]]`` valid. The host knows the
   counts, so ``C`` is the largest count of this dispatch, not the worst case ``M_max · W``.
 
-Shape legend: T tokens · H hidden · K top-k · W world · e local experts · S rows this rank
-sends · R rows it receives · C capacity per expert.
+Split phase: ``dispatch_async`` exchanges the counts (blocking: the host sizes the buffers
+from them, the one host sync) and starts the payload all-to-alls; ``wait()`` finishes them
+and lays the rows out for the experts. ``combine_async`` starts the return all-to-all;
+``wait()`` finishes it and reduces. Every call allocates its own buffers, so any number of
+operations may be in flight, started and finished in the same order on every rank.
+
+FP8 dispatch (``spec.fp8_dispatch``): each token is quantized once before sending and its
+rows travel as e4m3 values with their float32 scales (see ``fp8_wire_rows``); the result
+carries ``hidden_scale`` ``[R, G]`` (Standard) or ``[e, C, G]`` (ExpertBatched).
+
+Shape legend: T tokens · H hidden · K top-k · W world · P physical experts · e local
+experts · S rows this rank sends · R rows it receives · C capacity per expert ·
+G = ceil(H / 128) FP8 scale groups · B FP8 wire bytes per row.
 """
 
 from __future__ import annotations
@@ -18,31 +29,44 @@ from dataclasses import dataclass
 
 import torch
 
-from epmoe.comm._collectives import all_to_all, exchange_counts
+from epmoe.comm._collectives import (
+    all_to_all,
+    all_to_all_async,
+    exchange_counts,
+    fp8_from_wire,
+    fp8_wire_rows,
+    wait_all,
+)
 from epmoe.comm.base import (
     AllToAll,
     Capabilities,
     DispatchResult,
     Layout,
+    Pending,
     check_dispatch_args,
 )
 
 
 @dataclass(frozen=True)
 class StandardHandle:
-    token_of_row_S: torch.Tensor  # which local token each sent row carries
-    send_splits: list[int]  # rows sent to each rank
-    recv_splits: list[int]  # rows received from each rank
+    """What a Standard ``combine`` needs: where the rows went and which token each was."""
+
+    token_of_row_S: torch.Tensor  # int64 [S]: which local token each sent row carries
+    send_splits: tuple[int, ...]  # [W] rows sent to each rank
+    recv_splits: tuple[int, ...]  # [W] rows received from each rank
     num_tokens: int  # T
 
 
 @dataclass(frozen=True)
 class BatchedHandle:
-    pair_order_S: torch.Tensor  # flat (t, k) index of each sent row, in send order
-    weights_TK: torch.Tensor  # router weights of this rank's tokens
-    recv_slot_R: torch.Tensor  # row of the [e·C, H] expert buffer each received row went to
-    send_splits: list[int]
-    recv_splits: list[int]
+    """What an ExpertBatched ``combine`` needs: the (token, k) pair of each sent row, the
+    router weights, and the buffer row of each received row."""
+
+    pair_order_S: torch.Tensor  # int64 [S]: flat (t, k) index of each sent row, in send order
+    weights_TK: torch.Tensor  # float32 [T, K]: router weights of this rank's tokens
+    recv_slot_R: torch.Tensor  # int64 [R]: row of the [e·C, H] expert buffer each row went to
+    send_splits: tuple[int, ...]  # [W]
+    recv_splits: tuple[int, ...]  # [W]
     num_tokens: int  # T
 
 
@@ -66,62 +90,117 @@ class AllToAllBackend(AllToAll):
         dtypes=frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16}),
         device_types=frozenset({"cpu", "cuda"}),
         multi_node=True,
+        fp8_dispatch=True,
+        max_in_flight=None,  # buffers are allocated per call
     )
 
     def __init__(self, spec, group, layout=None):
         super().__init__(spec, group, layout)
-        offs = spec.rank_offsets
-        self._rank_sizes = [spec.num_local(r) for r in range(self.world_size)]
-        self._num_local = self._rank_sizes[self.rank]
-        # owner_P[p]: the rank holding physical expert p (physical ids are rank-major)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Placement-derived state: rank sizes, the owner of each physical expert and the
+        first physical id of each rank (physical ids are rank-major)."""
+        spec, W = self.spec, self.world_size
+        self._rank_sizes_W = [spec.num_local(r) for r in range(W)]
+        self._num_local = self._rank_sizes_W[self.rank]  # e
+        # owner_P[p]: the rank holding physical expert p
         self._owner_P = torch.repeat_interleave(
-            torch.arange(self.world_size), torch.tensor(self._rank_sizes)
+            torch.arange(W), torch.tensor(self._rank_sizes_W)
         ).to(spec.device)
-        self._offsets_W = torch.tensor(offs[:-1], dtype=torch.int64, device=spec.device)
+        self._offsets_W = torch.tensor(
+            spec.rank_offsets[:-1], dtype=torch.int64, device=spec.device
+        )
+
+    # ------------------------------------------------------------------- interface
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
+        # no fixed buffers: any T goes (the layer chunks to bound memory)
+        check_dispatch_args(self.spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
+        if self.layout is Layout.EXPERT_BATCHED:
+            return self._dispatch_batched(hidden_TH, topk_ids_TK, topk_weights_TK)
+        return self._dispatch_standard(hidden_TH, topk_ids_TK, topk_weights_TK)
+
+    def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
+        if expert_out.shape != result.hidden.shape or not expert_out.is_floating_point():
+            raise ValueError(
+                f"expert_out must be a floating tensor of the dispatched shape "
+                f"{tuple(result.hidden.shape)}, got {expert_out.dtype} {tuple(expert_out.shape)}"
+            )
+        if result.layout is Layout.EXPERT_BATCHED:
+            return self._combine_batched(expert_out, result)
+        return self._combine_standard(expert_out, result)
+
+    def _wire_rows(self, hidden_TH: torch.Tensor) -> torch.Tensor:
+        """Rows as they travel: ``hidden_TH`` itself, or FP8 wire rows ``uint8 [T, B]``."""
+        return fp8_wire_rows(hidden_TH) if self.spec.fp8_dispatch else hidden_TH
+
+    def _from_wire(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(hidden, hidden_scale)`` of received rows ``[N, H]`` or FP8 ``uint8 [N, B]``."""
+        if self.spec.fp8_dispatch:
+            return fp8_from_wire(rows, self.spec.hidden_size)
+        return rows, None
 
     # ---------------------------------------------------------------- Standard layout
-    def _dispatch_standard(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
+    def _dispatch_standard(self, hidden_TH, topk_ids_TK, topk_weights_TK):
         T, K = topk_ids_TK.shape
         W, dev = self.world_size, hidden_TH.device
-        ids = topk_ids_TK.to(torch.int64)
+        ids_TK = topk_ids_TK.to(torch.int64)
         # owner_TK[t, k]: rank of expert ids[t, k]; W (a dummy column) where ids is -1
-        owner_TK = torch.where(ids >= 0, self._owner_P[ids.clamp(min=0)], W)
+        owner_TK = torch.where(ids_TK >= 0, self._owner_P[ids_TK.clamp(min=0)], W)
         dest_TW = torch.zeros(T, W + 1, dtype=torch.bool, device=dev)
         dest_TW.scatter_(1, owner_TK, True)
         dest_WT = dest_TW[:, :W].t()  # dest_WT[r, t]: token t has an expert on rank r
-        send_counts = dest_WT.sum(1)
-        recv_counts = exchange_counts(send_counts[:, None], self.group)[:, 0]
-        counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host sync
+        send_counts_W = dest_WT.sum(1)
+        recv_counts_W = exchange_counts(send_counts_W[:, None], self.group)[:, 0]
+        counts = torch.cat([send_counts_W, recv_counts_W]).tolist()  # the one host sync
         send_splits, recv_splits = counts[:W], counts[W:]
         rank_S, token_S = _true_positions(dest_WT, sum(send_splits))  # by rank, then token
 
-        # ids as the receiver sees them: local slot on that rank, -1 for other ranks
-        mine = owner_TK[token_S] == rank_S[:, None]
-        local_S = torch.where(mine, ids[token_S] - self._offsets_W[rank_S][:, None], -1)
-        meta = torch.cat(
-            [local_S.to(torch.int32), topk_weights_TK[token_S].float().view(torch.int32)], dim=1
+        # ids as the receiver sees them: local slot on that rank, -1 for other ranks; sent
+        # as int32 [S, 2K] beside the float32 weights' bits
+        mine_SK = owner_TK[token_S] == rank_S[:, None]
+        local_SK = torch.where(mine_SK, ids_TK[token_S] - self._offsets_W[rank_S][:, None], -1)
+        meta_S2K = torch.cat(
+            [local_SK.to(torch.int32), topk_weights_TK[token_S].float().view(torch.int32)], dim=1
         )
-        recv_meta = all_to_all(meta, send_splits, recv_splits, self.group)
-        recv_hidden = all_to_all(hidden_TH[token_S], send_splits, recv_splits, self.group)
-        return DispatchResult(
-            layout=Layout.STANDARD,
-            hidden=recv_hidden,
-            topk_ids=recv_meta[:, :K].to(torch.int64),
-            topk_weights=recv_meta[:, K:].contiguous().view(torch.float32),
-            handle=StandardHandle(token_S, send_splits, recv_splits, T),
+        recv_meta_R2K, meta_work = all_to_all_async(meta_S2K, send_splits, recv_splits, self.group)
+        rows_S = self._wire_rows(hidden_TH)[token_S]
+        recv_rows_R, rows_work = all_to_all_async(rows_S, send_splits, recv_splits, self.group)
+        handle = StandardHandle(token_S, tuple(send_splits), tuple(recv_splits), T)
+
+        def finish() -> DispatchResult:
+            wait_all(meta_work, rows_work)
+            hidden_R, scale_RG = self._from_wire(recv_rows_R)
+            return DispatchResult(
+                layout=Layout.STANDARD,
+                hidden=hidden_R,
+                topk_ids=recv_meta_R2K[:, :K].to(torch.int64),
+                topk_weights=recv_meta_R2K[:, K:].contiguous().view(torch.float32),
+                hidden_scale=scale_RG,
+                handle=handle,
+            )
+
+        return Pending(finish)
+
+    def _combine_standard(self, expert_out_RH, result) -> Pending[torch.Tensor]:
+        h: StandardHandle = result.handle
+        dtype = self.spec.dtype
+        back_SH, work = all_to_all_async(
+            expert_out_RH.to(dtype), list(h.recv_splits), list(h.send_splits), self.group
         )
 
-    def _combine_standard(self, expert_out_RH, result) -> torch.Tensor:
-        h: StandardHandle = result.handle
-        back_SH = all_to_all(expert_out_RH, h.recv_splits, h.send_splits, self.group)
-        out = torch.zeros(
-            h.num_tokens, back_SH.shape[1], dtype=torch.float32, device=back_SH.device
-        )
-        out.index_add_(0, h.token_of_row_S, back_SH.float())
-        return out.to(expert_out_RH.dtype)
+        def finish() -> torch.Tensor:
+            wait_all(work)
+            # one partial sum per (token, rank): add them in at least float32
+            acc = torch.promote_types(dtype, torch.float32)
+            out_TH = back_SH.new_zeros((h.num_tokens, back_SH.shape[1]), dtype=acc)
+            out_TH.index_add_(0, h.token_of_row_S, back_SH.to(acc))
+            return out_TH.to(dtype)
+
+        return Pending(finish)
 
     # ----------------------------------------------------------- ExpertBatched layout
-    def _dispatch_batched(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
+    def _dispatch_batched(self, hidden_TH, topk_ids_TK, topk_weights_TK):
         T, K = topk_ids_TK.shape
         W, e, dev = self.world_size, self._num_local, hidden_TH.device
         P = self.spec.num_physical
@@ -130,17 +209,16 @@ class AllToAllBackend(AllToAll):
         order = torch.argsort(key, stable=True)  # rank-major == by physical id
         per_expert_P = torch.bincount(key, minlength=P + 1)[:P]
         # rank r receives the per-expert counts of its own experts from every source
-        sizes = self._rank_sizes
-        recv_cnt_flat = all_to_all(per_expert_P, sizes, [e] * W, self.group)
-        recv_cnt_We = recv_cnt_flat.view(W, e)
-        send_counts = torch.zeros(W, dtype=torch.int64, device=dev)
-        send_counts.index_add_(0, self._owner_P, per_expert_P)
+        recv_cnt_We = all_to_all(per_expert_P, self._rank_sizes_W, [e] * W, self.group).view(W, e)
+        send_counts_W = torch.zeros(W, dtype=torch.int64, device=dev)
+        send_counts_W.index_add_(0, self._owner_P, per_expert_P)
         counts_e = recv_cnt_We.sum(0)
         most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
-        counts = torch.cat([send_counts, recv_cnt_We.sum(1), most]).tolist()  # one host sync
+        counts = torch.cat([send_counts_W, recv_cnt_We.sum(1), most]).tolist()  # one host sync
         send_splits, recv_splits = counts[:W], counts[W : 2 * W]
-        order = order[: sum(send_splits)]
-        recv_hidden = all_to_all(hidden_TH[order // K], send_splits, recv_splits, self.group)
+        order_S = order[: sum(send_splits)]
+        rows_S = self._wire_rows(hidden_TH)[order_S // K]
+        recv_rows_R, work = all_to_all_async(rows_S, send_splits, recv_splits, self.group)
 
         # The buffer holds as many rows per expert as the busiest one received (the host
         # knows it already), so a prefill-sized dispatch does not allocate e·M_max·W rows.
@@ -151,50 +229,49 @@ class AllToAllBackend(AllToAll):
         before_src = torch.cumsum(recv_cnt_We, 0) - recv_cnt_We  # [W, e]
         block_base = (torch.arange(e, device=dev) * C + before_src).reshape(-1)
         block_start = torch.cumsum(block_count, 0) - block_count
-        rows = sum(recv_splits)
+        R = sum(recv_splits)
         block_of_row = torch.repeat_interleave(
-            torch.arange(W * e, device=dev), block_count, output_size=rows
+            torch.arange(W * e, device=dev), block_count, output_size=R
         )
         recv_slot_R = (
-            block_base[block_of_row] + torch.arange(rows, device=dev) - block_start[block_of_row]
+            block_base[block_of_row] + torch.arange(R, device=dev) - block_start[block_of_row]
         )
-        buf = hidden_TH.new_empty((e * C, hidden_TH.shape[1]))  # rows past counts: unused
-        buf[recv_slot_R] = recv_hidden
-        return DispatchResult(
-            layout=Layout.EXPERT_BATCHED,
-            hidden=buf.view(e, C, -1),
-            counts=counts_e.to(torch.int32),
-            handle=BatchedHandle(order, topk_weights_TK, recv_slot_R, send_splits, recv_splits, T),
+        handle = BatchedHandle(
+            order_S, topk_weights_TK, recv_slot_R, tuple(send_splits), tuple(recv_splits), T
         )
 
-    def _combine_batched(self, expert_out_eCH, result) -> torch.Tensor:
+        def finish() -> DispatchResult:
+            wait_all(work)
+            buf = recv_rows_R.new_empty((e * C, recv_rows_R.shape[1]))  # rows past counts: unused
+            buf[recv_slot_R] = recv_rows_R
+            hidden, scale = self._from_wire(buf)
+            return DispatchResult(
+                layout=Layout.EXPERT_BATCHED,
+                hidden=hidden.view(e, C, hidden.shape[-1]),
+                counts=counts_e.to(torch.int32),
+                hidden_scale=None if scale is None else scale.view(e, C, scale.shape[-1]),
+                handle=handle,
+            )
+
+        return Pending(finish)
+
+    def _combine_batched(self, expert_out_eCH, result) -> Pending[torch.Tensor]:
         h: BatchedHandle = result.handle
         T, K = h.weights_TK.shape
-        H = expert_out_eCH.shape[-1]
-        rows_RH = expert_out_eCH.reshape(-1, H)[h.recv_slot_R]
-        back_SH = all_to_all(rows_RH, h.recv_splits, h.send_splits, self.group)
-        # back to (token, k) order without atomics; pairs that were not sent stay zero
-        y_TKH = back_SH.new_zeros((T * K, H))
-        y_TKH.index_copy_(0, h.pair_order_S, back_SH)
-        # out[t] = Σ_k w[t, k] · y[t, k]: one batched matmul in the expert dtype (weights
-        # rounded to it) with fp32 accumulation
-        w_T1K = h.weights_TK.to(back_SH.dtype).unsqueeze(1)
-        return torch.bmm(w_T1K, y_TKH.view(T, K, H)).squeeze(1)
+        H, dtype = expert_out_eCH.shape[-1], self.spec.dtype
+        rows_RH = expert_out_eCH.reshape(-1, H)[h.recv_slot_R].to(dtype)
+        back_SH, work = all_to_all_async(
+            rows_RH, list(h.recv_splits), list(h.send_splits), self.group
+        )
 
-    # ------------------------------------------------------------------- interface
-    def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
-        # no fixed buffers: any T goes (the layer chunks to bound memory)
-        check_dispatch_args(self.spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
-        if self.layout is Layout.EXPERT_BATCHED:
-            return self._dispatch_batched(hidden_TH, topk_ids_TK, topk_weights_TK)
-        return self._dispatch_standard(hidden_TH, topk_ids_TK, topk_weights_TK)
+        def finish() -> torch.Tensor:
+            wait_all(work)
+            # back to (token, k) order without atomics; pairs that were not sent stay zero
+            y_TKH = back_SH.new_zeros((T * K, H))
+            y_TKH.index_copy_(0, h.pair_order_S, back_SH)
+            # out[t] = Σ_k w[t, k] · y[t, k]: one batched matmul in the layer's dtype
+            # (weights rounded to it) with fp32 accumulation
+            w_T1K = h.weights_TK.to(dtype).unsqueeze(1)
+            return torch.bmm(w_T1K, y_TKH.view(T, K, H)).squeeze(1)
 
-    def combine(self, expert_out, result) -> torch.Tensor:
-        if expert_out.shape != result.hidden.shape:
-            raise ValueError(
-                f"expert_out must have the dispatched shape {tuple(result.hidden.shape)}, "
-                f"got {tuple(expert_out.shape)}"
-            )
-        if result.layout is Layout.EXPERT_BATCHED:
-            return self._combine_batched(expert_out, result)
-        return self._combine_standard(expert_out, result)
+        return Pending(finish)

@@ -19,20 +19,40 @@ layouts:
   experts return *unweighted* outputs in the same layout and ``combine`` applies the
   router weights and reduces.
 
-Cross-rank contract: every rank of the group enters every ``dispatch`` and ``combine``,
-also with ``T = 0``, in the same order. A ``DispatchResult`` must be combined before the
-next dispatch on the same backend.
+Contract v2 (what the fast backends and the serving paths need):
+
+* **Split phase.** ``dispatch_async`` / ``combine_async`` start the transfer and return a
+  :class:`Pending`; its ``wait()`` finishes it. Between the two the caller runs other work
+  (shared experts, the other micro-batch). ``dispatch`` / ``combine`` are the blocking
+  path: ``dispatch_async(...).wait()``.
+* **In flight.** ``Capabilities.max_in_flight`` says how many dispatch results a backend
+  lets the caller hold before their combine (``None``: no limit; fixed double buffers: 2).
+  A dispatch beyond it raises, naming the limit.
+* **FP8 on the wire.** ``CommSpec.dispatch_dtype = torch.float8_e4m3fn`` asks for FP8
+  dispatch: each row travels as e4m3 with one float32 scale per 128-column group
+  (``amax / 448``), and the result carries ``hidden_scale``. Combine stays in ``dtype``.
+* **Choice by capability.** ``supports(spec)`` says why a backend cannot serve a spec
+  (``None`` when it can); ``unavailable_reason(device, group)`` why it cannot run here.
+* **Binding.** A backend serves one placement (``spec.rank_offsets``); ``rebind`` moves it
+  to another (an EPLB re-plan) without reallocating what it can keep.
+
+Cross-rank contract: every rank of the group enters every dispatch and combine (started
+and finished), also with ``T = 0``, in the same order on every rank.
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_GROUP = 128  # columns per FP8 scale on the wire
 
 
 class Layout(enum.Enum):
@@ -55,8 +75,11 @@ class CommSpec:
     top_k: int  # K
     rank_offsets: tuple[int, ...]  # [W + 1], non-decreasing, rank_offsets[0] == 0
     max_num_tokens: int  # M_max: most tokens one rank passes to one dispatch
-    dtype: torch.dtype  # dtype of the hidden states on the wire (before any quantization)
+    dtype: torch.dtype  # dtype of the hidden states given to dispatch and of combine's output
     device: torch.device
+    # dtype of dispatched rows on the wire: None (= dtype) or torch.float8_e4m3fn (FP8 rows
+    # with float32 scales per 128-column group; DispatchResult.hidden_scale carries them)
+    dispatch_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         offs = self.rank_offsets
@@ -70,6 +93,27 @@ class CommSpec:
                 f"hidden_size, top_k and max_num_tokens must be positive, got "
                 f"{self.hidden_size}, {self.top_k}, {self.max_num_tokens}"
             )
+        if self.dispatch_dtype not in (None, self.dtype, FP8_DTYPE):
+            raise ValueError(
+                f"dispatch_dtype must be None, the hidden dtype {self.dtype} or "
+                f"torch.float8_e4m3fn, got {self.dispatch_dtype}"
+            )
+        if not isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", torch.device(self.device))
+
+    @property
+    def fp8_dispatch(self) -> bool:
+        """Whether dispatched rows travel as FP8 e4m3 with per-128-column scales."""
+        return self.dispatch_dtype == FP8_DTYPE
+
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of dispatched rows (``DispatchResult.hidden``)."""
+        return self.dispatch_dtype or self.dtype
+
+    def with_offsets(self, rank_offsets: tuple[int, ...]) -> CommSpec:
+        """The same spec for another placement (EPLB re-plan)."""
+        return replace(self, rank_offsets=tuple(rank_offsets))
 
     @property
     def world_size(self) -> int:  # W
@@ -97,7 +141,9 @@ class Capabilities:
     max_num_tokens: int | None = None  # None: no limit beyond memory
     graph_safe: bool = False  # no host synchronisation, capturable in a CUDA graph
     multi_node: bool = False
-    fp8_dispatch: bool = False
+    fp8_dispatch: bool = False  # CommSpec.dispatch_dtype = torch.float8_e4m3fn
+    # dispatch results the caller may hold before their combine; None: no limit
+    max_in_flight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +155,7 @@ class DispatchResult:
     ExpertBatched: ``hidden [e, C, H]``, ``counts [e]`` int32 (rows ``[:counts[i]]``
     valid), ``topk_ids`` and ``topk_weights`` are ``None``.
     ``hidden_scale`` is set when the hidden states arrive quantized (FP8): float32
-    ``[..., H // 128]`` per-token-group scales matching ``hidden``'s leading dims.
+    ``[..., ceil(H / 128)]`` per-token-group scales matching ``hidden``'s leading dims.
     ``handle`` is backend state that ``combine`` needs; treat it as opaque.
     """
 
@@ -127,13 +173,46 @@ class DispatchResult:
         return self.hidden.shape[0] if self.layout is Layout.STANDARD else self.hidden.shape[1]
 
 
+R = TypeVar("R")
+
+
+class Pending(Generic[R]):
+    """A started dispatch or combine. ``wait()`` finishes it and returns its result; later
+    calls return the same result. Until ``wait()`` the inputs given to the start must stay
+    alive and unchanged. Every rank must finish what it started, in the same order."""
+
+    __slots__ = ("_finish", "_result")
+
+    def __init__(self, finish: Callable[[], R]) -> None:
+        self._finish: Callable[[], R] | None = finish
+        self._result: R | None = None
+
+    @classmethod
+    def done(cls, value: R) -> Pending[R]:
+        """An already finished operation."""
+        p = cls(lambda: value)
+        p.wait()
+        return p
+
+    @property
+    def finished(self) -> bool:
+        return self._finish is None
+
+    def wait(self) -> R:
+        if self._finish is not None:
+            self._result = self._finish()
+            self._finish = None
+        return self._result  # type: ignore[return-value]
+
+
 class AllToAll(ABC):
     """Base of every communication backend (one file each under ``epmoe/comm``).
 
-    Subclasses set ``name`` and ``capabilities`` and implement ``dispatch`` and
-    ``combine``. ``unavailable_reason`` says, without side effects, why the backend cannot
-    run for a device and group (``None`` when it can). Buffers are allocated in
-    ``__init__`` and released by ``close`` (never in ``__del__``).
+    Subclasses set ``name`` and ``capabilities`` and implement ``dispatch_async`` and
+    ``combine_async``. ``unavailable_reason`` says, without side effects, why the backend
+    cannot run for a device and group; ``supports`` why it cannot serve a spec (``None``
+    when it can). Buffers are allocated in ``__init__`` (or shared through
+    ``epmoe.comm.transport``) and released by ``close`` (never in ``__del__``).
     """
 
     name: str = ""
@@ -160,23 +239,34 @@ class AllToAll(ABC):
                 f"{sorted(x.value for x in layouts)}"
             )
         self.layout = layout
-        caps = self.capabilities
+        reason = self.supports(spec)
+        if reason is not None:
+            err = TypeError if spec.dtype not in self.capabilities.dtypes else ValueError
+            raise err(f"backend {self.name!r} cannot serve this layer: {reason}")
+
+    @classmethod
+    def supports(cls, spec: CommSpec) -> str | None:
+        """Why this backend cannot serve ``spec`` (with the fix), or ``None``. Pure."""
+        caps = cls.capabilities
         if spec.dtype not in caps.dtypes:
-            raise TypeError(
-                f"backend {self.name!r} moves {sorted(str(d) for d in caps.dtypes)}, not "
-                f"{spec.dtype}; choose params_dtype among those"
+            return (
+                f"it moves {sorted(str(d) for d in caps.dtypes)}, not {spec.dtype}; choose "
+                "params_dtype among those"
             )
         if spec.device.type not in caps.device_types:
-            raise ValueError(
-                f"backend {self.name!r} runs on {sorted(caps.device_types)}, not on "
-                f"{spec.device.type}; pick another backend or device"
+            return (
+                f"it runs on {sorted(caps.device_types)}, not on {spec.device.type}; pick "
+                "another backend or device"
             )
         if caps.max_num_tokens is not None and spec.max_num_tokens > caps.max_num_tokens:
-            raise ValueError(
-                f"backend {self.name!r} takes at most {caps.max_num_tokens} tokens per rank "
-                f"per dispatch, max_num_tokens={spec.max_num_tokens}; lower max_num_tokens "
-                "(the layer chunks larger batches)"
+            return (
+                f"it takes at most {caps.max_num_tokens} tokens per rank per dispatch, "
+                f"max_num_tokens={spec.max_num_tokens}; lower max_num_tokens (the layer "
+                "chunks larger batches)"
             )
+        if spec.fp8_dispatch and not caps.fp8_dispatch:
+            return "it has no FP8 dispatch; leave dispatch_dtype unset"
+        return None
 
     @classmethod
     def unavailable_reason(
@@ -188,26 +278,62 @@ class AllToAll(ABC):
         return None
 
     @abstractmethod
+    def dispatch_async(
+        self,
+        hidden_TH: torch.Tensor,
+        topk_ids_TK: torch.Tensor,
+        topk_weights_TK: torch.Tensor,
+    ) -> Pending[DispatchResult]:
+        """Start sending each token to the ranks that hold its experts.
+
+        ``hidden_TH`` ``[T, H]`` in ``spec.dtype``; ``topk_ids_TK`` int64 physical expert ids
+        in ``[0, P)`` or ``-1`` (no expert); ``topk_weights_TK`` float32 router weights.
+        ``T <= spec.max_num_tokens`` where the backend has fixed buffers. Collective: every
+        rank starts it, and finishes it with ``wait()``.
+        """
+
+    @abstractmethod
+    def combine_async(
+        self, expert_out: torch.Tensor, result: DispatchResult
+    ) -> Pending[torch.Tensor]:
+        """Start bringing expert outputs back; ``wait()`` returns ``[T, H]`` in
+        ``spec.dtype`` on the rank that dispatched.
+
+        ``expert_out`` has the layout of ``result`` (``[R, H]`` weighted partial sums for
+        Standard, ``[e, C, H]`` unweighted for ExpertBatched). Collective.
+        """
+
     def dispatch(
         self,
         hidden_TH: torch.Tensor,
         topk_ids_TK: torch.Tensor,
         topk_weights_TK: torch.Tensor,
     ) -> DispatchResult:
-        """Send each token to the ranks that hold its experts.
+        """``dispatch_async(...).wait()``: the blocking path."""
+        return self.dispatch_async(hidden_TH, topk_ids_TK, topk_weights_TK).wait()
 
-        ``hidden_TH`` ``[T, H]`` in ``spec.dtype``; ``topk_ids_TK`` int64 physical expert ids
-        in ``[0, P)``; ``topk_weights_TK`` float32 router weights. ``T <= spec.max_num_tokens``
-        where the backend has fixed buffers. Collective: every rank calls it.
-        """
-
-    @abstractmethod
     def combine(self, expert_out: torch.Tensor, result: DispatchResult) -> torch.Tensor:
-        """Bring expert outputs back: returns ``[T, H]`` on the rank that dispatched.
+        """``combine_async(...).wait()``: the blocking path."""
+        return self.combine_async(expert_out, result).wait()
 
-        ``expert_out`` has the layout of ``result`` (``[R, H]`` weighted partial sums for
-        Standard, ``[e, C, H]`` unweighted for ExpertBatched). Collective.
-        """
+    def rebind(self, rank_offsets: tuple[int, ...]) -> None:
+        """Serve another placement with the same ranks (an EPLB re-plan): same spec but for
+        ``rank_offsets``. Call between forwards, with no dispatch result held. Backends with
+        derived state refresh it in ``_bind``; buffers are kept when they still fit."""
+        spec = self.spec.with_offsets(rank_offsets)
+        if spec.world_size != self.world_size:
+            raise ValueError(
+                f"rebind keeps the ranks: rank_offsets must have {self.world_size + 1} entries, "
+                f"got {len(spec.rank_offsets)}"
+            )
+        reason = self.supports(spec)
+        if reason is not None:
+            raise ValueError(f"backend {self.name!r} cannot serve the new placement: {reason}")
+        self.spec = spec
+        self._bind()
+
+    def _bind(self) -> None:  # noqa: B027 (an optional hook, not abstract)
+        """Derive per-placement state from ``self.spec`` (called by ``rebind``)."""
 
     def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release buffers. The backend must not be used afterwards."""

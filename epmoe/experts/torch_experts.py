@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from epmoe.comm.base import FP8_GROUP
 from epmoe.experts.base import Experts, ExpertWeights
 
 
@@ -37,9 +38,9 @@ def dequantized_hidden(hidden: torch.Tensor, scale: torch.Tensor | None, dtype: 
     """Hidden states back to ``dtype``; ``scale [..., H/128]`` per 128-wide group if FP8."""
     if scale is None:
         return hidden.to(dtype)
-    groups = scale.shape[-1]
-    x = hidden.to(torch.float32).unflatten(-1, (groups, -1)) * scale.unsqueeze(-1)
-    return x.flatten(-2).to(dtype)
+    H = hidden.shape[-1]  # the last group may be partial: ceil(H / 128) scales
+    full = scale.to(torch.float32).repeat_interleave(FP8_GROUP, dim=-1)[..., :H]
+    return (hidden.to(torch.float32) * full).to(dtype)
 
 
 class TorchExperts(Experts):

@@ -1,5 +1,6 @@
-"""The communication layer in one process: registry, specs, argument checks, and both
-backends at W = 1 against a direct computation."""
+"""The communication layer in one process: the contract v2 pieces (``Pending``,
+``CommSpec.dispatch_dtype``, ``supports``), the registry and ``auto``'s choice by capability,
+argument checks, and both backends at W = 1 against a direct computation."""
 
 from __future__ import annotations
 
@@ -7,8 +8,18 @@ import pytest
 import torch
 
 import epmoe
+import epmoe.comm as registry
 from epmoe.comm import available_backends, backend_class, create_backend, resolve_backend
-from epmoe.comm.base import CommSpec, Layout, check_dispatch_args
+from epmoe.comm.base import (
+    FP8_DTYPE,
+    AllToAll,
+    Capabilities,
+    CommSpec,
+    Layout,
+    Pending,
+    check_dispatch_args,
+)
+from epmoe.reference import quantize_groups
 
 CPU = torch.device("cpu")
 
@@ -29,7 +40,16 @@ def spec(**overrides) -> CommSpec:
 def test_available_backends_on_cpu_names_every_backend():
     backends = available_backends("cpu")
     assert backends["naive"] is None and backends["all_to_all"] is None
-    assert set(backends) == set(epmoe.available_backends("cpu"))
+    assert set(backends) == set(epmoe.available_backends("cpu")) == set(registry.backend_names())
+    # symm_ll needs CUDA (or is not importable yet): either way a reason, not a crash
+    assert isinstance(backends["symm_ll"], str) and backends["symm_ll"]
+
+
+def test_available_backends_with_a_spec_gives_the_supports_reason():
+    fp8 = available_backends(spec=spec(dispatch_dtype=FP8_DTYPE))
+    assert fp8["naive"] is None and fp8["all_to_all"] is None  # device from the spec: CPU
+    ints = available_backends(spec=spec(dtype=torch.int32))
+    assert "params_dtype" in ints["naive"] and "params_dtype" in ints["all_to_all"]
 
 
 def test_unknown_backend_lists_the_choices():
@@ -55,6 +75,16 @@ def test_auto_picks_a_backend_offering_the_layout():
 def test_comm_spec_rejects_bad_values(overrides, match):
     with pytest.raises(ValueError, match=match):
         spec(**overrides)
+
+
+def test_dispatch_dtype_is_the_hidden_dtype_or_fp8():
+    plain, same = spec(), spec(dispatch_dtype=torch.float32)
+    fp8 = spec(dispatch_dtype=FP8_DTYPE)
+    assert (plain.wire_dtype, plain.fp8_dispatch) == (torch.float32, False)
+    assert (same.wire_dtype, same.fp8_dispatch) == (torch.float32, False)
+    assert (fp8.wire_dtype, fp8.fp8_dispatch) == (FP8_DTYPE, True)
+    with pytest.raises(ValueError, match="dispatch_dtype must be None, the hidden dtype"):
+        spec(dispatch_dtype=torch.bfloat16)
 
 
 def test_spec_derived_sizes():
@@ -118,3 +148,213 @@ def test_single_rank_round_trip(name, layout, T):
         assert res.counts.tolist() == counts.tolist()
         y = res.hidden.clone()
     torch.testing.assert_close(comm.combine(y, res), x * w.sum(1, keepdim=True))
+
+
+@pytest.mark.parametrize("layout", [Layout.STANDARD, Layout.EXPERT_BATCHED], ids=lambda x: x.value)
+@pytest.mark.parametrize("H", [8, 160], ids=["H=8", "H=160 (partial FP8 group)"])
+def test_single_rank_fp8_dispatch(layout, H):
+    """W = 1, FP8 dispatch: the rows arrive as ``quantize_groups`` gives them (values and
+    scales bit for bit, in the layout's shape); combine returns the layer's dtype."""
+    g = torch.Generator().manual_seed(H)
+    T, E, K = 6, 5, 2
+    comm = create_backend("all_to_all", spec(hidden_size=H, dispatch_dtype=FP8_DTYPE), None, layout)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    w = torch.rand(T, K, generator=g)
+    res = comm.dispatch(x, ids, w)
+    q, scale = quantize_groups(x)
+    G = scale.shape[1]
+    assert res.hidden.dtype == FP8_DTYPE and res.hidden_scale.dtype == torch.float32
+    deq = lambda h, s: h.float() * s.repeat_interleave(128, -1)[..., :H]  # noqa: E731
+    if layout is Layout.STANDARD:
+        assert res.hidden_scale.shape == (T, G)
+        assert torch.equal(res.hidden.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(res.hidden_scale, scale)
+        y = deq(res.hidden, res.hidden_scale) * res.topk_weights.sum(1, keepdim=True)
+    else:
+        assert res.hidden_scale.shape == (*res.hidden.shape[:2], G)
+        for slot in range(E):  # one token at most once per expert, in token order
+            tok = (ids == slot).any(1).nonzero().squeeze(1)
+            n = int(res.counts[slot])
+            assert torch.equal(res.hidden[slot, :n].view(torch.uint8), q[tok].view(torch.uint8))
+            assert torch.equal(res.hidden_scale[slot, :n], scale[tok])
+        y = deq(res.hidden, res.hidden_scale)
+    out = comm.combine(y.bfloat16(), res)  # experts on FP8 input may answer in bf16
+    assert out.dtype == torch.float32
+    want = (deq(q, scale) * w.sum(1, keepdim=True)).bfloat16().float()
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
+
+
+# --------------------------------------------------------------------------- Pending
+
+
+def test_pending_finishes_once_and_keeps_its_result():
+    calls = []
+    p = Pending(lambda: calls.append("finish") or torch.arange(3))
+    assert not p.finished and calls == []  # starting does not finish
+    first = p.wait()
+    assert p.finished and p.wait() is first and calls == ["finish"]
+
+
+def test_pending_done_is_finished():
+    value = torch.ones(2)
+    p = Pending.done(value)
+    assert p.finished and p.wait() is value
+
+
+def test_split_phase_at_w1_in_any_finish_order():
+    """Two dispatches in flight, finished in reverse; combines likewise. Each micro-batch
+    gets its own Σ_k w · x back (identity experts)."""
+    comm = create_backend("all_to_all", spec(max_num_tokens=8), None, Layout.STANDARD)
+    g = torch.Generator().manual_seed(0)
+    mbs = [
+        (torch.randn(T, 8, generator=g), torch.randint(0, 5, (T, 2), generator=g),
+         torch.rand(T, 2, generator=g))
+        for T in (3, 5)
+    ]  # fmt: skip
+    d0, d1 = (comm.dispatch_async(*mb) for mb in mbs)
+    r1, r0 = d1.wait(), d0.wait()
+    c0, c1 = (
+        comm.combine_async(r.hidden * r.topk_weights.sum(1, keepdim=True), r) for r in (r0, r1)
+    )
+    for (x, _, w), out in zip(mbs, (c0.wait(), c1.wait())):
+        torch.testing.assert_close(out, x * w.sum(1, keepdim=True))
+
+
+# ------------------------------------------------------------- supports and choice by capability
+
+
+class _Fake(AllToAll):
+    """A backend for registry tests: it is chosen or refused, never run."""
+
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK):
+        raise AssertionError("a registry test ran a fake backend")
+
+    def combine_async(self, expert_out, result):
+        raise AssertionError("a registry test ran a fake backend")
+
+
+class FakeLL(_Fake):
+    """Like a low-latency kernel: ExpertBatched, bf16, at most 8 tokens, FP8, graph safe."""
+
+    name = "fake_ll"
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.EXPERT_BATCHED}),
+        dtypes=frozenset({torch.bfloat16}),
+        device_types=frozenset({"cpu"}),
+        max_num_tokens=8,
+        graph_safe=True,
+        fp8_dispatch=True,
+        max_in_flight=2,
+    )
+
+
+class FakeCudaOnly(_Fake):
+    name = "fake_cuda"
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.STANDARD}),
+        dtypes=frozenset({torch.float32}),
+        device_types=frozenset({"cuda"}),
+    )
+
+
+class FakeNoFP8(_Fake):
+    name = "fake_no_fp8"
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.STANDARD}),
+        dtypes=frozenset({torch.float32}),
+        device_types=frozenset({"cpu"}),
+        max_num_tokens=4,
+    )
+
+
+@pytest.fixture
+def fake_registry(monkeypatch):
+    """fake_cuda, broken, no_class, fake_ll, then the real portable backends."""
+    here = __name__
+    monkeypatch.setattr(
+        registry,
+        "_BACKENDS",
+        {
+            "fake_cuda": f"{here}:FakeCudaOnly",
+            "broken": "epmoe.comm.no_such_module:Backend",
+            "no_class": f"{here}:NoSuchClass",
+            "fake_ll": f"{here}:FakeLL",
+            "all_to_all": "epmoe.comm.all_to_all:AllToAllBackend",
+            "naive": "epmoe.comm.naive:NaiveBackend",
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(dtype=torch.float32), "choose params_dtype among those"),
+        (dict(device=torch.device("meta")), "pick another backend or device"),
+        (dict(max_num_tokens=9), "lower max_num_tokens"),
+    ],
+    ids=["dtype", "device", "M_max above the limit"],
+)
+def test_supports_says_why_with_the_fix(overrides, match):
+    s = spec(**{"dtype": torch.bfloat16, "max_num_tokens": 8, **overrides})
+    assert FakeLL.supports(spec(dtype=torch.bfloat16, max_num_tokens=8)) is None
+    assert match in FakeLL.supports(s)
+
+
+def test_supports_refuses_fp8_dispatch_without_the_capability():
+    assert FakeNoFP8.supports(spec()) is None
+    assert "leave dispatch_dtype unset" in FakeNoFP8.supports(spec(dispatch_dtype=FP8_DTYPE))
+    for cls in (backend_class("naive"), backend_class("all_to_all")):
+        assert cls.capabilities.fp8_dispatch and cls.capabilities.max_in_flight is None
+        assert cls.supports(spec(dispatch_dtype=FP8_DTYPE)) is None
+
+
+def test_auto_takes_the_first_backend_that_serves_the_spec(fake_registry):
+    ll = spec(dtype=torch.bfloat16, max_num_tokens=8, dispatch_dtype=FP8_DTYPE)
+    assert resolve_backend("auto", CPU, None, spec=ll) is FakeLL
+    assert resolve_backend("auto", CPU, None, Layout.EXPERT_BATCHED, ll) is FakeLL
+    a2a = backend_class("all_to_all")
+    # the first usable backend without the fake's limits, for each limit in turn
+    assert resolve_backend("auto", CPU, None, Layout.STANDARD, ll) is a2a  # layout
+    assert resolve_backend("auto", CPU, None, spec=spec(dtype=torch.float32)) is a2a  # dtype
+    assert resolve_backend("auto", CPU, None, spec=spec(max_num_tokens=64)) is a2a  # M_max
+    assert resolve_backend("auto", CPU, None) is FakeLL  # no spec: any layout, no limits
+
+
+def test_auto_under_capture_takes_only_graph_safe_backends(fake_registry):
+    ll = spec(dtype=torch.bfloat16, max_num_tokens=8)
+    assert resolve_backend("auto", CPU, None, spec=ll, capturing=True) is FakeLL
+    with pytest.raises(RuntimeError, match="CUDA graph capture") as err:
+        resolve_backend("auto", CPU, None, spec=spec(), capturing=True)
+    msg = str(err.value)
+    assert "fake_cuda: needs a device of type ['cuda']" in msg
+    assert "broken: import failed (No module named 'epmoe.comm.no_such_module')" in msg
+    assert "no_class: import failed (module " in msg and "defines no NoSuchClass)" in msg
+    assert "fake_ll: it moves ['torch.bfloat16'], not torch.float32" in msg
+    assert "all_to_all: not graph safe" in msg and "naive: not graph safe" in msg
+
+
+def test_available_backends_reads_well_with_broken_entries(fake_registry):
+    reasons = available_backends(CPU, spec=spec(dtype=torch.bfloat16, max_num_tokens=64))
+    assert list(reasons) == registry.backend_names()
+    assert reasons["fake_cuda"].startswith("needs a device of type")
+    assert reasons["broken"].startswith("import failed (")
+    assert "lower max_num_tokens" in reasons["fake_ll"]
+    assert reasons["all_to_all"] is None and reasons["naive"] is None
+
+
+def test_a_named_backend_that_cannot_run_names_the_usable_ones(fake_registry):
+    with pytest.raises(RuntimeError, match=r"'fake_cuda' cannot run here: needs a device") as err:
+        resolve_backend("fake_cuda", CPU, None)
+    assert "usable here: ['fake_ll', 'all_to_all', 'naive'] or 'auto'" in str(err.value)
+    with pytest.raises(RuntimeError, match="not graph safe"):
+        resolve_backend("naive", CPU, None, capturing=True)
+    with pytest.raises(ImportError, match="no_such_module"):
+        resolve_backend("broken", CPU, None)
+
+
+def test_rebind_refuses_another_world_size_and_keeps_the_spec():
+    comm = create_backend("naive", spec(rank_offsets=(0, 5)), None)
+    with pytest.raises(ValueError, match="rank_offsets must have 2 entries"):
+        comm.rebind((0, 2, 5))
+    assert comm.spec.rank_offsets == (0, 5)

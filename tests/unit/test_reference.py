@@ -421,3 +421,17 @@ def test_cuda_matches_cpu():
     assert_close(out_gpu.cpu(), out_cpu, rtol=1e-2)
     # Weights left on the CPU are moved to the tokens' device.
     assert_close(moe(x.cuda(), w13, w2, w, ids), moe(x, w13, w2, w, ids), rtol=1e-2)
+
+
+@pytest.mark.parametrize("H", [128, 160, 300], ids=["whole group", "128+32", "128+128+44"])
+def test_torch_experts_dequantize_a_partial_last_group(H):
+    """``TorchExperts`` reads FP8 rows with ceil(H/128) scales: the last group may be short."""
+    from epmoe.experts.torch_experts import dequantized_hidden
+
+    x = torch.randn(4, 3, H, generator=torch.Generator().manual_seed(H))
+    q, s = quantize_groups(x)
+    assert s.shape == (4, 3, -(-H // 128))
+    got = dequantized_hidden(q, s, torch.float32)
+    want = q.float() * s.repeat_interleave(128, -1)[..., :H]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert relative_error(got, x) < 3e-2

@@ -1,0 +1,379 @@
+"""Rank bodies of the comm contract v2 tests (``test_comm_v2.py``): the portable backends
+(``naive``, ``all_to_all`` in both layouts) against the oracle, split phase with several
+operations in flight, FP8 on the wire, and ``rebind``.
+
+Each body runs on every rank of an initialised process group (see ``tests/harness.py``)
+and sweeps many cases in it. Every rank's inputs come from a seed of (case, rank), so each
+rank can rebuild what every other rank sent and predict exactly which rows it receives.
+End-to-end checks run the local experts in float64 on what the dispatch delivered (FP8
+rows dequantized with their scales) and compare the combined output with
+``epmoe.reference.moe`` on the rank's own tokens with the full weights.
+
+Shape legend: T tokens · H hidden · I intermediate · E logical experts · P physical
+experts · K top-k · W world · e local experts · R received rows · C capacity per expert ·
+G = ceil(H / 128) FP8 scale groups.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+import epmoe
+from epmoe.comm import create_backend
+from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, CommSpec, DispatchResult, Layout
+from epmoe.experts.base import ExpertWeights
+from epmoe.experts.torch_experts import TorchExperts
+from epmoe.reference import TOLERANCES, assert_close, expert_mlp, quantize_groups
+from tests.harness import Sweep
+
+E, K, I = 6, 2, 24
+H = 160  # two FP8 groups, the second one partial (128 + 32 columns)
+H_TORCH_EXPERTS = 256  # whole FP8 groups (test_reference covers a partial last group)
+DROP = 0.2  # share of (token, k) entries routed to no expert (-1)
+
+BACKENDS = [
+    ("naive", Layout.STANDARD),
+    ("all_to_all", Layout.STANDARD),
+    ("all_to_all", Layout.EXPERT_BATCHED),
+]
+
+
+def _label(backend: str, layout: Layout) -> str:
+    return f"{backend} {layout.value}"
+
+
+def device_for(rank: int, device: str) -> torch.device:
+    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Physical:
+    """A placement as the comm layer sees it: rank offsets and the logical expert of each
+    physical slot (so the oracle can run on logical ids with the full weights)."""
+
+    name: str
+    rank_offsets: tuple[int, ...]  # [W + 1]
+    physical_to_logical: torch.Tensor  # int64 [P]
+
+    @property
+    def num_physical(self) -> int:
+        return self.rank_offsets[-1]
+
+
+def physical_layouts(W: int) -> list[Physical]:
+    """linear, round-robin, balanced with redundant replicas, and (W > 1) one where rank 0
+    holds no expert at all (the backends must still enter every collective)."""
+    load = torch.arange(1, E + 1, dtype=torch.float64) ** 2
+    redundant = 1 + (-(E + 1)) % W
+    out = [
+        Physical(p_name, p.rank_offsets, p.physical_to_logical)
+        for p_name, p in [
+            ("linear", epmoe.ExpertPlacement.linear(E, W)),
+            ("round_robin", epmoe.ExpertPlacement.round_robin(E, W)),
+            (
+                f"balanced+{redundant}",
+                epmoe.ExpertPlacement.balanced(load, ep_size=W, num_redundant=redundant),
+            ),
+        ]
+    ]
+    if W > 1:
+        rest = [E * r // (W - 1) for r in range(W)]  # ranks 1 … W-1 split E; rank 0 none
+        out.append(Physical("rank 0 empty", (0, *rest), torch.arange(E)))
+    return out
+
+
+def full_weights(dtype, dev, hidden: int = H, seed: int = 0):
+    """The same logical weights ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(E, hidden, I, generator=g) / I**0.5
+    return w13.to(dev, dtype), w2.to(dev, dtype)
+
+
+def rank_inputs(rank: int, T: int, P: int, dtype, dev, seed: int = 0, hidden: int = H):
+    """Rank ``rank``'s tokens ``x [T, H]``, physical ids ``[T, K]`` (K distinct per token,
+    ``DROP`` of them -1) and float32 router weights ``[T, K]``. Any rank can rebuild any
+    other rank's inputs from (rank, seed)."""
+    g = torch.Generator().manual_seed(7919 * seed + rank)
+    x = torch.randn(T, hidden, generator=g) * (1 + torch.rand(T, 1, generator=g))
+    ids = torch.rand(T, P, generator=g).argsort(1)[:, :K]
+    ids[torch.rand(T, K, generator=g) < DROP] = -1
+    w = torch.rand(T, K, generator=g) + 0.1
+    return x.to(dev, dtype), ids.to(dev), w.to(dev)
+
+
+def tokens_per_rank(W: int, micro_batch: int = 0) -> list[int]:
+    """Uneven counts with a zero-token rank (rank 1) for W > 1."""
+    if W == 1:
+        return [7 - 3 * micro_batch]
+    return [[5, 0, 9, 3][r % 4] + 2 * micro_batch * (r != 1) for r in range(W)]
+
+
+def make_spec(phys: Physical, dtype, dev, fp8: bool, hidden: int = H) -> CommSpec:
+    return CommSpec(
+        hidden_size=hidden,
+        top_k=K,
+        rank_offsets=phys.rank_offsets,
+        max_num_tokens=16,
+        dtype=dtype,
+        device=dev,
+        dispatch_dtype=FP8_DTYPE if fp8 else None,
+    )
+
+
+def logical_ids(ids_TK: torch.Tensor, phys: Physical) -> torch.Tensor:
+    p2l = phys.physical_to_logical.to(ids_TK.device)
+    return torch.where(ids_TK >= 0, p2l[ids_TK.clamp(min=0)], -1)
+
+
+def local_weights(phys: Physical, rank: int, w13, w2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w13 [e, 2I, H]``, ``w2 [e, H, I]`` of ``rank``'s slots, in slot order."""
+    lo, hi = phys.rank_offsets[rank], phys.rank_offsets[rank + 1]
+    idx = phys.physical_to_logical[lo:hi].to(w13.device)
+    return w13[idx], w2[idx]
+
+
+def fake_quantized(x_TH: torch.Tensor) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in float64 (exact): what FP8 dispatch delivers."""
+    return dequantize_rows(*quantize_groups(x_TH))
+
+
+def dequantize_rows(hidden: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Dispatched rows ``[..., H]`` to float64; ``scale [..., G]`` per 128-column group."""
+    x = hidden.to(torch.float64)
+    if scale is None:
+        return x
+    full = scale.to(torch.float64).repeat_interleave(FP8_GROUP, dim=-1)[..., : x.shape[-1]]
+    return x * full
+
+
+def float64_experts(res: DispatchResult, w13_e, w2_e, out_dtype) -> torch.Tensor:
+    """The local experts in float64 on what the dispatch delivered, in its layout:
+    Standard ``[R, H]`` weighted sums over local entries, ExpertBatched ``[e, C, H]``
+    unweighted outputs (rows past counts zero). Returned in ``out_dtype``."""
+    x = dequantize_rows(res.hidden, res.hidden_scale)
+    w13_e, w2_e = w13_e.double(), w2_e.double()
+    out = torch.zeros_like(x)
+    if res.layout is Layout.STANDARD:
+        for slot in range(w13_e.shape[0]):
+            rows, k = torch.nonzero(res.topk_ids == slot, as_tuple=True)
+            y = expert_mlp(x[rows], w13_e[slot], w2_e[slot])
+            out.index_add_(0, rows, y * res.topk_weights[rows, k, None].double())
+    else:
+        for slot, n in enumerate(res.counts.tolist()):
+            out[slot, :n] = expert_mlp(x[slot, :n], w13_e[slot], w2_e[slot])
+    return out.to(out_dtype)
+
+
+def expected_delivery(phys: Physical, rank: int, backend: str, layout: Layout, inputs):
+    """What ``rank`` must receive, from every rank's inputs ``[(x, ids, w), …]``.
+
+    Standard: ``(rows [R, H], local ids [R, K], weights [R, K])`` ordered by source rank,
+    then token (naive: every token; all_to_all: tokens with an expert here).
+    ExpertBatched: per local slot, the rows of the tokens that chose it, by source and
+    token (the order of the rows inside a slot is the backend's choice: checked sorted).
+    """
+    lo, hi = phys.rank_offsets[rank], phys.rank_offsets[rank + 1]
+    if layout is Layout.STANDARD:
+        rows, ids, weights = [], [], []
+        for x, ids_TK, w in inputs:
+            here_TK = (ids_TK >= lo) & (ids_TK < hi)
+            keep = torch.ones_like(here_TK[:, 0]) if backend == "naive" else here_TK.any(1)
+            rows.append(x[keep])
+            ids.append(torch.where(here_TK, ids_TK - lo, -1)[keep])
+            weights.append(w[keep])
+        return torch.cat(rows), torch.cat(ids), torch.cat(weights)
+    return [torch.cat([x[(ids_TK == p).any(1)] for x, ids_TK, _ in inputs]) for p in range(lo, hi)]
+
+
+def _row_bytes(hidden: torch.Tensor, scale: torch.Tensor | None) -> list[bytes]:
+    """Each row's bytes (values, then scales): rows compared bit for bit."""
+    N = hidden.shape[0]
+    b = hidden.contiguous().view(torch.uint8).reshape(N, hidden.shape[1] * hidden.itemsize)
+    if scale is not None:
+        b = torch.cat([b, scale.contiguous().view(torch.uint8).reshape(N, 4 * scale.shape[1])], 1)
+    return [bytes(row) for row in b.cpu().tolist()]
+
+
+def check_delivery(res: DispatchResult, want, spec: CommSpec) -> None:
+    """The dispatched rows are exactly the expected ones of ``expected_delivery`` (FP8:
+    bit-exact values and scales of ``quantize_groups`` of the source rows), with the
+    wire dtype and the scale shape of the spec."""
+    fp8, layout = spec.fp8_dispatch, res.layout
+    assert res.hidden.dtype == spec.wire_dtype, (
+        f"hidden is {res.hidden.dtype}, expected {spec.wire_dtype}"
+    )
+    if fp8:
+        G = math.ceil(res.hidden.shape[-1] / FP8_GROUP)
+        expected = (*res.hidden.shape[:-1], G)
+        assert res.hidden_scale is not None and res.hidden_scale.dtype == torch.float32, (
+            f"FP8 dispatch must carry float32 hidden_scale, got {res.hidden_scale}"
+        )
+        assert tuple(res.hidden_scale.shape) == expected, (
+            f"hidden_scale {tuple(res.hidden_scale.shape)}, expected {expected}"
+        )
+    else:
+        assert res.hidden_scale is None, "hidden_scale set without FP8 dispatch"
+
+    def wire_rows(rows: torch.Tensor) -> list[bytes]:  # what the source rows look like sent
+        return _row_bytes(*quantize_groups(rows)) if fp8 else _row_bytes(rows, None)
+
+    if layout is Layout.STANDARD:  # ordered by source rank, then token
+        rows, ids, weights = want
+        got = _row_bytes(res.hidden, res.hidden_scale)
+        assert got == wire_rows(rows), f"received {len(got)} rows, not the {len(rows)} expected"
+        assert torch.equal(res.topk_ids, ids), "local top-k ids differ"
+        assert torch.equal(res.topk_weights, weights), "router weights differ"
+        return
+    counts = res.counts.tolist()
+    assert counts == [r.shape[0] for r in want], (
+        f"counts {counts}, expected {[r.shape[0] for r in want]}"
+    )
+    for slot, n in enumerate(counts):  # the order of rows inside a slot is free
+        scale = res.hidden_scale[slot, :n] if fp8 else None
+        got = sorted(_row_bytes(res.hidden[slot, :n], scale))
+        assert got == sorted(wire_rows(want[slot])), f"slot {slot}: rows differ"
+
+
+# ----------------------------------------------------------------------- rank bodies
+
+
+def check_oracle_and_fp8(rank, world, device="cpu", dtype_name="float32"):
+    """Every backend × layout × placement, with and without FP8 dispatch, on the blocking
+    and the split path: exact delivery, then the combined output against the oracle (on
+    the dequantized input exactly, and on the original input with the FP8 tolerance)."""
+    dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
+    w13, w2 = full_weights(dtype, dev)
+    T_W = tokens_per_rank(world)
+    sweep = Sweep()
+    cases = itertools.product(BACKENDS, physical_layouts(world), (False, True))
+    for seed, ((backend, layout), phys, fp8) in enumerate(cases):
+        case = f"W={world} {_label(backend, layout)} {phys.name}{' fp8' if fp8 else ''}"
+        with sweep.case(case):
+            spec = make_spec(phys, dtype, dev, fp8)
+            comm = create_backend(backend, spec, None, layout)
+            P = phys.num_physical
+            inputs = [rank_inputs(s, T_W[s], P, dtype, dev, seed) for s in range(world)]
+            x, ids, w = inputs[rank]
+            # the split path for FP8, the blocking one otherwise (it calls the split path)
+            res = comm.dispatch_async(x, ids, w).wait() if fp8 else comm.dispatch(x, ids, w)
+            y = float64_experts(res, *local_weights(phys, rank, w13, w2), dtype)
+            out = comm.combine_async(y, res).wait() if fp8 else comm.combine(y, res)
+            check_delivery(res, expected_delivery(phys, rank, backend, layout, inputs), spec)
+            lids = logical_ids(ids, phys)
+            assert out.shape == x.shape and out.dtype == dtype, (out.shape, out.dtype)
+            x_wire = fake_quantized(x) if fp8 else x
+            ref_wire = epmoe.reference.moe(x_wire, w13, w2, w, lids)
+            assert_close(out, ref_wire, TOLERANCES[dtype], name=f"rank {rank} vs wire input")
+            if fp8:
+                ref = epmoe.reference.moe(x, w13, w2, w, lids)
+                assert_close(out, ref, TOLERANCES[FP8_DTYPE], name=f"rank {rank} vs input")
+    sweep.check()
+    return sweep.passed
+
+
+def check_fp8_with_torch_experts(rank, world, device="cpu", dtype_name="float32"):
+    """FP8 dispatch into ``TorchExperts`` (which consume ``hidden_scale`` and return
+    bfloat16): the layer's dtype comes back, within the FP8 tolerance of the oracle."""
+    dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
+    w13, w2 = full_weights(dtype, dev, hidden=H_TORCH_EXPERTS, seed=1)
+    T_W = tokens_per_rank(world)
+    experts = TorchExperts("silu")
+    sweep = Sweep()
+    for (backend, layout), phys in itertools.product(BACKENDS, physical_layouts(world)[:2]):
+        with sweep.case(f"W={world} {_label(backend, layout)} {phys.name} torch experts fp8"):
+            spec = make_spec(phys, dtype, dev, fp8=True, hidden=H_TORCH_EXPERTS)
+            comm = create_backend(backend, spec, None, layout)
+            x, ids, w = rank_inputs(
+                rank, T_W[rank], phys.num_physical, dtype, dev, seed=11, hidden=H_TORCH_EXPERTS
+            )
+            res = comm.dispatch(x, ids, w)
+            y = experts(res, ExpertWeights(*local_weights(phys, rank, w13, w2)))
+            out = comm.combine(y, res)
+            assert out.dtype == dtype, f"combine returned {out.dtype}, expected {dtype}"
+            ref = epmoe.reference.moe(x, w13, w2, w, logical_ids(ids, phys))
+            assert_close(out, ref, TOLERANCES[FP8_DTYPE], name=f"rank {rank}")
+    sweep.check()
+    return sweep.passed
+
+
+# Schedules of two micro-batches: "D0" starts dispatch 0, "d0" waits for it and runs the
+# experts, "C0" starts combine 0, "c0" waits for it. Every rank runs the same schedule.
+SCHEDULES = {
+    "both dispatches, then both combines": "D0 D1 d0 d1 C0 C1 c0 c1",
+    "combine 0 in flight over dispatch 1": "D0 d0 C0 D1 d1 C1 c0 c1",
+    "finished in reverse order": "D0 D1 d1 d0 C1 C0 c1 c0",
+    "all four started before any combine wait": "D0 D1 d0 C0 d1 C1 c1 c0",
+}
+
+
+def check_in_flight(rank, world, device="cpu", dtype_name="float32"):
+    """Two micro-batches with several operations in flight, in the orders of
+    ``SCHEDULES``, each output against the oracle (FP8 too, for one placement)."""
+    dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
+    w13, w2 = full_weights(dtype, dev, seed=2)
+    phys_all = physical_layouts(world)
+    sweep = Sweep()
+    for (backend, layout), (sname, schedule), fp8 in itertools.product(
+        BACKENDS, SCHEDULES.items(), (False, True)
+    ):
+        phys = phys_all[-1] if fp8 else phys_all[0]
+        with sweep.case(f"W={world} {_label(backend, layout)} {sname}{' fp8' if fp8 else ''}"):
+            comm = create_backend(backend, make_spec(phys, dtype, dev, fp8), None, layout)
+            assert comm.capabilities.max_in_flight is None, "allocates per call: no limit"
+            w13_e, w2_e = local_weights(phys, rank, w13, w2)
+            mb = [
+                rank_inputs(rank, tokens_per_rank(world, m)[rank], phys.num_physical, dtype,
+                            dev, seed=20 + m)
+                for m in range(2)
+            ]  # fmt: skip
+            pending, results, outs = {}, {}, {}
+            for op in schedule.split():
+                m = int(op[1])
+                if op[0] == "D":
+                    pending[m] = comm.dispatch_async(*mb[m])
+                elif op[0] == "d":
+                    results[m] = pending.pop(m).wait()
+                elif op[0] == "C":
+                    y = float64_experts(results[m], w13_e, w2_e, dtype)
+                    pending[m] = comm.combine_async(y, results[m])
+                else:
+                    outs[m] = pending.pop(m).wait()
+            for m, (x, ids, w) in enumerate(mb):
+                x_wire = fake_quantized(x) if fp8 else x
+                ref = epmoe.reference.moe(x_wire, w13, w2, w, logical_ids(ids, phys))
+                assert_close(outs[m], ref, TOLERANCES[dtype], name=f"rank {rank} micro-batch {m}")
+    sweep.check()
+    return sweep.passed
+
+
+def check_rebind(rank, world, device="cpu", dtype_name="float32"):
+    """A backend built for one placement and rebound to each other one (same ranks, P may
+    change) gives the oracle's results for the placement it is bound to."""
+    import pytest
+
+    dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
+    w13, w2 = full_weights(dtype, dev, seed=3)
+    T_W = tokens_per_rank(world)
+    phys_all = physical_layouts(world)
+    sweep = Sweep()
+    for backend, layout in BACKENDS:
+        with sweep.case(f"W={world} {_label(backend, layout)} rebind"):
+            comm = create_backend(backend, make_spec(phys_all[0], dtype, dev, False), None, layout)
+            for step, phys in enumerate([*phys_all[1:], phys_all[0]]):
+                comm.rebind(phys.rank_offsets)
+                assert comm.spec.rank_offsets == phys.rank_offsets
+                x, ids, w = rank_inputs(rank, T_W[rank], phys.num_physical, dtype, dev, 30 + step)
+                res = comm.dispatch(x, ids, w)
+                y = float64_experts(res, *local_weights(phys, rank, w13, w2), dtype)
+                out = comm.combine(y, res)
+                ref = epmoe.reference.moe(x, w13, w2, w, logical_ids(ids, phys))
+                assert_close(out, ref, TOLERANCES[dtype], name=f"rank {rank} after {phys.name}")
+            with pytest.raises(ValueError, match="rank_offsets must have"):
+                comm.rebind((0, *phys_all[0].rank_offsets))  # one rank too many
+    sweep.check()
+    return sweep.passed
