@@ -1,0 +1,434 @@
+"""Triton kernels of the low-latency (``symm_ll``) transport on torch symmetric memory.
+
+Only ``@triton.jit`` functions live here; ``ll.py`` allocates, checks and launches.
+
+Shape legend: T tokens on this rank · H hidden · G = ceil(H / 128) FP8 scale groups ·
+K top-k · W ranks · M = M_max tokens per rank · e local experts · C = W·M rows per local
+expert · P physical experts.
+
+Every rank owns one symmetric byte buffer; peers reach it through ``bases[r]`` (the
+address of rank r's buffer, valid on every rank). Per parity (two buffers in flight) it
+holds, at byte offsets the host passes:
+
+* ``flags``: int32 ``expect[W]`` (source s wrote ``T_s + 1``), ``started[W]`` (rank r began
+  its combine), ``dflag[W, M]`` (token t of source s is written), ``cflag[W, M]`` (rank r's
+  combine row for this rank's token t is written);
+* ``tok_x [W, M, H]`` wire rows, ``tok_s [W, M, G]`` float32 FP8 scales,
+  ``tok_ids [W, M, K]`` int32 local expert slots (-1: not on this rank),
+  ``tok_w [W, M, K]`` float32 router weights: what source s sent for its token t;
+* ``comb_y [W, M, H]``: rank r's weighted partial sum for this rank's token t.
+
+Design: one message per (token, destination rank). The sender writes each token once per
+rank that holds one of its experts (halving NVLink bytes against one per (token, expert)
+at top-8 over 2 ranks) plus its routing metadata to every rank; the receiver expands the
+rows into the ``[e, C, H]`` ExpertBatched layout locally. Combine reduces the top-k
+outputs of a token on the expert's rank (router weights applied there) and sends one row
+per (token, rank) back; the source adds the W partial sums in float32.
+
+Synchronisation: one flag per token and direction, set with a release atomic (system
+scope) after the stores it covers and polled with acquire loads, so no two programs fight
+over one address; every wait is bounded by ``timeout_ns`` of the GPU's global timer and
+writes an error code to host memory instead of hanging. A flag is reset by the program
+that consumed it, ``expect`` by the next kernel of the same call, ``started`` by the next
+dispatch on the same parity. The "started" flag each rank raises at the start of its
+combine (after that reset) is what every source waits for before its next dispatch can
+run: no peer writes a parity's buffers before their last reader is done.
+
+Each program handles one token (one row), whole-row steps of ``BLOCK_H`` columns, so that
+a decode-sized call is a single wave of short programs with no serial latency chain.
+"""
+
+import os
+
+import triton
+import triton.language as tl
+
+# Under the Triton interpreter (CPU tests) there is no PTX: polls use atomics and the
+# timer reads 0 (waits are then unbounded, which a single process never needs).
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+# error codes written to the host word: (kind << 24) | (op << 16) | peer
+ERR_TIMEOUT = tl.constexpr(1)
+ERR_CAPACITY = tl.constexpr(2)
+ERR_EXPERT_ID = tl.constexpr(3)
+OP_DISPATCH = tl.constexpr(1)
+OP_COMBINE = tl.constexpr(2)
+
+
+@triton.jit
+def _now_ns():
+    if _INTERPRET:
+        return tl.full((), 0, tl.int64)
+    else:
+        return tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _load_acquire(ptr):
+    """``*ptr`` (int32) with acquire semantics at system scope: a plain load, so that many
+    programs polling one flag do not serialise the peers' atomics on it."""
+    if _INTERPRET:
+        return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b32 $0, [$1];",
+            "=r,l",
+            [ptr],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
+def _report(err_addr, kind, op, peer):
+    """Write an error code to the host-mapped error word unless one is there already."""
+    err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
+    if tl.load(err_ptr, volatile=True) == 0:  # keep the first error (a race only between errors)
+        tl.store(err_ptr, (kind << 24) | (op << 16) | peer)
+
+
+@triton.jit
+def _wait_at_least(flag_ptr, target, timeout_ns, err_addr, op, peer):
+    """Spin until ``*flag_ptr >= target`` (acquire, system scope); returns the value seen.
+    Past ``timeout_ns`` it reports ``ERR_TIMEOUT`` naming ``peer`` and gives up."""
+    value = _load_acquire(flag_ptr)
+    start = _now_ns()
+    timed_out = tl.full((), 0, tl.int32)
+    while (value < target) & (timed_out == 0):
+        if _now_ns() - start > timeout_ns:
+            timed_out = tl.full((), 1, tl.int32)
+            _report(err_addr, ERR_TIMEOUT, op, peer)
+        else:
+            value = _load_acquire(flag_ptr)
+    # Every thread polls on its own and may leave the loop at another moment: none goes on
+    # (e.g. to reset the flag it waited for) until all have left, and the value returned
+    # is one read that the whole program shares (an atomic reads once and broadcasts).
+    tl.debug_barrier()
+    return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _peer_ptr(bases_ptr, rank, byte_offset, dtype: tl.constexpr):
+    """Pointer to ``dtype`` elements at ``byte_offset`` of ``rank``'s symmetric buffer."""
+    return (tl.load(bases_ptr + rank) + byte_offset).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _quantize_fp8(
+    x, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr
+):
+    """``x [BLOCK_H]`` float32 → (e4m3 ``[BLOCK_H]``, float32 scales ``[BLOCK_H // 128]``),
+    one scale per 128 columns, exactly as ``epmoe.reference.quantize_groups``."""
+    xg = tl.reshape(x, (BLOCK_H // 128, 128))
+    scale = tl.maximum(tl.max(tl.abs(xg), 1), EPS) * INV_FP8_MAX
+    q = tl.minimum(tl.maximum(tl.div_rn(xg, scale[:, None]), -FP8_MAX), FP8_MAX)
+    return tl.reshape(q, (BLOCK_H,)).to(tl.float8e4nv), scale
+
+
+@triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
+def ll_dispatch_send_kernel(
+    # pointers
+    x_ptr,  # [T, H] hidden states (bf16/fp16/fp32)
+    ids_ptr,  # [T, K] int32/int64 physical expert ids, -1: none
+    w_ptr,  # [T, K] float32 router weights
+    owner_ptr,  # [P] int32 rank holding each physical expert
+    offsets_ptr,  # [W + 1] int32 first physical id of each rank
+    bases_ptr,  # [W] int64 address of each rank's symmetric buffer
+    cnt_ptr,  # [e_max] int32 this parity's expert row counters (zeroed here for recv)
+    err_addr,  # int64 address of the host-mapped error word
+    # sizes
+    T,
+    H,
+    P,
+    M,
+    W,
+    G,
+    src,  # this rank
+    e_max,
+    # byte offsets of this parity's regions in every rank's symmetric buffer
+    off_flags,
+    off_x,
+    off_s,
+    off_ids,
+    off_w,
+    # meta-parameters
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    FP8: tl.constexpr,
+    WIRE: tl.constexpr,  # tl dtype of rows on the wire
+    FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):
+    t = tl.program_id(0)  # one token per program (one program when T = 0)
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    rr = tl.arange(0, BLOCK_W)
+    my_flags = _peer_ptr(bases_ptr, src, off_flags, tl.int32)
+    if t == 0:
+        # this parity's receive counters start from zero, and its "started" flags are
+        # cleared before any peer can see this call's `expect` (released below)
+        for e0 in range(0, e_max, BLOCK_E):
+            ee = e0 + tl.arange(0, BLOCK_E)
+            tl.store(cnt_ptr + ee, tl.zeros((BLOCK_E,), tl.int32), mask=ee < e_max)
+        tl.atomic_xchg(
+            my_flags + W + rr,
+            tl.zeros((BLOCK_W,), tl.int32),
+            mask=rr < W,
+            sem="relaxed",
+            scope="sys",
+        )
+    if t < T:
+        t64 = tl.cast(t, tl.int64)
+        ids = tl.load(ids_ptr + t64 * K + kk, mask=k_mask, other=-1).to(tl.int32)
+        bad = k_mask & ((ids < -1) | (ids >= P))
+        if tl.max(bad.to(tl.int32)) > 0:
+            _report(err_addr, ERR_EXPERT_ID, OP_DISPATCH, src)
+        valid = k_mask & (ids >= 0) & (ids < P)
+        ids = tl.where(valid, ids, 0)
+        owner = tl.where(valid, tl.load(owner_ptr + ids, mask=valid, other=0), -1)
+        local = ids - tl.load(offsets_ptr + tl.maximum(owner, 0), mask=valid, other=0)
+        wts = tl.load(w_ptr + t64 * K + kk, mask=k_mask, other=0.0)
+        has_W = tl.max((owner[None, :] == rr[:, None]).to(tl.int32), 1)  # [BLOCK_W]
+        row = tl.cast(src, tl.int64) * M + t64  # this token's row in every receiver's tok_*
+        # routing metadata to every rank (-1 where the rank holds none of the experts)
+        for r in range(W):
+            tl.store(
+                _peer_ptr(bases_ptr, r, off_ids, tl.int32) + row * K + kk,
+                tl.where(owner == r, local, -1),
+                mask=k_mask,
+            )
+            tl.store(_peer_ptr(bases_ptr, r, off_w, tl.float32) + row * K + kk, wts, mask=k_mask)
+        # the row itself, once per rank holding one of its experts: read once, stored W times
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            c_mask = cols < H
+            x = tl.load(x_ptr + t64 * H + cols, mask=c_mask, other=0.0)
+            if FP8:
+                q, scale = _quantize_fp8(x.to(tl.float32), BLOCK_H, FP8_MAX, INV_FP8_MAX, EPS)
+                gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+            else:
+                q = x.to(WIRE)
+            for r in range(W):
+                has = tl.sum(tl.where(rr == r, has_W, 0))  # (a scalar mask, broadcast)
+                tl.store(
+                    _peer_ptr(bases_ptr, r, off_x, WIRE) + row * H + cols,
+                    q,
+                    mask=c_mask & (tl.broadcast_to(has, cols.shape) > 0),
+                )
+                if FP8:
+                    tl.store(
+                        _peer_ptr(bases_ptr, r, off_s, tl.float32) + row * G + gg,
+                        scale,
+                        mask=(gg < G) & (tl.broadcast_to(has, gg.shape) > 0),
+                    )
+        # every store of this program is issued before its release signals
+        tl.debug_barrier()
+        for r in range(W):
+            flags = _peer_ptr(bases_ptr, r, off_flags, tl.int32)
+            tl.atomic_xchg(flags + 2 * W + row, 1, sem="release", scope="sys")  # dflag[src, t]
+    if t == 0:
+        tl.debug_barrier()
+        for r in range(W):
+            flags = _peer_ptr(bases_ptr, r, off_flags, tl.int32)
+            tl.atomic_xchg(flags + src, T + 1, sem="release", scope="sys")  # expect[src]
+
+
+@triton.jit(do_not_specialize=["me", "off_flags", "off_x", "off_s", "off_ids"])
+def ll_dispatch_recv_kernel(
+    # pointers
+    bases_ptr,  # [W] int64
+    xo_ptr,  # [e_max, C, H] wire dtype: rows per local expert (out)
+    so_ptr,  # FP8: [e_max, C, G] float32 scales (out)
+    cnt_ptr,  # [e_max] int32 rows per local expert (out; zeroed by the send kernel)
+    pos_ptr,  # [W, M, K] int32 row of [e·C] each (source, token, k) went to, -1 (out)
+    recv_t_ptr,  # [W] int32 tokens each source dispatched (out)
+    err_addr,
+    # sizes
+    H,
+    M,
+    W,
+    G,
+    C,
+    me,
+    timeout_ns,
+    # byte offsets of this parity's regions
+    off_flags,
+    off_x,
+    off_s,
+    off_ids,
+    # meta-parameters
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr,
+    WIRE: tl.constexpr,
+):
+    s = tl.program_id(0)  # source rank
+    t = tl.program_id(1)  # its token
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    flags = _peer_ptr(bases_ptr, me, off_flags, tl.int32)
+    expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+    T_s = tl.maximum(expect - 1, 0)
+    if t == 0:
+        tl.store(recv_t_ptr + s, T_s)
+    if t < T_s:
+        row = tl.cast(s, tl.int64) * M + t
+        _wait_at_least(flags + 2 * W + row, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
+        slot_ids = tl.load(
+            _peer_ptr(bases_ptr, me, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1
+        )
+        valid = k_mask & (slot_ids >= 0)
+        slot = tl.atomic_add(
+            cnt_ptr + tl.maximum(slot_ids, 0), 1, mask=valid, sem="relaxed", scope="gpu"
+        )
+        # a vector atomic returns its old values only to the thread that owns each lane:
+        # publish them through memory so every thread of the program sees the same rows
+        ok = valid & (slot < C)
+        tl.store(pos_ptr + row * K + kk, tl.where(ok, slot_ids * C + slot, -1), mask=k_mask)
+        tl.debug_barrier()
+        dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
+        if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
+            _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
+        tok_x = _peer_ptr(bases_ptr, me, off_x, WIRE)
+        tok_s = _peer_ptr(bases_ptr, me, off_s, tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            c_mask = cols < H
+            v = tl.load(tok_x + row * H + cols, mask=c_mask)
+            if FP8:
+                gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+                sv = tl.load(tok_s + row * G + gg, mask=gg < G)
+            for k in tl.static_range(BLOCK_K):
+                d = tl.sum(tl.where(kk == k, dst, 0))  # this k's row, -1: elsewhere
+                on = tl.broadcast_to(d, cols.shape) >= 0
+                tl.store(xo_ptr + d * H + cols, v, mask=c_mask & on)
+                if FP8:
+                    on_g = tl.broadcast_to(d, gg.shape) >= 0
+                    tl.store(so_ptr + d * G + gg, sv, mask=(gg < G) & on_g)
+
+
+@triton.jit(do_not_specialize=["me", "off_flags", "off_w", "off_y"])
+def ll_combine_send_kernel(
+    # pointers
+    y_ptr,  # [e_max·C, H] expert outputs (unweighted), in the combine dtype
+    bases_ptr,  # [W] int64
+    pos_ptr,  # [W, M, K] int32 from the dispatch
+    recv_t_ptr,  # [W] int32 from the dispatch
+    # sizes
+    H,
+    M,
+    W,
+    me,
+    # byte offsets of this parity's regions
+    off_flags,
+    off_w,
+    off_y,
+    # meta-parameters
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    s = tl.program_id(0)  # the rank the tokens came from
+    t = tl.program_id(1)  # its token
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    src_flags = _peer_ptr(bases_ptr, s, off_flags, tl.int32)
+    if t == 0:
+        # the dispatch of this call is fully received: clear its `expect`, then tell s
+        # that this rank started combining (s's next dispatch on this parity waits for it)
+        my_flags = _peer_ptr(bases_ptr, me, off_flags, tl.int32)
+        tl.atomic_xchg(my_flags + s, 0, sem="relaxed", scope="sys")
+        tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
+    T_s = tl.load(recv_t_ptr + s)
+    if t < T_s:
+        row = tl.cast(s, tl.int64) * M + t
+        # one row back for every token the source sent here (its combine waits for it),
+        # even if a capacity error dropped all of its rows (pos -2). Decided from this
+        # rank's own `pos`, never from the staging metadata: a source that needs no row
+        # from here may already be writing its next dispatch into that staging
+        pos = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
+        if tl.max((pos != -1).to(tl.int32)) > 0:
+            w = tl.load(
+                _peer_ptr(bases_ptr, me, off_w, tl.float32) + row * K + kk, mask=k_mask, other=0.0
+            )
+            out = _peer_ptr(bases_ptr, s, off_y, y_ptr.dtype.element_ty)
+            src_row = tl.cast(me, tl.int64) * M + t  # slot in s's comb_y [W, M, H]
+            for h0 in range(0, H, BLOCK_H):
+                cols = h0 + tl.arange(0, BLOCK_H)
+                c_mask = cols < H
+                acc = tl.zeros((BLOCK_H,), tl.float32)
+                for k in tl.static_range(BLOCK_K):  # unrolled: the K row loads overlap
+                    p = tl.sum(tl.where(kk == k, pos, 0))
+                    wk = tl.sum(tl.where(kk == k, w, 0.0))
+                    on = tl.broadcast_to(p, cols.shape) >= 0
+                    y = tl.load(y_ptr + p * H + cols, mask=c_mask & on, other=0.0)
+                    acc += y.to(tl.float32) * wk
+                tl.store(out + src_row * H + cols, acc.to(y_ptr.dtype.element_ty), mask=c_mask)
+            tl.debug_barrier()
+            tl.atomic_xchg(src_flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["T", "me", "off_flags", "off_y"])
+def ll_combine_recv_kernel(
+    # pointers
+    out_ptr,  # [T, H] combined output in the combine dtype
+    ids_ptr,  # [T, K] physical expert ids of this rank's tokens
+    owner_ptr,  # [P] int32
+    bases_ptr,  # [W] int64
+    err_addr,
+    # sizes
+    T,
+    H,
+    P,
+    W,
+    M,
+    me,
+    timeout_ns,
+    # byte offsets of this parity's regions
+    off_flags,
+    off_y,
+    # meta-parameters
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0)  # one token per program (one program when T = 0)
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    rr = tl.arange(0, BLOCK_W)
+    flags = _peer_ptr(bases_ptr, me, off_flags, tl.int32)
+    for r in range(W):  # every rank started its combine (see the module docstring)
+        _wait_at_least(flags + W + r, 1, timeout_ns, err_addr, OP_COMBINE, r)
+    if t < T:
+        t64 = tl.cast(t, tl.int64)
+        ids = tl.load(ids_ptr + t64 * K + kk, mask=k_mask, other=-1).to(tl.int32)
+        valid = k_mask & (ids >= 0) & (ids < P)
+        owner = tl.where(
+            valid, tl.load(owner_ptr + tl.where(valid, ids, 0), mask=valid, other=0), -1
+        )
+        has_W = tl.max((owner[None, :] == rr[:, None]).to(tl.int32), 1)  # [BLOCK_W]
+        cflags = flags + 2 * W + W * M
+        comb_y = _peer_ptr(bases_ptr, me, off_y, out_ptr.dtype.element_ty)
+        for r in range(W):
+            if tl.sum(tl.where(rr == r, has_W, 0)) > 0:
+                _wait_at_least(cflags + r * M + t, 1, timeout_ns, err_addr, OP_COMBINE, r)
+                tl.atomic_xchg(cflags + r * M + t, 0, sem="relaxed", scope="sys")  # consumed
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            c_mask = cols < H
+            acc = tl.zeros((BLOCK_H,), tl.float32)
+            for r in range(W):
+                on = tl.broadcast_to(tl.sum(tl.where(rr == r, has_W, 0)), cols.shape) > 0
+                part = tl.load(comb_y + (r * M + t64) * H + cols, mask=c_mask & on, other=0.0)
+                acc += part.to(tl.float32)
+            tl.store(out_ptr + t64 * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)

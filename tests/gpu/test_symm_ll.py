@@ -1,0 +1,271 @@
+"""``symm_ll`` conformance on GPUs (NCCL ranks, one GPU each; W = 1 and 2).
+
+Exact dispatch (tokens encode their source rank and index), combine against the oracle in
+bf16 and FP8, zero-token ranks, all tokens to one expert, T = M_max, two results in
+flight, CUDA-graph replays with changing routing, EPMoE end to end with Triton experts,
+and a rank that skips a call (a bounded wait that names the missing rank).
+
+Run in the GPU tier: ``EPMOE_TEST_DEVICE=cuda python -m pytest tests/gpu/test_symm_ll.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gpu mark
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import epmoe  # noqa: E402
+from epmoe.comm import create_backend  # noqa: E402
+from epmoe.comm.base import FP8_DTYPE, CommSpec, Layout  # noqa: E402
+from epmoe.reference import TOLERANCES, assert_close, quantize_groups  # noqa: E402
+from tests.harness import Sweep, requires_world, run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+H, E, K, I, M = 384, 16, 4, 128, 32  # H: three FP8 groups, a partial copy step
+
+
+def _spec(placement, dev, fp8=False, dtype=torch.bfloat16, M_max=M):
+    return CommSpec(
+        hidden_size=H,
+        top_k=K,
+        rank_offsets=placement.rank_offsets,
+        max_num_tokens=M_max,
+        dtype=dtype,
+        device=dev,
+        dispatch_dtype=FP8_DTYPE if fp8 else None,
+    )
+
+
+def _routing(rank, T, g, one_expert=None):
+    if one_expert is not None:
+        ids = torch.full((T, K), -1, dtype=torch.int64)
+        ids[:, 0] = one_expert
+        return ids
+    return torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+
+
+def exact_dispatch(rank, world):
+    """Every (token, expert) pair lands once in its expert's rows; combine of the identity
+    expert gives back the token (weights sum to 1). bf16 and FP8 on the wire."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    placement = epmoe.ExpertPlacement.linear(E, world)
+    lo, hi = placement.rank_offsets[rank], placement.rank_offsets[rank + 1]
+    sweep = Sweep()
+    cases = {"T=11": 11, "T=0 on rank 1": 0 if rank == 1 else 7, "T=M_max": M}
+    for fp8 in (False, True):
+        comm = create_backend("symm_ll", _spec(placement, dev, fp8), None, Layout.EXPERT_BATCHED)
+        for name, T in cases.items():
+            for one in (None, E - 1):
+                with sweep.case(f"{name} fp8={fp8} one_expert={one}"):
+                    g = torch.Generator().manual_seed(100 * rank + T)
+                    ids = _routing(rank, T, g, one)
+                    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+                    w = torch.where(ids >= 0, w, 0.0)
+                    w = w / w.sum(1, keepdim=True).clamp(min=1e-6)
+                    x = _encode(rank, torch.randn(T, H, generator=g)).to(dev, torch.bfloat16)
+                    everyone = [None] * world
+                    torch.distributed.all_gather_object(everyone, (ids, x.cpu()))
+                    res = comm.dispatch(x, ids.to(dev), w.to(dev))
+                    # combine first (the identity expert), check afterwards: a failing
+                    # check must not leave a dispatch uncombined on one rank only
+                    hidden, counts = res.hidden.clone(), res.counts.cpu().tolist()
+                    scale = res.hidden_scale.clone() if fp8 else None
+                    hid = hidden.float()
+                    if fp8:
+                        hid = hid * scale.repeat_interleave(128, -1)[..., :H]
+                    out = comm.combine(hid.to(torch.bfloat16).contiguous(), res)
+                    for slot in range(hi - lo):
+                        rows = hid[slot, : counts[slot]].cpu()
+                        got = sorted(_decode(r) for r in rows)
+                        want = sorted(
+                            (src, t)
+                            for src, (sids, _) in enumerate(everyone)
+                            for t in range(sids.shape[0])
+                            if lo + slot in sids[t].tolist()
+                        )
+                        assert got == want, (slot, got, want)
+                        if fp8:  # bit-exact against the torch quantizer of the source rows
+                            for r in range(counts[slot]):
+                                src, t = got_pair = _decode(rows[r])
+                                q, s = quantize_groups(everyone[src][1][t : t + 1].float())
+                                assert torch.equal(
+                                    hidden[slot, r].cpu().view(torch.uint8), q[0].view(torch.uint8)
+                                ), got_pair
+                                assert torch.equal(scale[slot, r].cpu(), s[0]), got_pair
+                    want_x = x.float() if not fp8 else _dequant(x)
+                    assert out.shape == (T, H) and out.dtype == torch.bfloat16
+                    assert_close(out.float(), want_x, 2e-2, name=f"rank {rank}")
+        comm.check()
+        comm.close()
+    sweep.check()
+    return sweep.passed
+
+
+def _encode(rank, x_TH):
+    """Write (rank, token index) as 0/1 bits into the first 128-column group, whose other
+    columns are 0 and whose amax is 1: exact in bf16 and in FP8 (1 → 448 · scale)."""
+    T = x_TH.shape[0]
+    x_TH[:, :128] = 0
+    t = torch.arange(T)
+    for b in range(6):
+        x_TH[:, b] = ((t >> b) & 1).float()
+    x_TH[:, 6] = rank & 1
+    x_TH[:, 7] = (rank >> 1) & 1
+    x_TH[:, 8] = 1.0
+    return x_TH
+
+
+def _decode(row_H) -> tuple[int, int]:
+    bits = row_H[:9].round().int().tolist()
+    assert bits[8] == 1, f"not an encoded row: {row_H[:9]}"
+    return bits[6] + 2 * bits[7], sum(bits[b] << b for b in range(6))
+
+
+def _dequant(x):
+    q, s = quantize_groups(x.float())
+    return (q.float().unflatten(-1, (-1, 128)) * s.unsqueeze(-1)).flatten(-2)[..., : x.shape[1]]
+
+
+def layer_against_oracle(rank, world):
+    """EPMoE with symm_ll and Triton (and torch) experts against the oracle: bf16 and FP8
+    on the wire, linear / round-robin / balanced placements, uneven and zero token counts,
+    two micro-batches in flight."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    from tests.distributed.cases import full_weights, placements, rank_tokens
+
+    sweep = Sweep()
+    w13, w2 = full_weights(E, H, I, torch.bfloat16, dev)
+    for pname, placement in placements(E, world):
+        for fp8 in (False, True):
+            for experts in ("triton", "torch"):
+                with sweep.case(f"{pname} fp8={fp8} {experts}"):
+                    layer = epmoe.EPMoE(
+                        E, K, H, I, placement=placement, backend="symm_ll", experts=experts,
+                        max_num_tokens=M, device=dev,
+                        dispatch_dtype=FP8_DTYPE if fp8 else None,
+                    )  # fmt: skip
+                    layer.load_experts(w13, w2)
+                    for T in ([5, 0][rank % 2], M, 2 * M + 3):  # chunked above M_max
+                        x, logits = rank_tokens(rank, T, H, E, torch.bfloat16, dev, seed=T)
+                        out = layer(x, logits)
+                        w, ids = epmoe.select_experts(logits, K)
+                        ref = epmoe.reference.moe(x, w13, w2, w, ids)
+                        tol = TOLERANCES[FP8_DTYPE] if fp8 else TOLERANCES[torch.bfloat16]
+                        assert_close(out, ref, tol, name=f"rank {rank} T={T}")
+                    layer.comm.check()
+                    layer.comm.close()
+    # two dispatch results held at once (two micro-batches), combined in order
+    with sweep.case("two in flight"):
+        placement = epmoe.ExpertPlacement.linear(E, world)
+        comm = create_backend("symm_ll", _spec(placement, dev), None, Layout.EXPERT_BATCHED)
+        from epmoe.experts.base import ExpertWeights
+        from epmoe.experts.torch_experts import TorchExperts
+
+        local = torch.tensor(placement.local_experts(rank), device=dev)
+        ew = ExpertWeights(w13[local], w2[local])
+        experts = TorchExperts("silu")
+        batches = []
+        for mb in range(2):
+            x, logits = rank_tokens(rank, 9 + mb, H, E, torch.bfloat16, dev, seed=mb)
+            w, ids = epmoe.select_experts(logits, K)
+            batches.append((x, w, ids, comm.dispatch_async(x, ids, w)))
+        with pytest.raises(RuntimeError, match="at most 2"):
+            comm.dispatch_async(*[batches[0][i] for i in (0, 2, 1)])
+        results = [p.wait() for *_, p in batches]
+        pend = [comm.combine_async(experts(r, ew), r) for r in results]
+        for (x, w, ids, _), p in zip(batches, pend):
+            assert_close(p.wait(), epmoe.reference.moe(x, w13, w2, w, ids), 2e-2)
+        comm.close()
+    sweep.check()
+    return sweep.passed
+
+
+def graph_replays(rank, world):
+    """A whole EPMoE forward (routing, dispatch, experts, combine) captured once and
+    replayed 100 times with fresh tokens and routing, each equal to the eager forward."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    from tests.distributed.cases import full_weights
+
+    T = 24
+    w13, w2 = full_weights(E, H, I, torch.bfloat16, dev)
+    layer = epmoe.EPMoE(
+        E, K, H, I, backend="symm_ll", experts="triton", max_num_tokens=M, device=dev,
+        load_window=4,
+    )  # fmt: skip
+    layer.load_experts(w13, w2)
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    logits = torch.randn(T, E, device=dev)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            layer(x, logits, max_tokens_across_ranks=T)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x, logits, max_tokens_across_ranks=T)
+    worst = 0.0
+    g = torch.Generator().manual_seed(rank)
+    for i in range(100):
+        x.copy_(torch.randn(T, H, generator=g).to(dev, torch.bfloat16))
+        logits.copy_(torch.randn(T, E, generator=g) * (1 + i % 3))
+        graph.replay()
+        got = out.clone()
+        want = layer(x, logits, max_tokens_across_ranks=T)
+        err = (got.float() - want.float()).norm() / want.float().norm()
+        worst = max(worst, float(err))
+        w, ids = epmoe.select_experts(logits, K)
+        assert_close(got, epmoe.reference.moe(x, w13, w2, w, ids), 2e-2, name=f"replay {i}")
+    layer.comm.check()
+    assert worst < 1e-2, f"graph replay differs from eager by {worst:.3g}"
+    return worst
+
+
+def skipped_call_times_out(rank, world):
+    """Rank 1 skips a dispatch: rank 0's bounded wait fails within the timeout and names
+    rank 1, instead of hanging."""
+    import time
+
+    os.environ["EPMOE_COMM_TIMEOUT_S"] = "2"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    placement = epmoe.ExpertPlacement.linear(E, world)
+    comm = create_backend("symm_ll", _spec(placement, dev, M_max=8), None, Layout.EXPERT_BATCHED)
+    x = torch.randn(4, H, device=dev, dtype=torch.bfloat16)
+    ids = torch.arange(K, device=dev).repeat(4, 1)
+    w = torch.full((4, K), 1.0 / K, device=dev)
+    t0 = time.monotonic()
+    if rank == 0:
+        comm.dispatch(x, ids, w)
+        with pytest.raises(RuntimeError, match="dispatch on rank 0 timed out waiting for rank 1"):
+            comm.check(sync=True)
+    torch.distributed.barrier()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+def test_exact_dispatch_and_identity_combine(world):
+    requires_world(world)
+    run_on_ranks(exact_dispatch, world)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+def test_layer_against_oracle(world):
+    requires_world(world)
+    run_on_ranks(layer_against_oracle, world, timeout_s=300)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+def test_graph_replays_with_changing_routing(world):
+    requires_world(world)
+    run_on_ranks(graph_replays, world, timeout_s=300)
+
+
+def test_a_rank_that_skips_a_call_is_named_within_the_timeout():
+    requires_world(2)
+    seconds = run_on_ranks(skipped_call_times_out, 2, isolated=True, timeout_s=60)
+    assert seconds[0] < 5, seconds

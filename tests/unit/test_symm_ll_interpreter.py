@@ -1,0 +1,105 @@
+"""``symm_ll``'s Triton kernels on one CPU rank under the Triton interpreter.
+
+The kernels are written for peers over NVLink; with W = 1 the "peer" is this rank's own
+buffer, so the interpreter runs every code path of dispatch (metadata, FP8 quantization in
+the send kernel, the expansion into ``[e, C, H]``) and combine (weighted reduction on the
+expert's side, the sum of partial rows) against the oracle, in CI. Multi-GPU behaviour
+(two ranks, graphs, timeouts) is tested in ``tests/gpu/test_symm_ll.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import epmoe
+from epmoe.comm.base import FP8_DTYPE, Capabilities, CommSpec, Layout
+from epmoe.reference import assert_close, quantize_groups
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels under TRITON_INTERPRET=1"
+)
+
+
+def _backend(spec):
+    from epmoe.comm.symm.ll import SymmLLBackend
+
+    class OnCPU(SymmLLBackend):  # the same kernels, on CPU tensors through the interpreter
+        capabilities = Capabilities(
+            layouts=frozenset({Layout.EXPERT_BATCHED}),
+            dtypes=frozenset({torch.float32, torch.bfloat16}),
+            device_types=frozenset({"cpu"}),
+            graph_safe=True,
+            fp8_dispatch=True,
+            max_in_flight=2,
+        )
+
+    return OnCPU(spec, None, Layout.EXPERT_BATCHED)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 wire", "fp8 wire"])
+@pytest.mark.parametrize(("T", "H"), [(5, 256), (0, 256), (8, 200)], ids=["T=5", "T=0", "H=200"])
+def test_dispatch_expands_every_pair_and_combine_weights_them(fp8, T, H):
+    E, K = 8, 3
+    placement = epmoe.ExpertPlacement.linear(E, 1)
+    spec = CommSpec(
+        H, K, placement.rank_offsets, 8, torch.float32, torch.device("cpu"),
+        dispatch_dtype=FP8_DTYPE if fp8 else None,
+    )  # fmt: skip
+    comm = _backend(spec)
+    g = torch.Generator().manual_seed(T + H)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    if T:
+        ids[0, 1] = -1  # a token with one slot unused
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    res = comm.dispatch(x, ids, w)
+    sent = quantize_groups(x) if fp8 else None
+    want_x = x
+    if fp8:
+        q, s = sent
+        want_x = (q.float() * s.repeat_interleave(128, -1)[:, :H]).float()
+    counts = res.counts.tolist()
+    assert counts == [int((ids == e).sum()) for e in range(E)]
+    for e in range(E):
+        rows = res.hidden[e, : counts[e]].float()
+        if fp8:
+            rows = rows * res.hidden_scale[e, : counts[e]].repeat_interleave(128, -1)[:, :H]
+        want = want_x[(ids == e).any(1)]
+        # each expert's rows are its tokens, in some order: match them up exactly
+        order = torch.cdist(rows, want).argmin(1) if len(rows) else torch.empty(0, dtype=int)
+        assert sorted(order.tolist()) == list(range(len(want)))
+        if fp8:  # the interpreter's e4m3 cast rounds a few values apart from torch's (the
+            # GPU test checks bit equality): compare as quantized values
+            assert_close(rows, want[order], 0.1, name=f"expert {e}")
+        else:
+            torch.testing.assert_close(rows, want[order], rtol=0, atol=0)
+    # identity experts: combine returns Σ_k w · x over the used slots
+    out = comm.combine(
+        res.hidden.float() * (res.hidden_scale.repeat_interleave(128, -1)[..., :H] if fp8 else 1),
+        res,
+    )
+    want_out = want_x * (w * (ids >= 0)).sum(1, keepdim=True)
+    assert out.shape == (T, H)
+    assert_close(out, want_out, 0.1 if fp8 else 1e-5, name="combine")
+    comm.close()
+
+
+def test_two_in_flight_then_a_third_refused():
+    E, K, H = 4, 2, 128
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
+    comm = _backend(spec)
+    x = torch.randn(3, H)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    w = torch.full((3, K), 0.5)
+    first = comm.dispatch_async(x, ids, w).wait()
+    second = comm.dispatch_async(2 * x, ids, w).wait()
+    with pytest.raises(RuntimeError, match="at most 2 dispatch results"):
+        comm.dispatch_async(x, ids, w)
+    torch.testing.assert_close(comm.combine(first.hidden.clone(), first), x)
+    torch.testing.assert_close(comm.combine(second.hidden.clone(), second), 2 * x)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        comm.dispatch(torch.randn(5, H), torch.zeros(5, K, dtype=torch.int64), torch.ones(5, K))
+    comm.close()
