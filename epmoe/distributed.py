@@ -3,6 +3,9 @@
 ``init_distributed`` reads the torchrun environment (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), binds the CUDA device, picks NCCL on GPUs
 and gloo on CPU, and keeps a gloo group beside an NCCL world for CPU-side exchanges.
+
+It is also the one home of the device rules: ``default_device(group)`` (where a group's
+collectives put their tensors) and ``normalize_device(device)`` (one spelling per device).
 """
 
 from __future__ import annotations
@@ -88,11 +91,32 @@ def cpu_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | Non
 
 
 def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device tensors of ``group``'s collectives live on: CPU for a gloo group, else
-    the current CUDA device when there is one (NCCL, or a group whose backend is chosen
-    per device), else CPU."""
-    if dist.is_initialized() and str(dist.get_backend(group)) == "gloo":
+    """The device tensors of ``group``'s collectives live on, with its index: CPU for a gloo
+    group, else the current CUDA device when there is one (NCCL, or a group whose backend is
+    chosen per device), else CPU. ``group`` ``None`` is WORLD when torch.distributed is
+    initialised. The one home of this rule: layers, backends and benchmarks call it."""
+    if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)) == "gloo":
         return torch.device("cpu")
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def normalize_device(device: torch.device | str) -> torch.device:
+    """``device`` in the one spelling epmoe compares and keys caches by: ``"cuda"`` becomes
+    the current CUDA device (``cuda:<index>``), ``"cpu:0"`` becomes ``cpu`` (CPU tensors
+    report ``cpu``); other devices are returned as given.
+
+    Raises ``ValueError`` for ``"cuda"`` without an index when CUDA is not available.
+    """
+    device = torch.device(device)
+    if device.type == "cpu" and device.index is not None:
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None:
+        if not torch.cuda.is_available():
+            raise ValueError(
+                "device='cuda' but CUDA is not available here; pass device='cpu' (gloo) or "
+                "run on a machine with CUDA GPUs"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -2,20 +2,27 @@
 
 Shape legend: T tokens on this rank · H hidden · I intermediate · E logical experts ·
 P physical experts · e local experts · K top-k · W EP world size · M_max tokens per chunk.
+
+Graph-safe forward: with ``max_tokens_across_ranks`` given (the step's token bound, agreed
+by the caller for every layer), the layer's own part of ``forward`` does no host
+synchronisation and changes no Python state per call, so a CUDA graph can capture it with a
+graph-safe backend (``Capabilities.graph_safe``) and experts (Triton, ExpertBatched).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm import resolve_backend
+from epmoe.comm import backend_class, backend_names, create_backend, resolve_backend
 from epmoe.comm._collectives import agree_max, world_of
-from epmoe.comm.base import CommSpec, Layout
-from epmoe.distributed import default_device
+from epmoe.comm.base import FP8_DTYPE, AllToAll, CommSpec, DispatchResult, Layout
+from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb.recorder import LoadRecorder
 from epmoe.experts import ExpertWeights, create_experts
 from epmoe.experts.base import check_activation
@@ -27,6 +34,10 @@ from epmoe.routing import select_experts
 # in bounded memory. ExpertBatched is the decode layout; its [e, C, H] buffer grows with
 # the busiest expert, so it chunks sooner.
 DEFAULT_CHUNK_TOKENS = {Layout.STANDARD: 8192, Layout.EXPERT_BATCHED: 1024}
+
+# Per-slot tensors that follow the placement (``[e, ...]`` each, slot order), in migration
+# order; the scales exist only for FP8 weights.
+SLOT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
 
 
 class EPMoE(nn.Module):
@@ -40,6 +51,17 @@ class EPMoE(nn.Module):
 
     Weights start unset: call ``load_experts(w13, w2)`` with the full logical weights (each
     rank keeps its shard), or ``load_expert(expert_id, w13_e, w2_e)`` expert by expert.
+
+    Keyword-only options:
+        layout: ``"standard"`` or ``"expert_batched"`` (``None``: the backend's first).
+        shared_experts: a module applied to the input and added to the output; it runs
+            while the first dispatch is in flight.
+        prefer_local_replica: use a replica on this rank when it holds one.
+        load_window: record tokens per physical expert over this many forwards (EPLB).
+        dispatch_dtype: ``None`` (rows travel in ``params_dtype``) or
+            ``torch.float8_e4m3fn``: rows travel as FP8 with float32 scales per 128
+            columns, the experts consume the scales, combine stays in ``params_dtype``.
+            Needs a backend with ``Capabilities.fp8_dispatch``.
     """
 
     def __init__(
@@ -68,6 +90,7 @@ class EPMoE(nn.Module):
         shared_experts: nn.Module | None = None,
         prefer_local_replica: bool = False,
         load_window: int | None = None,
+        dispatch_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         for name, value in [
@@ -110,7 +133,7 @@ class EPMoE(nn.Module):
             group = dist.group.WORLD
         self.group = group
         self.rank, self.ep_size = world_of(group)
-        self.device = torch.device(device) if device is not None else default_device(group)
+        self.device = normalize_device(device) if device is not None else default_device(group)
 
         if isinstance(placement, str):
             builders = {
@@ -123,7 +146,7 @@ class EPMoE(nn.Module):
                     f"{placement!r} (build balanced ones with ExpertPlacement.balanced)"
                 )
             placement = builders[placement](num_experts, self.ep_size)
-        self._check_placement(placement)
+        self._check_placement_shape(placement)
         self.placement = placement
         # build the device maps now, so no forward (or graph capture) copies them over
         placement.maps_on(self.device)
@@ -134,24 +157,7 @@ class EPMoE(nn.Module):
                 raise ValueError(f"layout must be one of {choices} or None, got {layout!r}")
             layout = Layout(layout)
         _check_group_device(group, self.device)
-        backend_cls = resolve_backend(backend, self.device, group, layout)
-        if layout is None:
-            layouts = backend_cls.capabilities.layouts
-            layout = Layout.STANDARD if Layout.STANDARD in layouts else next(iter(layouts))
-        self.max_num_tokens = (
-            max_num_tokens
-            or backend_cls.capabilities.max_num_tokens
-            or DEFAULT_CHUNK_TOKENS[layout]
-        )
-        spec = CommSpec(
-            hidden_size=hidden_size,
-            top_k=top_k,
-            rank_offsets=placement.rank_offsets,
-            max_num_tokens=self.max_num_tokens,
-            dtype=params_dtype,
-            device=self.device,
-        )
-        self.comm = backend_cls(spec, group, layout)
+        self.comm = self._create_comm(backend, layout, max_num_tokens, dispatch_dtype)
         self.experts = create_experts(experts, activation, self.device)
 
         e = placement.num_local(self.rank)
@@ -177,7 +183,7 @@ class EPMoE(nn.Module):
             e_score_correction_bias=e_score_correction_bias,
             **self.routing,
         )
-        self._loaded = torch.zeros(e, dtype=torch.bool)
+        self._loaded = [False] * e  # per local slot; host bookkeeping, never on the device
         # EPLB: tokens per physical expert over the last `load_window` forwards (device-side)
         self.load_recorder = (
             LoadRecorder(placement.num_physical, load_window, self.device)
@@ -185,17 +191,153 @@ class EPMoE(nn.Module):
             else None
         )
 
-    # ------------------------------------------------------------------ weights
-    def _check_placement(self, placement: ExpertPlacement) -> None:
+    # ---------------------------------------------------------------- backend
+    def _create_comm(
+        self,
+        backend: str,
+        layout: Layout | None,
+        max_num_tokens: int | None,
+        dispatch_dtype: torch.dtype | None,
+    ) -> AllToAll:
+        """Choose the backend, size the chunks (``self.max_num_tokens``, M_max) and build the
+        backend for this layer's :class:`CommSpec` (collective when the backend allocates
+        shared buffers). FP8 dispatch that the backend cannot serve raises ``ValueError``
+        naming ``dispatch_dtype`` and the backends that offer it."""
+        backend_cls = resolve_backend(backend, self.device, self.group, layout)
+        if layout is None:
+            layouts = backend_cls.capabilities.layouts
+            layout = Layout.STANDARD if Layout.STANDARD in layouts else next(iter(layouts))
+        self.max_num_tokens = (
+            max_num_tokens
+            or backend_cls.capabilities.max_num_tokens
+            or DEFAULT_CHUNK_TOKENS[layout]
+        )
+        spec = CommSpec(
+            hidden_size=self.hidden_size,
+            top_k=self.top_k,
+            rank_offsets=self.placement.rank_offsets,
+            max_num_tokens=self.max_num_tokens,
+            dtype=self.params_dtype,
+            device=self.device,
+            dispatch_dtype=dispatch_dtype,
+        )
+        if backend == "auto" and backend_cls.supports(spec) is not None:
+            # the first backend that runs here cannot serve this spec: choose with it; when
+            # none can, the first one's constructor (or the FP8 check) says why, with the fix
+            with contextlib.suppress(RuntimeError):
+                backend_cls = resolve_backend("auto", self.device, self.group, layout, spec)
+        if spec.fp8_dispatch and not backend_cls.capabilities.fp8_dispatch:
+            raise _no_fp8_dispatch(backend_cls.name)
+        return backend_cls(spec, self.group, layout)
+
+    def _rebind_comm(self, rank_offsets: tuple[int, ...]) -> None:
+        """Move the backend to a placement with other ``rank_offsets``, keeping it (and its
+        buffers) when it can: ``rebind``; a backend that refuses (its fixed buffers are too
+        small for the new largest e, or it cannot rebind) is closed and replaced by a fresh
+        one of the same name and layout (collective, like its first construction: every
+        rank takes the same branch, since all hold the same placement)."""
+        try:
+            self.comm.rebind(rank_offsets)
+        except (ValueError, NotImplementedError):
+            name, layout = self.comm.name, self.comm.layout
+            spec = self.comm.spec.with_offsets(rank_offsets)
+            self.comm.close()
+            self.comm = create_backend(name, spec, self.group, layout)
+
+    @property
+    def dispatch_dtype(self) -> torch.dtype | None:
+        """The dtype rows travel in (``None``: ``params_dtype``; or ``torch.float8_e4m3fn``)."""
+        return self.comm.spec.dispatch_dtype
+
+    # ---------------------------------------------------------------- placement and weights
+    def _check_placement_shape(self, placement: ExpertPlacement) -> None:
+        if not isinstance(placement, ExpertPlacement):
+            raise TypeError(
+                f"placement must be an ExpertPlacement, got {type(placement).__name__}; build "
+                "one with ExpertPlacement.linear / round_robin / balanced"
+            )
         if placement.num_experts != self.num_experts:
             raise ValueError(
-                f"placement has {placement.num_experts} experts, the layer {self.num_experts}"
+                f"placement has {placement.num_experts} experts, the layer {self.num_experts}; "
+                f"build it with num_experts={self.num_experts}"
             )
         if placement.ep_size != self.ep_size:
             raise ValueError(
                 f"placement is for ep_size={placement.ep_size} but the group has "
                 f"{self.ep_size} ranks; build it with ep_size={self.ep_size}"
             )
+
+    def check_placement(self, placement: ExpertPlacement) -> None:
+        """Raise (``TypeError`` / ``ValueError``, with the fix) if this layer cannot switch to
+        ``placement``: another E or W, or a slot layout its backend cannot serve. Pure: a
+        re-plan calls it on every rank before any weight moves."""
+        self._check_placement_shape(placement)
+        spec = self.comm.spec.with_offsets(placement.rank_offsets)
+        reason = self.comm.supports(spec)
+        if reason is not None:
+            raise ValueError(f"backend {self.comm.name!r} cannot serve the new placement: {reason}")
+
+    @property
+    def weights_loaded(self) -> bool:
+        """Whether every local slot has its weights (``load_experts`` / ``load_expert``)."""
+        return all(self._loaded)
+
+    def slot_tensors(self) -> dict[str, torch.Tensor]:
+        """The per-slot tensors that follow the placement, by attribute name, each
+        ``[e, *X]`` in slot order: ``w13``, ``w2`` and, for FP8 weights, their scales. An
+        EPLB re-plan migrates exactly these."""
+        out = {}
+        for name in SLOT_TENSORS:
+            t = getattr(self, name, None)
+            if t is not None:
+                out[name] = t
+        return out
+
+    @torch.no_grad()
+    def _swap_placement(
+        self, placement: ExpertPlacement, slot_tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Install ``placement`` with its already migrated per-slot tensors. Called by
+        :func:`epmoe.eplb.migration.rebalance_layer` on every rank, between forwards, with
+        no dispatch result held (use :meth:`rebalance`, which moves the weights first).
+
+        ``slot_tensors``: every name of :meth:`slot_tensors` → ``[e_new, *X]`` tensor of the
+        same dtype and device; passing the current tensor keeps it (in-place migration).
+        Installed in this order: the backend (:meth:`AllToAll.rebind` to the new
+        ``rank_offsets``, else a fresh backend; the only collective step), the weights (new
+        ``nn.Parameter(requires_grad=False)`` where the tensor changed, the old ones freed),
+        the placement and its device maps, the loaded mask, and the load recorder (reset
+        for the new P). A CUDA graph captured before must be captured again.
+        """
+        self._check_placement_shape(placement)
+        e_new = placement.num_local(self.rank)
+        current = self.slot_tensors()
+        if set(slot_tensors) != set(current):
+            raise ValueError(
+                f"slot_tensors must hold {sorted(current)} (the layer's slot_tensors()), got "
+                f"{sorted(slot_tensors)}"
+            )
+        for name, new in slot_tensors.items():
+            old = current[name]
+            want = (e_new, *old.shape[1:])
+            if tuple(new.shape) != want or new.dtype != old.dtype or new.device != old.device:
+                raise ValueError(
+                    f"slot_tensors[{name!r}] must be {list(want)} {old.dtype} on {old.device} "
+                    f"(e_new={e_new} slots of the new placement), got {list(new.shape)} "
+                    f"{new.dtype} on {new.device}"
+                )
+        if placement.rank_offsets != self.placement.rank_offsets:
+            self._rebind_comm(placement.rank_offsets)
+        for name, new in slot_tensors.items():
+            if new is not current[name]:
+                if isinstance(current[name], nn.Parameter):
+                    new = nn.Parameter(new, requires_grad=False)
+                setattr(self, name, new)
+        self.placement = placement
+        placement.maps_on(self.device)  # device maps built before the next forward
+        self._loaded = [True] * e_new
+        if self.load_recorder is not None:
+            self.load_recorder.reset(placement.num_physical)
 
     @property
     def local_experts(self) -> list[int]:
@@ -215,7 +357,7 @@ class EPMoE(nn.Module):
         local = torch.tensor(self.local_experts, dtype=torch.int64, device=w13.device)
         self.w13.copy_(w13[local])
         self.w2.copy_(w2[local])
-        self._loaded[:] = True
+        self._loaded = [True] * len(self._loaded)
 
     @torch.no_grad()
     def load_expert(self, expert_id: int, w13_e: torch.Tensor, w2_e: torch.Tensor) -> bool:
@@ -238,9 +380,11 @@ class EPMoE(nn.Module):
         return bool(slots)
 
     def rebalance(self, placement: ExpertPlacement):
-        """Switch to ``placement`` while serving: move only the expert weights whose slots
-        change (point-to-point between ranks), then swap the maps. Collective over the EP
-        group; outputs before and after are the same. Returns the migration statistics."""
+        """Switch to ``placement`` while serving (an EPLB re-plan): move only the expert
+        weights whose slots change (point-to-point between ranks), then install the new
+        placement, weights and backend binding (see :meth:`_swap_placement`). Collective
+        over the EP group; outputs before and after are the same. Returns this rank's
+        :class:`~epmoe.eplb.migration.MigrationStats`."""
         from epmoe.eplb.migration import rebalance_layer
 
         return rebalance_layer(self, placement)
@@ -250,7 +394,8 @@ class EPMoE(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def route(self, router_logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router weights ``[T, K]`` float32 and *physical* expert ids ``[T, K]`` int64."""
+        """Router weights ``[T, K]`` float32 and *physical* expert ids ``[T, K]`` int64.
+        On the device, no host synchronisation."""
         weights_TK, logical_TK = select_experts(
             router_logits_TE,
             self.top_k,
@@ -271,38 +416,24 @@ class EPMoE(nn.Module):
     ) -> torch.Tensor:
         """``hidden_states [T, H]``, ``router_logits [T, E]`` → ``[T, H]`` in the input dtype.
 
-        Collective over the EP group: every rank calls it, also with ``T = 0``. The ranks
-        agree on the number of chunks (and on whether every rank's inputs are valid, so
-        that bad input raises on all ranks instead of leaving some inside a collective)
-        with one small all-reduce. A serving loop that knows the largest ``T`` of the group
-        (as a DP coordinator does) passes it as ``max_tokens_across_ranks`` to skip that
-        all-reduce; it then guarantees every rank's input is valid.
-        """
-        error = self._input_error(hidden_states, router_logits)
-        T = hidden_states.shape[0] if error is None else 0
-        M = self.max_num_tokens
-        if max_tokens_across_ranks is not None:
-            if error is not None:
-                raise error
-            if max_tokens_across_ranks < T:
-                raise ValueError(
-                    f"max_tokens_across_ranks={max_tokens_across_ranks} is below this rank's "
-                    f"T={T}; pass the largest token count of any rank in the EP group"
-                )
-            num_chunks = math.ceil(max_tokens_across_ranks / M)
-        else:
-            num_chunks, failed = agree_max(
-                (math.ceil(T / M), int(error is not None)), self.group, self.device
-            )
-            if error is not None:
-                raise error
-            if failed:
-                raise RuntimeError(
-                    "another rank of the EP group rejected its inputs to EPMoE.forward (its "
-                    "own error says why); this rank stopped too so that no rank is left "
-                    "waiting in a collective"
-                )
+        Collective over the EP group: every rank calls it, also with ``T = 0``, and runs
+        the same number of chunks of at most ``max_num_tokens`` tokens (one dispatch and
+        combine each). Without ``max_tokens_across_ranks`` the ranks agree on that number
+        (and on whether every rank's inputs are valid, so that bad input raises on all
+        ranks instead of leaving some inside a collective) with one small all-reduce, whose
+        result the host reads.
 
+        ``max_tokens_across_ranks``: the largest ``T`` of any rank in the EP group this step
+        (as a DP coordinator knows it; the same value on every rank). It replaces that
+        all-reduce, and the layer's own part of the forward then does no host
+        synchronisation and changes no Python state (CUDA-graph capturable with a
+        graph-safe backend and experts). The caller guarantees every rank's input is valid,
+        and ``router_logits`` must be on the layer's device.
+        """
+        num_chunks = self._num_chunks(hidden_states, router_logits, max_tokens_across_ranks)
+        T, M = hidden_states.shape[0], self.max_num_tokens
+
+        # route → place (device only; the recorder counts into its device-side ring)
         x_TH = hidden_states.to(self.params_dtype)
         weights_TK, ids_TK = self.route(router_logits.to(self.device))
         if self.load_recorder is not None:
@@ -310,18 +441,89 @@ class EPMoE(nn.Module):
         if self.apply_router_weight_on_input:
             x_TH = (x_TH.float() * weights_TK).to(self.params_dtype)
             weights_TK = torch.ones_like(weights_TK)
-        outs = []
-        for c in range(max(num_chunks, 1)):
+
+        # dispatch → experts → combine, chunk by chunk (one dispatch held at a time, within
+        # any backend's max_in_flight); the shared experts run while the first is in flight
+        outs, shared_TH = [], None
+        for c in range(num_chunks):
             lo, hi = min(c * M, T), min((c + 1) * M, T)
-            outs.append(self._moe_chunk(x_TH[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi]))
+            pending = self.comm.dispatch_async(x_TH[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
+            if c == 0 and self.shared_experts is not None:
+                shared_TH = self.shared_experts(hidden_states)
+            outs.append(self._experts_and_combine(pending.wait()))
         out_TH = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if self.shared_experts is not None:
-            out_TH = out_TH + self.shared_experts(hidden_states).to(out_TH.dtype)
+        if shared_TH is not None:
+            out_TH = out_TH + shared_TH.to(out_TH.dtype)
         return out_TH.to(hidden_states.dtype)
 
+    def _experts_and_combine(self, result: DispatchResult) -> torch.Tensor:
+        """The local experts on one dispatch's rows, then the combine: ``[T_chunk, H]`` in
+        ``params_dtype``."""
+        expert_out = self.experts(result, self.expert_weights())
+        if expert_out.dtype != self.params_dtype:  # FP8 rows come out in the experts' dtype
+            expert_out = expert_out.to(self.params_dtype)
+        return self.comm.combine(expert_out, result)
+
+    def _num_chunks(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        max_tokens_across_ranks: int | None,
+    ) -> int:
+        """How many chunks every rank of the group runs this step (at least one), after
+        checking this rank's inputs; see :meth:`forward`."""
+        error = self._input_error(hidden_states, router_logits)
+        M = self.max_num_tokens
+        if max_tokens_across_ranks is not None:  # graph-safe path: no collective, no sync
+            if error is None:
+                error = self._hint_error(hidden_states, router_logits, max_tokens_across_ranks)
+            if error is not None:
+                raise error
+            return max(math.ceil(max_tokens_across_ranks / M), 1)
+        T = hidden_states.shape[0] if error is None else 0
+        num_chunks, failed = agree_max(
+            (math.ceil(T / M), int(error is not None)), self.group, self.device
+        )
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                "another rank of the EP group rejected its inputs to EPMoE.forward (its "
+                "own error says why); this rank stopped too so that no rank is left "
+                "waiting in a collective"
+            )
+        return max(num_chunks, 1)
+
+    def _hint_error(
+        self, hidden_states, router_logits, max_tokens_across_ranks
+    ) -> Exception | None:
+        """What is wrong with ``max_tokens_across_ranks`` (or the logits' device, which the
+        graph-safe path does not copy over), as the exception to raise."""
+        if isinstance(max_tokens_across_ranks, bool) or not isinstance(
+            max_tokens_across_ranks, int
+        ):
+            return TypeError(
+                "max_tokens_across_ranks must be an int (the largest T of the EP group) or "
+                f"None, got {type(max_tokens_across_ranks).__name__}"
+            )
+        T = hidden_states.shape[0]
+        if max_tokens_across_ranks < T:
+            return ValueError(
+                f"max_tokens_across_ranks={max_tokens_across_ranks} is below this rank's "
+                f"T={T}; pass the largest token count of any rank in the EP group"
+            )
+        if router_logits.device != self.device:
+            return ValueError(
+                f"router_logits is on {router_logits.device} but the layer on {self.device}; "
+                "with max_tokens_across_ranks the forward copies nothing across devices: "
+                "compute the router logits on the layer's device"
+            )
+        return None
+
     def _input_error(self, hidden_states, router_logits) -> Exception | None:
-        """What is wrong with this rank's inputs (or weights), as the exception to raise."""
-        if not bool(self._loaded.all()):
+        """What is wrong with this rank's inputs (or weights), as the exception to raise.
+        Host-side checks of shapes, dtypes and devices only (no device synchronisation)."""
+        if not self.weights_loaded:
             return RuntimeError(
                 "expert weights are not loaded on this rank: call load_experts(w13, w2) or "
                 f"load_expert(...) for local experts {self.local_experts}"
@@ -347,11 +549,6 @@ class EPMoE(nn.Module):
             return TypeError(f"router_logits must be floating point, got {router_logits.dtype}")
         return None
 
-    def _moe_chunk(self, x_TH, ids_TK, weights_TK) -> torch.Tensor:
-        result = self.comm.dispatch(x_TH, ids_TK, weights_TK)
-        expert_out = self.experts(result, self.expert_weights())
-        return self.comm.combine(expert_out, result)
-
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.cuda()``, ``.half()`` … : the backend, maps and buffers were built
         for one device and dtype, so moving only the weights would break them silently.
@@ -371,6 +568,7 @@ class EPMoE(nn.Module):
             f"I={self.intermediate_size}, W={self.ep_size}, rank={self.rank}, "
             f"local={self.placement.num_local(self.rank)}, backend={self.comm.name}, "
             f"layout={self.comm.layout.value}, experts={self.experts.name}"
+            + (f", dispatch_dtype={self.dispatch_dtype}" if self.dispatch_dtype else "")
         )
 
 
@@ -390,3 +588,21 @@ def _check_group_device(group: dist.ProcessGroup | None, device: torch.device) -
             "the EP group uses gloo, which moves CPU tensors; build the layer with "
             "device='cpu' or pass an NCCL group (epmoe.init_distributed picks NCCL on GPUs)"
         )
+
+
+def _no_fp8_dispatch(backend: str) -> ValueError:
+    """The error for ``dispatch_dtype=torch.float8_e4m3fn`` with a backend that lacks it."""
+    offering = []
+    for name in backend_names():
+        try:
+            if backend_class(name).capabilities.fp8_dispatch:
+                offering.append(name)
+        except ImportError:  # a backend whose module cannot load here offers nothing here
+            continue
+    return ValueError(
+        f"dispatch_dtype={FP8_DTYPE} needs a backend with FP8 dispatch (capability "
+        f"fp8_dispatch), and backend={backend!r} "
+        + ("has none here" if backend == "auto" else "has none")
+        + f"; backends that offer it: {offering or 'none registered'}. Pass one of them as "
+        "backend=, or leave dispatch_dtype=None"
+    )

@@ -9,8 +9,10 @@ every 3000, SGLang every 1000): every layer's
 while serving; every ``rebalance_interval`` steps the manager sums each layer's window over
 the EP ranks (one all-reduce for all layers), folds replicas into logical load ``[L, E]``,
 plans every layer at once (:meth:`ExpertPlacement.balanced_layers`, migration-aware when
-the slot layout is unchanged) and migrates the layers one at a time
-(:func:`~epmoe.eplb.migration.rebalance_layer`), so extra memory is bounded by one layer.
+the slot layout is unchanged) and re-places the layers one at a time
+(:meth:`EPMoE.rebalance <epmoe.layer.EPMoE.rebalance>`: the weights that move travel
+point-to-point, the layer installs them and rebinds its backend), so extra memory is
+bounded by one layer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm._collectives import world_of
-from epmoe.eplb.migration import MigrationStats, rebalance_layer
+from epmoe.eplb.migration import MigrationStats
 from epmoe.eplb.recorder import logical_load
 from epmoe.placement import ExpertPlacement
 
@@ -246,7 +248,7 @@ class EPLBManager:
 
         rows = []
         for i, (layer, old, new) in enumerate(zip(self.layers, olds, news)):
-            stats = rebalance_layer(layer, new)
+            stats = layer.rebalance(new)
             rows.append(
                 LayerRebalance(
                     layer=i,

@@ -18,11 +18,14 @@ slot of each rank the plan says where its weights come from:
 Transfers run as one ``torch.distributed.batch_isend_irecv`` per call (gloo and NCCL), each
 rank posting its sends and receives in the plan's global order so that the messages
 between every pair of ranks match. With W = 1 nothing is communicated.
+
+This module computes and moves weights; it never edits a layer's state. The layer owns the
+swap: :func:`rebalance_layer` hands the moved tensors to ``EPMoE._swap_placement``, which
+installs them with the placement and rebinds the backend.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
 from collections.abc import Sequence
@@ -31,9 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from epmoe.comm import create_backend
 from epmoe.comm._collectives import world_of
 from epmoe.placement import ExpertPlacement
 
@@ -48,10 +49,6 @@ __all__ = [
     "migrate_slots",
     "rebalance_layer",
 ]
-
-# Per-slot tensors of an EPMoE layer that follow its placement, in migration order. The
-# scales are migrated when the layer has them (FP8 weights).
-SLOT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
 
 
 @dataclass(frozen=True)
@@ -242,12 +239,13 @@ def migrate_slots(
 def rebalance_layer(layer: EPMoE, new_placement: ExpertPlacement) -> MigrationStats:
     """Switch ``layer`` to ``new_placement`` while serving (collective over ``layer.group``).
 
-    Moves only the expert weights whose slots change (see :class:`MigrationPlan`), then
-    swaps, with no forward in between: the per-slot weights (kept in place when this rank's
-    slot count is unchanged, else replaced by new ``nn.Parameter(requires_grad=False)``s,
-    the old ones freed), ``layer.placement`` and its device maps, the comm backend (rebuilt
-    when ``rank_offsets`` change), the loaded mask, and the load recorder (reset for the new
-    P). Extra memory while it runs: at most one layer's local weights.
+    This module moves the weights, the layer installs them: first every rank checks that
+    the layer can take the placement (:meth:`EPMoE.check_placement`: E, W, the backend's
+    limits) and that all ranks agree on it; then only the expert weights whose slots change
+    move (see :class:`MigrationPlan`; in place when this rank's slot count is unchanged),
+    and :meth:`EPMoE._swap_placement` installs the placement, its device maps, the weights,
+    the backend binding (``rebind``) and a reset load recorder, with no forward in between.
+    Extra memory while it runs: at most one layer's local weights.
 
     Every rank must pass the same placement; this is checked with one small all-reduce
     (ranks that computed different plans get a ``RuntimeError`` on every rank). A placement
@@ -259,18 +257,12 @@ def rebalance_layer(layer: EPMoE, new_placement: ExpertPlacement) -> MigrationSt
             f"new_placement must be an ExpertPlacement, got {type(new_placement).__name__}; "
             "build one with ExpertPlacement.balanced(...)"
         )
+    layer.check_placement(new_placement)  # the same outcome on every rank: no hang
     old = layer.placement
-    if new_placement.num_experts != old.num_experts or new_placement.ep_size != old.ep_size:
-        raise ValueError(
-            f"new_placement is for E={new_placement.num_experts}, W={new_placement.ep_size}; "
-            f"the layer has E={old.num_experts}, W={old.ep_size}; build it with "
-            f"num_experts={old.num_experts} and ep_size={old.ep_size}"
-        )
-    names = [n for n in SLOT_TENSORS if getattr(layer, n, None) is not None]
-    tensors = [getattr(layer, n) for n in names]
+    slot_tensors = layer.slot_tensors()  # name -> [e_old, *X]
+    tensors = list(slot_tensors.values())
     rank, group = layer.rank, layer.group
-    loaded = bool(layer._loaded.all())
-    _agree(group, layer.device, _fingerprint(old, new_placement, tensors), ok=loaded)
+    _agree(group, layer.device, _fingerprint(old, new_placement, tensors), ok=layer.weights_loaded)
     if new_placement == old:
         return MigrationStats(0, 0, 0, 0, 0, 0, time.perf_counter() - start)
 
@@ -278,24 +270,7 @@ def rebalance_layer(layer: EPMoE, new_placement: ExpertPlacement) -> MigrationSt
     mine = plan.ranks[rank]
     moved = _execute(plan, rank, tensors, group, in_place=mine.num_new == mine.num_old)
     _synchronize(layer.device)
-
-    # the swap: nothing below communicates except a backend rebuild (same order everywhere)
-    for name, before, after in zip(names, tensors, moved):
-        if after is before:
-            continue
-        if isinstance(before, nn.Parameter):
-            after = nn.Parameter(after, requires_grad=False)
-        setattr(layer, name, after)
-    if new_placement.rank_offsets != old.rank_offsets:
-        spec = dataclasses.replace(layer.comm.spec, rank_offsets=new_placement.rank_offsets)
-        backend_name, layout = layer.comm.name, layer.comm.layout
-        layer.comm.close()
-        layer.comm = create_backend(backend_name, spec, group, layout)
-    layer.placement = new_placement
-    new_placement.maps_on(layer.device)  # device maps built before the next forward
-    layer._loaded = torch.ones(mine.num_new, dtype=torch.bool)
-    if layer.load_recorder is not None:
-        layer.load_recorder.reset(new_placement.num_physical)
+    layer._swap_placement(new_placement, dict(zip(slot_tensors, moved)))
     slot_bytes = sum(t[0].numel() * t.element_size() for t in tensors)
     return MigrationStats.of(mine, slot_bytes, time.perf_counter() - start)
 

@@ -1,8 +1,13 @@
 """Expert-load recording for EPLB: tokens per physical expert over a sliding window.
 
-Counting happens on the device inside the layer's routing step (a ``bincount`` into a ring
-buffer, no host synchronisation); the window is summed and reduced across EP ranks only
-when a re-plan asks for it.
+Shape legend: S steps in the window · P physical experts · T tokens · K top-k.
+
+Counting happens on the device inside the layer's routing step: a ``scatter_add`` into a
+ring buffer whose write position is itself a device tensor, so ``record`` does no host
+synchronisation and keeps no Python state that changes per step. A CUDA graph that captured
+a forward therefore records every replay into the next ring row (a Python step counter
+would be frozen at its capture-time value and every replay would overwrite one row). The
+window is summed, and reduced across EP ranks, only when a re-plan asks for it.
 """
 
 from __future__ import annotations
@@ -12,37 +17,53 @@ import torch.distributed as dist
 
 
 class LoadRecorder:
-    """Ring buffer ``[window, P]`` of per-step token counts per physical expert.
+    """Ring buffer ``counts_SP [S, P]`` int64 of per-step token counts per physical expert.
 
-    ``record(physical_ids_TK)`` stores one step's routing, overwriting the oldest step.
-    ``window_load()`` sums the last ``window`` steps on this rank; ``global_load(group)``
-    sums them over the EP ranks (collective).
+    ``record(physical_ids_TK)`` stores one step's routing in row ``steps % S``, overwriting
+    the oldest step; ``steps`` is a 0-d int64 device tensor (the number of steps recorded
+    since the last ``reset``), advanced on the device. ``window_load()`` sums the last ``S``
+    steps on this rank (rows not yet written are zero, so it is right before the window is
+    full too); ``global_load(group)`` sums them over the EP ranks (collective).
+
+    CUDA graphs: ``record`` is capturable and every replay advances the ring. ``enabled`` is
+    read in Python when ``record`` runs, so a graph captured while it was ``True`` keeps
+    recording on replay. ``reset()`` zeroes the buffers in place (captured graphs stay
+    valid); ``reset(num_physical=...)`` with a new P allocates new ones (capture again).
     """
 
     def __init__(self, num_physical: int, window: int, device: torch.device | str) -> None:
-        if window <= 0:
-            raise ValueError(f"window must be a positive number of steps, got {window}")
-        self.num_physical = num_physical
-        self.window = window
+        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+            raise ValueError(f"window must be a positive number of steps, got {window!r}")
+        if not isinstance(num_physical, int) or num_physical <= 0:
+            raise ValueError(f"num_physical must be a positive int, got {num_physical!r}")
+        self.num_physical = num_physical  # P
+        self.window = window  # S
         self.counts_SP = torch.zeros(window, num_physical, dtype=torch.int64, device=device)
-        self.step = 0  # steps recorded so far (host counter, no device sync)
+        self.steps = torch.zeros((), dtype=torch.int64, device=self.counts_SP.device)
         self.enabled = True
 
+    @property
+    def step(self) -> int:
+        """Steps recorded since the last reset, read back to the host (a device
+        synchronisation on CUDA: for logs and tests, not for the forward path)."""
+        return int(self.steps)
+
     def record(self, physical_ids_TK: torch.Tensor) -> None:
-        """Count one step's physical expert ids ``[T, K]`` (``-1`` ignored), on the device."""
+        """Count one step's physical expert ids ``[T, K]`` int32/int64 (``-1`` ignored) into
+        the next ring row. On the device, no host synchronisation, CUDA-graph capturable."""
         if not self.enabled:
             return
         # shift by one so that -1 (no expert) lands in bin 0, dropped; scatter_add, unlike
         # bincount on CUDA, never reads min/max back to the host
-        shifted = physical_ids_TK.reshape(-1).to(torch.int64) + 1
-        counts = torch.zeros(self.num_physical + 1, dtype=torch.int64, device=shifted.device)
-        counts.scatter_add_(0, shifted, torch.ones_like(shifted))
-        counts = counts[1:]
-        self.counts_SP[self.step % self.window] = counts
-        self.step += 1
+        shifted_N = physical_ids_TK.reshape(-1).to(torch.int64) + 1
+        counts_1P = self.counts_SP.new_zeros(1, self.num_physical + 1)
+        counts_1P.scatter_add_(1, shifted_N[None], torch.ones_like(shifted_N)[None])
+        row_1 = torch.remainder(self.steps, self.window).reshape(1)  # device write position
+        self.counts_SP.index_copy_(0, row_1, counts_1P[:, 1:])
+        self.steps.add_(1)
 
     def window_load(self) -> torch.Tensor:
-        """Tokens per physical expert ``[P]`` over the last ``window`` steps, this rank."""
+        """Tokens per physical expert ``[P]`` int64 over the last ``S`` steps, this rank."""
         return self.counts_SP.sum(0)
 
     def global_load(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -53,13 +74,17 @@ class LoadRecorder:
         return load
 
     def reset(self, num_physical: int | None = None) -> None:
-        """Forget all counts (after a re-plan that changes the physical slots)."""
+        """Forget all counts (after a re-plan). With the same P the buffers are zeroed in
+        place; a new ``num_physical`` allocates ``[S, P_new]`` (a graph that captured the old
+        buffers must be captured again, as it must after any re-plan)."""
         if num_physical is not None and num_physical != self.num_physical:
+            if not isinstance(num_physical, int) or num_physical <= 0:
+                raise ValueError(f"num_physical must be a positive int, got {num_physical!r}")
             self.num_physical = num_physical
             self.counts_SP = self.counts_SP.new_zeros(self.window, num_physical)
         else:
             self.counts_SP.zero_()
-        self.step = 0
+        self.steps.zero_()
 
 
 def logical_load(

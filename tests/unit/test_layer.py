@@ -1,12 +1,30 @@
-"""EPMoE in one process (no torch.distributed): construction checks, moves, forward hints."""
+"""EPMoE in one process (no torch.distributed): construction checks, moves, forward hints,
+the graph-safe forward, FP8 dispatch errors, re-plans through the layer, device spelling."""
 
 from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
 import epmoe
+import epmoe.comm
+from epmoe.comm import backend_class, backend_names
+from epmoe.comm.naive import NaiveBackend
+from epmoe.distributed import default_device, normalize_device
+from epmoe.eplb import migration
 from epmoe.reference import assert_close
+from tests.distributed.layer_v2_cases import (
+    LOOPBACK,
+    HostReads,
+    LoggedMLP,
+    PausedExperts,
+    physical_counts,
+    python_state,
+)
 
 
 def layer_and_weights(**kwargs):
@@ -67,3 +85,169 @@ def test_inputs_on_another_dtype_are_cast_and_returned_in_it():
     assert out.dtype == torch.float64
     ref = epmoe.reference.moe(x.float(), w13, w2, *epmoe.select_experts(logits, 2))
     assert_close(out.float(), ref, 1e-5)
+
+
+# ------------------------------------------------------------------ graph-safe forward
+
+
+def _graph_safe_layer(monkeypatch, log=None, **kwargs):
+    """A W = 1 layer on the graph-safe loopback backend (ExpertBatched), M_max = 4, with a
+    load window of 4 and shared experts; returns it, its full weights and the shared MLP."""
+    monkeypatch.setitem(epmoe.comm._BACKENDS, "loopback", LOOPBACK)
+    shared = LoggedMLP(16, 8, "cpu", [] if log is None else log)
+    layer, w13, w2 = layer_and_weights(
+        backend="loopback", max_num_tokens=4, load_window=4, shared_experts=shared, **kwargs
+    )
+    return layer, w13, w2, shared
+
+
+def test_hinted_forward_reads_nothing_back_and_keeps_its_python_state(monkeypatch):
+    """With max_tokens_across_ranks the layer's own part of the forward (routing, placement,
+    load recording, chunking, shared experts, casts) runs no op that reads a device value
+    back, and changes no Python state a CUDA graph would freeze: three forwards with fresh
+    inputs (as three graph replays) are all recorded and all match the oracle."""
+    layer, w13, w2, shared = _graph_safe_layer(monkeypatch)
+    T = 9  # three chunks of M_max = 4
+    g = torch.Generator().manual_seed(1)
+    inputs = [(torch.randn(T, 16, generator=g), torch.randn(T, 8, generator=g)) for _ in range(3)]
+    reads = HostReads()
+    layer.experts = PausedExperts(layer.experts, reads)  # the experts' syncs are theirs
+    state = python_state(layer)
+    outs = []
+    with reads, torch.no_grad():
+        for x, logits in inputs:
+            outs.append(layer(x, logits, max_tokens_across_ranks=T))
+    assert reads.ops == [], f"host reads in the hinted forward: {reads.ops}"
+    assert python_state(layer) == state, "the forward changed Python state"
+    counts = torch.zeros(layer.placement.num_physical, dtype=torch.int64)
+    for out, (x, logits) in zip(outs, inputs):
+        w, ids = epmoe.select_experts(logits, 2)
+        with torch.no_grad():
+            ref = epmoe.reference.moe(x, w13, w2, w, ids) + shared(x)
+        assert_close(out, ref, 1e-5)
+        counts += physical_counts(layer, logits)
+    assert torch.equal(layer.load_recorder.window_load(), counts)
+
+
+def test_the_host_read_detector_sees_reads():
+    """The control for the test above: each kind of read it looks for is caught."""
+    x = torch.arange(6.0)
+    with HostReads() as reads:
+        x.sum().item()
+        x.tolist()
+        torch.where(x > 2)
+        x[x > 2]
+        x.repeat_interleave(torch.tensor([1, 2, 1, 1, 1, 1]))
+        with reads.paused():
+            x.max().item()
+    assert len(reads.ops) == 5, reads.ops
+
+
+def test_hint_is_checked_at_the_boundary(monkeypatch):
+    layer, *_ = _graph_safe_layer(monkeypatch)
+    x, logits = torch.randn(3, 16), torch.randn(3, 8)
+    with pytest.raises(TypeError, match="max_tokens_across_ranks must be an int"):
+        layer(x, logits, max_tokens_across_ranks=3.0)
+    with pytest.raises(TypeError, match="max_tokens_across_ranks must be an int"):
+        layer(x, logits, max_tokens_across_ranks=True)
+    with pytest.raises(ValueError, match="router_logits is on meta"):
+        layer(x, logits.to("meta"), max_tokens_across_ranks=3)
+
+
+# ------------------------------------------------------------------ FP8 on the wire
+
+
+class _NoFP8Backend(NaiveBackend):
+    """naive without FP8 dispatch: the error path, whichever backends gain FP8."""
+
+    name = "no_fp8"
+    capabilities = dataclasses.replace(NaiveBackend.capabilities, fp8_dispatch=False)
+
+
+def test_fp8_dispatch_needs_a_backend_that_offers_it(monkeypatch):
+    monkeypatch.setitem(epmoe.comm._BACKENDS, "no_fp8", f"{__name__}:_NoFP8Backend")
+    offering = [n for n in backend_names() if backend_class(n).capabilities.fp8_dispatch]
+    with pytest.raises(ValueError, match="dispatch_dtype") as info:
+        layer_and_weights(backend="no_fp8", dispatch_dtype=torch.float8_e4m3fn)
+    assert "fp8_dispatch" in str(info.value) and str(offering) in str(info.value)
+    if not NaiveBackend.capabilities.fp8_dispatch:
+        with pytest.raises(ValueError, match="dispatch_dtype"):
+            layer_and_weights(backend="naive", dispatch_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="dispatch_dtype"):
+        layer_and_weights(dispatch_dtype=torch.float16)
+
+
+def test_fp8_dispatch_with_auto_picks_a_backend_that_offers_it():
+    if not any(backend_class(n).capabilities.fp8_dispatch for n in backend_names()):
+        pytest.skip("no registered backend offers FP8 dispatch yet")
+    layer, *_ = layer_and_weights(dispatch_dtype=torch.float8_e4m3fn)
+    assert layer.comm.capabilities.fp8_dispatch
+    assert layer.dispatch_dtype == layer.comm.spec.dispatch_dtype == torch.float8_e4m3fn
+    assert "dispatch_dtype=torch.float8_e4m3fn" in repr(layer)
+
+
+# ------------------------------------------------------------------ re-plans and devices
+
+
+def test_rebalance_installs_through_the_layer_and_rebinds_its_backend(monkeypatch):
+    """W = 1, linear → balanced with two redundant slots (P 8 → 10, new rank_offsets): the
+    layer keeps its backend object (rebind), takes new weight parameters for the new slot
+    count, resets its recorder for the new P, and still matches the oracle."""
+    layer, w13, w2 = layer_and_weights(backend="all_to_all", load_window=2)
+    comm, param = layer.comm, layer.w13
+    layer(torch.randn(4, 16), torch.randn(4, 8))
+    new = epmoe.ExpertPlacement.balanced(torch.arange(1.0, 9.0), ep_size=1, num_redundant=2)
+    stats = layer.rebalance(new)
+    x, logits = torch.randn(6, 16), torch.randn(6, 8)
+    assert layer.comm is comm and comm.spec.rank_offsets == new.rank_offsets == (0, 10)
+    assert layer.placement == new and layer.w13 is not param and layer.w13.shape[0] == 10
+    assert isinstance(layer.w13, torch.nn.Parameter) and not layer.w13.requires_grad
+    assert layer.load_recorder.counts_SP.shape == (2, 10) and layer.load_recorder.step == 0
+    before, after = epmoe.ExpertPlacement.linear(8, 1).local_experts(0), new.local_experts(0)
+    changed = sum(s >= len(before) or before[s] != x for s, x in enumerate(after))
+    assert stats.slots_moved == changed >= 2, (stats, changed)
+    assert_close(
+        layer(x, logits), epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, 2))
+    )
+
+
+def test_swap_placement_checks_what_it_installs():
+    layer, *_ = layer_and_weights()
+    new = epmoe.ExpertPlacement.balanced(torch.arange(1.0, 9.0), ep_size=1, num_redundant=2)
+    with pytest.raises(ValueError, match=r"slot_tensors must hold \['w13', 'w2'\]"):
+        layer._swap_placement(new, {"w13": layer.w13})
+    with pytest.raises(ValueError, match=r"slot_tensors\['w13'\] must be \[10, 16, 16\]"):
+        layer._swap_placement(new, {"w13": layer.w13, "w2": layer.w2})
+    with pytest.raises(ValueError, match="ep_size"):
+        layer.check_placement(epmoe.ExpertPlacement.linear(8, 2))
+    assert layer.placement == epmoe.ExpertPlacement.linear(8, 1)  # nothing was installed
+
+
+def test_migration_never_assigns_layer_state():
+    """Ownership: epmoe.eplb.migration computes and moves weights; the layer installs them
+    (EPMoE._swap_placement). No assignment to a layer attribute, no setattr on a layer."""
+    tree = ast.parse(Path(migration.__file__).read_text())
+    offending = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr":
+            targets = node.args[:1]
+        for t in targets:
+            base = t.value if isinstance(t, ast.Attribute) else t
+            if isinstance(base, ast.Name) and base.id == "layer":
+                offending.append(f"line {node.lineno}: {ast.unparse(node)[:60]}")
+    assert not offending, offending
+
+
+def test_devices_have_one_spelling():
+    assert normalize_device("cpu:0") == torch.device("cpu") == normalize_device("cpu")
+    if torch.cuda.is_available():
+        assert normalize_device("cuda").index == torch.cuda.current_device()
+    else:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            normalize_device("cuda")
+        assert default_device() == torch.device("cpu")
+    layer = epmoe.EPMoE(8, 2, 16, 8, params_dtype=torch.float32, device="cpu:0")
+    assert layer.device == torch.device("cpu")  # so CPU inputs (device "cpu") are accepted

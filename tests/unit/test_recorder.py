@@ -1,4 +1,5 @@
-"""LoadRecorder: the sliding window of per-slot token counts, and replica folding."""
+"""LoadRecorder: the sliding window of per-slot token counts (a device-side ring), and
+replica folding."""
 
 from __future__ import annotations
 
@@ -75,6 +76,56 @@ def test_reset_forgets_and_can_resize() -> None:
     assert rec.window_load().tolist() == [0, 0, 0, 0, 0, 2]
 
 
+def test_the_ring_position_lives_on_the_device_over_several_windows() -> None:
+    """Step i lands in row i % S, written at a device-side position; the window is right
+    after every step, before it is full too, over three and a half windows."""
+    S, P = 3, 5
+    rec = LoadRecorder(P, S, "cpu")
+    steps = _steps(3 * S + 2, T=4, K=2, P=P, seed=1)
+    for i, ids in enumerate(steps):
+        rec.record(ids)
+        want = sum((_counts(x, P) for x in steps[max(0, i + 1 - S) : i + 1]), torch.zeros(P))
+        assert torch.equal(rec.window_load(), want.long()), f"after step {i}"
+        assert torch.equal(rec.counts_SP[i % S], _counts(ids, P)), f"row {i % S}, step {i}"
+        assert rec.steps.dim() == 0 and rec.steps.device == rec.counts_SP.device
+        assert int(rec.steps) == i + 1
+
+
+def test_record_changes_only_device_tensors_in_place() -> None:
+    """What a CUDA graph replays: record() may change its tensors in place, nothing else.
+    Three identical steps must fill three rows (a Python step counter, frozen at capture,
+    made every replay overwrite one row: the window read [1, 1, 1, 1], not [3, 3, 3, 3])."""
+    rec = LoadRecorder(4, 4, "cpu")
+
+    def state():
+        return {k: ("tensor", id(v)) if torch.is_tensor(v) else v for k, v in vars(rec).items()}
+
+    before = state()
+    for _ in range(3):
+        rec.record(torch.tensor([[0, 1], [2, 3]]))
+    assert state() == before
+    assert rec.window_load().tolist() == [3, 3, 3, 3]
+
+
+def test_reset_zeroes_in_place_and_restarts_the_ring() -> None:
+    """reset() keeps the tensors (a captured graph stays valid) and the next step goes to
+    row 0; counting after it is right over several windows."""
+    S, P = 2, 3
+    rec = LoadRecorder(P, S, "cpu")
+    counts, steps = rec.counts_SP, rec.steps
+    for ids in _steps(5, T=3, K=2, P=P, seed=2):
+        rec.record(ids)
+    rec.reset()
+    assert rec.counts_SP is counts and rec.steps is steps
+    assert int(rec.steps) == 0 and rec.window_load().tolist() == [0] * P
+    after = _steps(5, T=3, K=2, P=P, seed=3)
+    for ids in after:
+        rec.record(ids)
+    want = _counts(after[-2], P) + _counts(after[-1], P)
+    assert torch.equal(rec.window_load(), want)
+    assert torch.equal(rec.counts_SP[0], _counts(after[-1], P))  # step 4 after the reset
+
+
 def test_global_load_without_process_group_is_the_window() -> None:
     rec = LoadRecorder(3, 2, "cpu")
     rec.record(torch.tensor([[2, 0], [2, 1]]))
@@ -91,6 +142,8 @@ def test_logical_load_folds_replicas() -> None:
     assert out.dtype == torch.float32 and out.tolist() == [1.5, 0.0, 2.0, 0.0]
 
 
-def test_rejects_a_non_positive_window() -> None:
+def test_rejects_a_non_positive_window_or_slot_count() -> None:
     with pytest.raises(ValueError, match="window"):
         LoadRecorder(4, 0, "cpu")
+    with pytest.raises(ValueError, match="num_physical"):
+        LoadRecorder(0, 2, "cpu")
