@@ -1,53 +1,162 @@
-"""Dispatch and combine of each all-to-all backend, against NCCL ``all_to_all_single``.
+"""Dispatch and combine of each all-to-all backend, against NCCL and the peer-store ceiling.
 
 Run on every rank (torchrun), e.g. on 2 GPUs:
 
-    python launch/run.py -m epmoe.bench comm --tokens 128 4096 --out results/comm.json
+    python launch/run.py --nproc 2 -m epmoe.bench comm --out results/comm.json
 
-(or ``torchrun --nproc-per-node 2 -m epmoe.bench comm``). Per (backend, layout, tokens per
-rank) it reports the median dispatch and combine times (the slowest rank's median), the
-bytes they move, and two references measured in the same run:
+(or ``torchrun --nproc-per-node 2 -m epmoe.bench comm``). Uniform routing, linear placement.
+For every T per rank (``--tokens``), wire dtype (``--dispatch-dtypes``: the hidden dtype, or
+``float8_e4m3fn`` = FP8 e4m3 rows with one float32 scale per 128 columns, for backends whose
+``capabilities.fp8_dispatch``; others are skipped with a note) and ``--backends`` entry, one
+record per mode:
 
-* ``a2a_us``: NCCL/gloo ``all_to_all_single`` moving exactly the rows this dispatch moves
-  (same split sizes, no metadata): the transport the portable backends stand on;
-* ``link_GBps``: the bandwidth of a large ``all_to_all_single`` (the practical ceiling of
-  the links between the ranks).
+* ``eager``: each iteration runs ``dispatch`` then ``combine`` from Python, timed apart by
+  CUDA events (so the host's launch gaps count, as in an eager model step);
+* ``graph`` (``capabilities.graph_safe`` backends on CUDA): ``dispatch`` captured alone in
+  one CUDA graph with static inputs, ``combine`` of its result in another, replayed
+  alternately (captured collectives must be replayed on every rank the same number of
+  times, in the same order).
 
-Bandwidth follows DeepEP's convention: received rows × H × bytes per element, self traffic
-included (``recv_GBps``). Shape legend: T tokens per rank · H hidden · K top-k · E experts.
+Each record has ``dispatch_us`` and ``combine_us`` (the slowest rank's median), ``sms``
+(SMs the backend's kernels use: its ``num_sms``), the bytes received (``dispatch_MB``:
+received rows × wire row; ``combine_MB``: the same rows in the hidden dtype; DeepEP's
+convention, self traffic included) and their rates, and, on eager records, ``a2a_us``:
+NCCL (gloo) ``all_to_all_single`` moving the same rows of the same bytes (FP8: rows and
+scales). ``roundtrip_error`` checks the mode: with experts that return their input,
+combine must return ``x · Σ_k w`` (bf16 ~1e-3, FP8 ~3e-2). ``link_GBps`` is a large
+``all_to_all_single``'s bandwidth.
+
+Records of kind ``ceiling`` (CUDA, ≥ 2 ranks): :mod:`epmoe.bench.ceiling` storing the same
+wire rows into the peers' symmetric buffers, once per (token, destination rank) and once
+per (token, expert), eagerly and from a graph, with its SMs and GB/s: the floor under any
+one-sided dispatch (and, in bf16, under a combine).
+
+Goals (the ``symm_ll`` issue; EP2 on H200, T = 128, H = 7168, K = 8; ``goal`` column and a
+summary): CUDA-graph dispatch ≤ 10 µs FP8 / ≤ 13 µs bf16, combine ≤ 15 µs; eager dispatch
+≤ 31 µs and combine ≤ 41 µs (DeepEP low-latency on the same machine: 26–31 / 39–41 µs).
+
+Shape legend: T tokens per rank · H hidden · K top-k · E experts · W ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe.bench.common import distributed_setup, format_table, median, over_ranks, time_fn
-from epmoe.comm import create_backend
-from epmoe.comm.base import CommSpec, Layout
+from epmoe.bench.common import (
+    distributed_setup,
+    format_table,
+    median,
+    over_ranks,
+    progress,
+    time_fn,
+)
+from epmoe.comm import available_backends, backend_class, create_backend
+from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, AllToAll, CommSpec, DispatchResult, Layout
+from epmoe.reference import relative_error
 from epmoe.routing import RoutingSimulator
+
+DEFAULT_BACKENDS = [
+    "all_to_all:standard",
+    "all_to_all:expert_batched",
+    "naive:standard",
+    "symm_ll:expert_batched",
+]
+FP8_NAME = "float8_e4m3fn"
+
+# The issue's goals: EP2 on H200 at this shape; µs by (phase, mode, wire dtype or None: any).
+GOAL_SHAPE = (128, 7168, 8)  # (T, H, K)
+COMM_GOALS_US: dict[tuple[str, str, str | None], float] = {
+    ("dispatch", "graph", FP8_NAME): 10.0,
+    ("dispatch", "graph", "bfloat16"): 13.0,
+    ("combine", "graph", None): 15.0,
+    ("dispatch", "eager", None): 31.0,  # DeepEP LL on the same machine: 26–31 µs
+    ("combine", "eager", None): 41.0,  # DeepEP LL: 39–41 µs
+}
+GOAL_BACKEND = "symm_ll"
+
+COMM_COLUMNS = [
+    "backend",
+    "layout",
+    "wire",
+    "T",
+    "mode",
+    "dispatch_us",
+    "combine_us",
+    "goal",
+    "sms",
+    "a2a_us",
+    "dispatch_MB",
+    "dispatch_GBps",
+    "combine_GBps",
+    "note",
+]
+CEILING_COLUMNS = ["wire", "T", "pattern", "mode", "us", "sms", "MB", "GBps", "note"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096], help="T per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 512], help="T per rank")
+    p.add_argument("--hidden", type=int, default=7168, help="H")
+    p.add_argument("--num-experts", type=int, default=256, help="E")
+    p.add_argument("--top-k", type=int, default=8, help="K")
+    p.add_argument("--dtype", default="bfloat16", help="hidden dtype (combine's output)")
     p.add_argument(
-        "--backends",
+        "--dispatch-dtypes",
         nargs="+",
-        default=["all_to_all:standard", "all_to_all:expert_batched", "naive:standard"],
-        help="name:layout pairs",
+        default=None,
+        help=f"wire dtypes of dispatch: the hidden dtype and/or {FP8_NAME} (default: both)",
     )
+    p.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, help="name:layout pairs")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table per backend (rank 0)"
     )
+
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def wire_row_bytes(hidden_size: int, wire_dtype: torch.dtype) -> int:
+    """Bytes of one dispatched row on the wire: ``H`` values, plus for FP8 one float32
+    scale per 128 columns (7168 → 14336 B in bf16, 7392 B in FP8)."""
+    if wire_dtype == FP8_DTYPE:
+        return hidden_size + 4 * -(-hidden_size // FP8_GROUP)
+    return hidden_size * wire_dtype.itemsize
+
+
+def table(records: list[dict], columns: list[str]) -> str:
+    """:func:`format_table` with ``-`` for values that do not exist (``None``)."""
+    rows = [{k: "-" if v is None else v for k, v in r.items()} for r in records]
+    return format_table(rows, columns)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def comm_goal_us(phase: str, mode: str, wire: str, T: int, H: int, K: int) -> float | None:
+    """The issue's limit for ``phase`` ("dispatch" or "combine") in ``mode`` ("eager" or
+    "graph") at this shape, in µs; ``None`` where it sets none."""
+    if not at_goal_shape(T, H, K):
+        return None
+    return COMM_GOALS_US.get((phase, mode, wire), COMM_GOALS_US.get((phase, mode, None)))
+
+
+def at_goal_shape(T: int, H: int, K: int) -> bool:
+    """Whether the issue's goals apply: T = 128 tokens per rank, H = 7168, K = 8."""
+    return (T, H, K) == GOAL_SHAPE
+
+
+def verdict(value: float, limit: float) -> str:
+    """``"met"`` when ``value <= limit``, else ``"missed"``."""
+    return "met" if value <= limit else "missed"
 
 
 def _rows_per_rank(ids_TK, placement, layout: Layout) -> torch.Tensor:
@@ -62,43 +171,292 @@ def _rows_per_rank(ids_TK, placement, layout: Layout) -> torch.Tensor:
     return hit_TW.sum(0)
 
 
-def _measure(comm, x_TH, ids_TK, weights_TK, placement, timing) -> dict:
-    """Median dispatch and combine times of ``comm`` and of a bare all_to_all_single that
-    moves the same rows (the slowest rank's medians)."""
-    device, H = x_TH.device, x_TH.shape[1]
-    result = comm.dispatch(x_TH, ids_TK, weights_TK)
-    expert_out = result.hidden.clone()
-    d_ms = median(time_fn(lambda: comm.dispatch(x_TH, ids_TK, weights_TK), **timing))
-    c_ms = median(time_fn(lambda: comm.combine(expert_out, result), **timing))
+# ------------------------------------------------------------------------------ timing
 
-    send = _rows_per_rank(ids_TK, placement, comm.layout)
-    recv = send.clone()
-    if dist.is_initialized():
-        dist.all_to_all_single(recv, send)
-    send_l, recv_l = send.tolist(), recv.tolist()
-    a_in = torch.randn(sum(send_l), H, device=device).to(x_TH.dtype)
-    a_out = torch.empty(sum(recv_l), H, device=device, dtype=x_TH.dtype)
-    if dist.is_initialized():
-        a_ms = median(
-            time_fn(lambda: dist.all_to_all_single(a_out, a_in, recv_l, send_l), **timing)
-        )
-    else:
-        a_ms = median(time_fn(lambda: a_out.copy_(a_in), **timing))
-    d_ms, c_ms, a_ms = (over_ranks(v, device) for v in (d_ms, c_ms, a_ms))
-    recv_rows = torch.tensor([sum(recv_l)], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(recv_rows, op=dist.ReduceOp.MAX)
-    recv_bytes = int(recv_rows.item()) * H * x_TH.dtype.itemsize
+
+def time_phases(
+    phases: Sequence[Callable[[], Any]],
+    *,
+    warmup: int,
+    iters: int,
+    device: torch.device,
+    before: Callable[[], None] | None = None,
+) -> list[list[float]]:
+    """Run ``phases`` one after another ``warmup`` times, then ``iters`` times timing each;
+    returns each phase's milliseconds per iteration.
+
+    On CUDA an event is recorded before the first phase and after each one, so a phase's
+    time runs from the end of the previous one on the stream (host launch gaps count, as
+    in an eager step). On CPU the host clock. ``before`` (a barrier, input copies) runs
+    untimed before every timed iteration.
+    """
+    for _ in range(warmup):
+        for phase in phases:
+            phase()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    times: list[list[float]] = [[] for _ in phases]
+    for _ in range(iters):
+        if before is not None:
+            before()
+        if cuda:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
+            events[0].record()
+            for phase, event in zip(phases, events[1:]):
+                phase()
+                event.record()
+            events[-1].synchronize()
+            for i in range(len(phases)):
+                times[i].append(events[i].elapsed_time(events[i + 1]))
+        else:
+            stamps = [time.perf_counter()]
+            for phase in phases:
+                phase()
+                stamps.append(time.perf_counter())
+            for i in range(len(phases)):
+                times[i].append((stamps[i + 1] - stamps[i]) * 1e3)
+    return times
+
+
+def graph_unavailable_reason(comm: AllToAll) -> str | None:
+    """Why ``comm``'s dispatch and combine cannot be replayed from a CUDA graph here."""
+    if comm.spec.device.type != "cuda":
+        return "CUDA graphs need CUDA"
+    if not comm.capabilities.graph_safe:
+        return f"{comm.name} is not graph safe"
+    return None
+
+
+def capture_agreed(capture: Callable[[], Any], device: torch.device) -> tuple[Any, str | None]:
+    """``(capture(), None)`` when every rank captured its graphs, else ``(None, why)`` on
+    every rank, so that no rank replays a captured collective its peers do not."""
+    try:
+        captured, error = capture(), None
+    except Exception as exc:  # noqa: BLE001 (reported in the record, then every rank skips)
+        captured, error = None, f"{type(exc).__name__}: {exc}"
+    if over_ranks(float(error is not None), device) > 0:
+        return None, f"capture failed ({error or 'on another rank'})"
+    return captured, None
+
+
+def _phase_timing(timing: dict[str, Any]) -> dict[str, Any]:
+    """:func:`time_phases`' keywords from ``time_fn``'s (its barrier runs before each
+    timed iteration)."""
     return dict(
-        dispatch_us=d_ms * 1e3,
-        combine_us=c_ms * 1e3,
-        a2a_us=a_ms * 1e3,
-        dispatch_vs_a2a=a_ms / d_ms,
-        combine_vs_a2a=a_ms / c_ms,
-        recv_rows=int(recv_rows.item()),
-        dispatch_recv_GBps=recv_bytes / (d_ms * 1e6),
-        combine_recv_GBps=recv_bytes / (c_ms * 1e6),
+        warmup=timing["warmup"],
+        iters=timing["iters"],
+        device=timing["device"],
+        before=timing.get("barrier"),
     )
+
+
+def warm_up_on_side_stream(fn: Callable[[], Any], times: int) -> None:
+    """Eager runs on a side stream before a capture, as ``torch.cuda.graph`` requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(times, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def identity_expert_out(result: DispatchResult, dtype: torch.dtype) -> torch.Tensor:
+    """What experts that return their input give combine, in ``dtype``: the dispatched rows
+    (FP8 rows times their scales), in the Standard layout weighted by the row's local router
+    weights (its experts return weighted partial sums). Combine then returns
+    ``x[t] · Σ_k w[t, k]`` whatever the layout."""
+    rows = result.hidden
+    if result.hidden_scale is not None:
+        scale = result.hidden_scale.repeat_interleave(FP8_GROUP, -1)[..., : rows.shape[-1]]
+        rows = rows.float() * scale
+    if result.layout is Layout.STANDARD:
+        local_RK = result.topk_ids >= 0
+        rows = rows.float() * (result.topk_weights * local_RK).sum(-1, keepdim=True)
+    return rows.to(dtype, copy=True)
+
+
+def measure_dispatch_combine(
+    comm: AllToAll,
+    x_TH: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    timing: dict[str, Any],
+) -> dict[str, Any]:
+    """Median dispatch and combine milliseconds of ``comm`` on this rank, eager and (where
+    :func:`graph_unavailable_reason` allows) from CUDA graphs, and each mode's round trip.
+
+    ``timing``: ``time_fn``'s keywords (``warmup``, ``iters``, ``device``, ``barrier``).
+    Returns ``{"eager": (dispatch_ms, combine_ms), "graph": (dispatch_ms, combine_ms) or
+    "n/a: why", "eager_error", "graph_error"}``. Combine is given one static tensor: the
+    :func:`identity_expert_out` of the first dispatch. The errors come from one more
+    untimed dispatch and combine per mode, that dispatch's identity output copied in
+    between: the relative error of the output against ``x · Σ_k w`` (bf16 ~1e-3, FP8
+    ~3e-2; rows within an expert may arrive in any order). Collective: every rank calls it.
+    """
+    device, dtype = x_TH.device, comm.spec.dtype
+    loop = _phase_timing(timing)
+    weight_sum_T1 = (weights_TK.float() * (ids_TK >= 0)).sum(-1, keepdim=True)
+    expected_TH = x_TH.float() * weight_sum_T1
+    first = comm.dispatch(x_TH, ids_TK, weights_TK)
+    expert_out = identity_expert_out(first, dtype)
+    comm.combine(expert_out, first)
+    state: dict[str, Any] = {}
+
+    def dispatch() -> None:
+        state["result"] = comm.dispatch(x_TH, ids_TK, weights_TK)
+
+    def combine() -> None:
+        comm.combine(expert_out, state["result"])
+
+    d_ms, c_ms = time_phases([dispatch, combine], **loop)
+    result = comm.dispatch(x_TH, ids_TK, weights_TK)
+    expert_out.copy_(identity_expert_out(result, dtype))
+    eager_TH = comm.combine(expert_out, result)
+    out: dict[str, Any] = dict(
+        eager=(median(d_ms), median(c_ms)),
+        graph=None,
+        eager_error=relative_error(eager_TH, expected_TH),
+        graph_error=None,
+    )
+    reason = graph_unavailable_reason(comm)
+    if reason is not None:
+        out["graph"] = f"n/a: {reason}"
+        return out
+
+    def capture() -> tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, Any, torch.Tensor]:
+        warm_up_on_side_stream(lambda: (dispatch(), combine()), timing["warmup"])
+        dispatch_graph, combine_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(dispatch_graph):
+            captured = comm.dispatch(x_TH, ids_TK, weights_TK)
+        with torch.cuda.graph(combine_graph):
+            combined_TH = comm.combine(expert_out, captured)
+        return dispatch_graph, combine_graph, captured, combined_TH
+
+    graphs, reason = capture_agreed(capture, device)
+    if graphs is None:
+        out["graph"] = f"n/a: {reason}"
+        return out
+    dispatch_graph, combine_graph, captured, combined_TH = graphs
+    d_ms, c_ms = time_phases([dispatch_graph.replay, combine_graph.replay], **loop)
+    out["graph"] = (median(d_ms), median(c_ms))
+    dispatch_graph.replay()
+    expert_out.copy_(identity_expert_out(captured, dtype))
+    combine_graph.replay()
+    out["graph_error"] = relative_error(combined_TH, expected_TH)
+    return out
+
+
+# ------------------------------------------------------------------------------ backends
+
+
+def backend_skip_reason(
+    name: str,
+    layout: Layout | None,
+    spec: CommSpec | None,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> str | None:
+    """Why backend ``name`` (with ``layout``; ``None``: its default) cannot be measured
+    here for ``spec`` (``None``: any spec), or ``None`` when it can."""
+    usable = available_backends(device, group)
+    if name not in usable:
+        return f"backend {name!r} is not registered in epmoe.comm"
+    if usable[name] is not None:
+        return f"{name} is unavailable: {usable[name]}"
+    cls = backend_class(name)
+    if layout is not None and layout not in cls.capabilities.layouts:
+        return f"{name} has no {layout.value} layout"
+    if spec is not None and spec.fp8_dispatch and not cls.capabilities.fp8_dispatch:
+        return f"{name} has no FP8 dispatch"
+    reason = cls.supports(spec) if spec is not None else None
+    return f"{name} cannot serve this spec: {reason}" if reason is not None else None
+
+
+def _a2a_reference(send_W: torch.Tensor, row_bytes: int, device, timing) -> tuple[float, int]:
+    """Median ms (slowest rank) of an ``all_to_all_single`` of rows of ``row_bytes`` bytes
+    with this rank sending ``send_W[r]`` rows to rank ``r``, and the most rows any rank
+    receives."""
+    recv_W = send_W.clone()
+    if dist.is_initialized():
+        dist.all_to_all_single(recv_W, send_W)
+    send_l, recv_l = send_W.tolist(), recv_W.tolist()
+    a_in = torch.randint(0, 256, (sum(send_l), row_bytes), dtype=torch.uint8, device=device)
+    a_out = torch.empty(sum(recv_l), row_bytes, dtype=torch.uint8, device=device)
+    if dist.is_initialized():
+        fn = lambda: dist.all_to_all_single(a_out, a_in, recv_l, send_l)  # noqa: E731
+    else:
+        fn = lambda: a_out.copy_(a_in)  # noqa: E731
+    ms = median(time_fn(fn, **timing))
+    return over_ranks(ms, device), int(over_ranks(float(sum(recv_l)), device))
+
+
+def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> list[dict]:
+    """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
+    name, layout_name = entry.split(":")
+    layout = Layout(layout_name)
+    wire = dtype_name(spec.wire_dtype)
+    T, H, K = x_TH.shape[0], spec.hidden_size, spec.top_k
+    base = dict(kind="comm", backend=name, layout=layout.value, wire=wire, **ctx["shape"], T=T)
+    reason = backend_skip_reason(name, layout, spec, x_TH.device, ctx["group"])
+    if reason is not None:
+        return [dict(base, mode="-", note=f"skipped: {reason}")]
+    device = x_TH.device
+    comm = create_backend(name, spec, ctx["group"], layout)
+    try:
+        m = measure_dispatch_combine(comm, x_TH, ids_TK, weights_TK, ctx["timing"])
+        if ctx["profile"]:
+            _profile(comm, x_TH, ids_TK, weights_TK, ctx["rank"], f"{entry} {wire} T={T}")
+        sms = getattr(comm, "num_sms", None)
+    finally:
+        comm.close()
+
+    row_bytes = wire_row_bytes(H, spec.wire_dtype)
+    key = (layout, row_bytes)
+    if key not in ctx["a2a"]:
+        send_W = _rows_per_rank(ids_TK, placement, layout)
+        ctx["a2a"][key] = _a2a_reference(send_W, row_bytes, device, ctx["timing"])
+    a2a_ms, recv_rows = ctx["a2a"][key]
+    dispatch_bytes = recv_rows * row_bytes
+    combine_bytes = recv_rows * H * spec.dtype.itemsize
+    records = []
+    for mode in ("eager", "graph"):
+        times = m[mode]
+        if isinstance(times, str):
+            records.append(dict(base, mode=mode, note=times))
+            continue
+        d_ms, c_ms = (over_ranks(v, device) for v in times)
+        rec = dict(
+            base,
+            mode=mode,
+            dispatch_us=d_ms * 1e3,
+            combine_us=c_ms * 1e3,
+            sms=sms,
+            recv_rows=recv_rows,
+            dispatch_MB=dispatch_bytes / 1e6,
+            combine_MB=combine_bytes / 1e6,
+            dispatch_GBps=dispatch_bytes / (d_ms * 1e6),
+            combine_GBps=combine_bytes / (c_ms * 1e6),
+        )
+        rec["roundtrip_error"] = over_ranks(m[f"{mode}_error"], device)
+        if mode == "eager":
+            rec.update(a2a_us=a2a_ms * 1e3, dispatch_vs_a2a=a2a_ms / d_ms)
+            rec.update(combine_vs_a2a=a2a_ms / c_ms)
+        _add_goals(rec, mode, wire, T, H, K)
+        records.append(rec)
+    return records
+
+
+def _add_goals(rec: dict, mode: str, wire: str, T: int, H: int, K: int) -> None:
+    verdicts = []
+    for phase in ("dispatch", "combine"):
+        limit = comm_goal_us(phase, mode, wire, T, H, K)
+        if limit is not None:
+            rec[f"{phase}_goal_us"] = limit
+            rec[f"{phase}_goal"] = verdict(rec[f"{phase}_us"], limit)
+            verdicts.append(rec[f"{phase}_goal"])
+    if verdicts:
+        rec["goal"] = "/".join(verdicts)
 
 
 def _profile(comm, x_TH, ids_TK, weights_TK, rank: int, title: str) -> None:
@@ -111,7 +469,7 @@ def _profile(comm, x_TH, ids_TK, weights_TK, rank: int, title: str) -> None:
     with profile(activities=activities) as prof:
         for _ in range(5):
             result = comm.dispatch(x_TH, ids_TK, weights_TK)
-            comm.combine(result.hidden, result)
+            comm.combine(result.hidden.to(comm.spec.dtype), result)
         if x_TH.is_cuda:
             torch.cuda.synchronize()
     if rank == 0:
@@ -119,66 +477,177 @@ def _profile(comm, x_TH, ids_TK, weights_TK, rank: int, title: str) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+# ------------------------------------------------------------------------------ ceiling
+
+
+def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
+    """The peer-store ceiling for this routing and wire dtype: per pattern, eager and
+    graph (or one record saying why it cannot run)."""
+    T, K = ids_TK.shape
+    wire = dtype_name(wire_dtype)
+    base = dict(kind="ceiling", wire=wire, **ctx["shape"], T=T)
+    if ctx["ceiling"] is None:
+        return [dict(base, pattern="-", mode="-", note=f"n/a: {ctx['ceiling_reason']}")]
+    from epmoe.bench import ceiling
+
+    device, rank, W = ids_TK.device, ctx["rank"], placement.ep_size
+    row_bytes = wire_row_bytes(ctx["shape"]["H"], wire_dtype)
+    payload_TB = torch.randint(0, 256, (T, row_bytes), dtype=torch.uint8, device=device)
+    owner_TK = placement.owner_rank.to(device)[ids_TK]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    loop = _phase_timing(ctx["timing"])
+    records = []
+    for pattern in ceiling.PATTERNS:
+        messages = ceiling.peer_messages(owner_TK, rank, W, pattern)
+        store = ceiling.PeerStore(ctx["ceiling"], payload_TB, messages, num_sms)
+        stored = int(over_ranks(float(store.bytes_stored), device))  # the busiest sender's
+        sms = int(over_ranks(float(store.num_programs), device))
+        (eager_ms,) = time_phases([store.launch], **loop)
+        times = {"eager": median(eager_ms)}
+
+        def capture(store=store) -> torch.cuda.CUDAGraph:
+            warm_up_on_side_stream(store.launch, 1)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                store.launch()
+            return graph
+
+        graph, reason = capture_agreed(capture, device)
+        if graph is not None:
+            (graph_ms,) = time_phases([graph.replay], **loop)
+            times["graph"] = median(graph_ms)
+        for mode in ("eager", "graph"):
+            rec = dict(base, pattern=pattern, mode=mode)
+            if mode not in times:
+                records.append(dict(rec, note=f"n/a: {reason}"))
+                continue
+            ms = over_ranks(times[mode], device)
+            rec.update(us=ms * 1e3, sms=sms, MB=stored / 1e6, GBps=stored / (ms * 1e6))
+            records.append(rec)
+    return records
+
+
+def _ceiling_unavailable_reason(device: torch.device, world_size: int) -> str | None:
+    try:
+        from epmoe.bench import ceiling
+    except ImportError as exc:  # no triton here
+        return f"the peer-store ceiling needs triton ({exc})"
+    return ceiling.unavailable_reason(device, world_size)
+
+
+def _ceiling_words(tokens: list[int], K: int, W: int, row_bytes: list[int]) -> int:
+    """4-byte words of the receive buffer the largest ceiling case needs (per expert)."""
+    from epmoe.bench.ceiling import padded_row_words
+
+    return W * max(tokens) * K * max(padded_row_words(b) for b in row_bytes)
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def _wire_dtypes(args, dtype: torch.dtype) -> list[torch.dtype]:
+    names = args.dispatch_dtypes or [dtype_name(dtype), FP8_NAME]
+    out = []
+    for name in names:
+        if name not in (dtype_name(dtype), FP8_NAME):
+            raise ValueError(
+                f"--dispatch-dtypes {name}: a wire dtype is the hidden dtype "
+                f"({dtype_name(dtype)}, set by --dtype) or {FP8_NAME}"
+            )
+        out.append(getattr(torch, name))
+    return out
+
+
+def _link_bandwidth(dtype, H, W, device, timing) -> float:
+    """GB/s sent per rank by a large ``all_to_all_single`` (64 MiB to every peer)."""
+    if W == 1:
+        return float("nan")
+    rows = (64 << 20) // (H * dtype.itemsize)
+    big = torch.randn(rows * W, H, device=device).to(dtype)
+    big_out = torch.empty_like(big)
+    ms = over_ranks(median(time_fn(lambda: dist.all_to_all_single(big_out, big), **timing)), device)
+    return rows * (W - 1) * H * dtype.itemsize / (ms * 1e6)
+
+
+def goal_summary(records: list[dict], backend: str = GOAL_BACKEND) -> list[str]:
+    """One line per goal of ``backend`` at the goal shape: value, limit, met/missed."""
+    T, H, K = GOAL_SHAPE
+    rows = [r for r in records if r.get("kind") == "comm" and r["backend"] == backend]
+    rows = [r for r in rows if at_goal_shape(r["T"], r["H"], r["K"])]
+    if not rows:
+        return [f"{backend}: no record at T={T}, H={H}, K={K} (pass --tokens {T} at that shape)"]
+    lines = []
+    for r in rows:
+        label = f"{backend}:{r['layout']} {r['wire']} {r['mode']}"
+        if "dispatch_us" not in r:
+            lines.append(f"{label}: {r.get('note', 'not measured')}")
+            continue
+        for phase in ("dispatch", "combine"):
+            if f"{phase}_goal" in r:
+                lines.append(
+                    f"{label} {phase}: {r[f'{phase}_us']:.1f} µs, goal ≤ "
+                    f"{r[f'{phase}_goal_us']:g} µs: {r[f'{phase}_goal']}"
+                )
+    return lines
+
+
 def main(args) -> list[dict] | None:
     group, rank, W, device = distributed_setup()
     dtype = getattr(torch, args.dtype)
+    wires = _wire_dtypes(args, dtype)
     H, E, K = args.hidden, args.num_experts, args.top_k
     placement = epmoe.ExpertPlacement.linear(E, W)
     barrier = (lambda: dist.barrier()) if group is not None else None
     timing = dict(warmup=args.warmup, iters=args.iters, device=device, barrier=barrier)
+    link_GBps = _link_bandwidth(dtype, H, W, device, timing)
 
-    # the links' ceiling: a large all_to_all_single (64 MiB to every peer)
-    rows = (64 << 20) // (H * dtype.itemsize)
-    big = torch.randn(rows * W, H, device=device).to(dtype)
-    big_out = torch.empty_like(big)
-    ms = median(time_fn(lambda: dist.all_to_all_single(big_out, big), **timing)) if W > 1 else 0
-    ms = over_ranks(ms, device)
-    link_GBps = rows * (W - 1) * H * dtype.itemsize / (ms * 1e6) if W > 1 else float("nan")
+    ceiling_reason = _ceiling_unavailable_reason(device, W)
+    buffers = None
+    if ceiling_reason is None:
+        from epmoe.bench import ceiling
 
-    records = []
-    for T in args.tokens:
+        words = _ceiling_words(args.tokens, K, W, [wire_row_bytes(H, w) for w in wires])
+        buffers = ceiling.ReceiveBuffers(words, group, device)
+    ctx = dict(
+        group=group,
+        rank=rank,
+        profile=args.profile,
+        shape=dict(W=W, H=H, K=K, E=E, dtype=args.dtype),
+        timing=timing,
+        ceiling=buffers,
+        ceiling_reason=ceiling_reason,
+    )
+    records: list[dict] = []
+    for T in progress(args.tokens, "comm"):
         sim = RoutingSimulator(num_experts=E, top_k=K, seed=rank)
         weights, ids = sim.sample(T, device=device)
         x = torch.randn(T, H, device=device).to(dtype)
-        spec = CommSpec(
-            hidden_size=H,
-            top_k=K,
-            rank_offsets=placement.rank_offsets,
-            max_num_tokens=T,
-            dtype=dtype,
-            device=device,
-        )
-        for entry in args.backends:
-            name, layout_name = entry.split(":")
-            layout = Layout(layout_name)
-            comm = create_backend(name, spec, group, layout)
-            rec = _measure(comm, x, ids, weights, placement, timing)
-            if args.profile:
-                _profile(comm, x, ids, weights, rank, f"{entry} T={T}")
-            comm.close()
-            rec.update(backend=name, layout=layout.value, W=W, T=T, H=H, K=K, E=E)
-            rec.update(dtype=args.dtype, link_GBps=link_GBps)
-            records.append(rec)
-    if rank == 0:
-        print(
-            format_table(
-                records,
-                [
-                    "backend",
-                    "layout",
-                    "W",
-                    "T",
-                    "dispatch_us",
-                    "combine_us",
-                    "a2a_us",
-                    "dispatch_vs_a2a",
-                    "combine_vs_a2a",
-                    "dispatch_recv_GBps",
-                    "combine_recv_GBps",
-                    "link_GBps",
-                ],
+        ctx["a2a"] = {}  # (layout, row bytes) -> (ms, rows), shared by backends of one T
+        for wire in wires:
+            records += _ceiling_records(wire, ids, placement, ctx)
+            spec = CommSpec(
+                hidden_size=H,
+                top_k=K,
+                rank_offsets=placement.rank_offsets,
+                max_num_tokens=T,
+                dtype=dtype,
+                device=device,
+                dispatch_dtype=None if wire == dtype else wire,
             )
-        )
+            for entry in args.backends:
+                records += _backend_records(entry, spec, x, ids, weights, placement, ctx)
+    if buffers is not None:
+        buffers.close()
+    for rec in records:
+        rec["link_GBps"] = link_GBps
+    if rank == 0:
+        print(table([r for r in records if r["kind"] == "comm"], COMM_COLUMNS))
+        print()
+        print(table([r for r in records if r["kind"] == "ceiling"], CEILING_COLUMNS))
+        print(f"\nlink: a 64 MiB-per-peer all_to_all_single sends {link_GBps:.0f} GB/s per rank")
+        print("goals (the symm_ll issue):")
+        for line in goal_summary(records):
+            print("  " + line)
     if group is not None:
         dist.destroy_process_group()
     return records if rank == 0 else None

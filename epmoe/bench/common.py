@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from epmoe.distributed import default_device
+
 T = TypeVar("T")
 
 
@@ -90,7 +92,9 @@ def median(xs: Iterable[float]) -> float:
 
 
 def _default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """Where the benchmark's tensors live: ``epmoe.distributed.default_device`` (CPU for a
+    gloo world, else the current CUDA device with its index, else CPU)."""
+    return default_device()
 
 
 def machine_info() -> dict[str, Any]:

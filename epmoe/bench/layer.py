@@ -9,14 +9,30 @@ Shape legend: T tokens per rank · H hidden · I intermediate · E experts · K 
 · R redundant slots. Defaults are DeepSeek-V3-like (E=256, K=8, H=7168, I=2048, bf16, T = 128
 and 4096 per rank); ``--small`` (automatic without CUDA) shrinks them for a CPU run.
 
-Part ``layer``, per available (backend, layout) and T, on uniformly random routing:
+Part ``layer``, per ``--backends`` entry (default ``all_to_all symm_ll``; unavailable ones
+are recorded as skipped) and T, with DeepSeek-V3 routing (``--routing``: sigmoid scores,
+top-4 of 8 expert groups, routed scaling 2.5) on random logits. The layer runs as a serving
+loop calls it, with the step's token bound (``max_tokens_across_ranks=T``: no agreement
+all-reduce), on a few input batches in turn; one record per mode:
 
-* ``layer_us``: ``EPMoE.forward`` (route, place, dispatch, experts, combine; chunked as the
-  layer chunks), the slowest rank's median;
-* ``comm_us``: the same chunks' dispatch + combine alone (expert outputs replaced by the
-  dispatched rows);
-* ``experts_us``: the local experts alone on the first chunk's dispatched rows, times the
-  number of chunks (``chunks``; exact when it is 1).
+* ``eager``: ``EPMoE.forward`` from Python;
+* ``graph`` (graph-safe backends on CUDA): the forward captured once in a CUDA graph with
+  static inputs (after eager warm-up on a side stream), replayed with each batch copied into
+  the static inputs first (the copies are not timed); ``graph_vs_eager`` is the relative
+  difference from the eager output of the same batch.
+
+Each record: ``layer_us`` (the slowest rank's median step), ``kernels`` and ``memops``
+(device kernels and memcpy/memset operations of one forward, counted by ``torch.profiler``;
+in a graph, those of one replay), ``weights_read_us`` (the local experts' w13 + w2 bytes,
+``weights_GB``, at the device copy bandwidth of a large ``copy_`` measured in the same run,
+``copy_GBps``, read + write; once per chunk), ``dispatch_us`` and ``combine_us`` (the same
+backend at the same T and mode, alone: ``epmoe.bench.comm``'s measurement on the layer's
+own backend, the experts replaced by the identity; ``comm_us`` their sum), and
+``ratio = layer_us / (weights_read_us + dispatch_us + combine_us)``: how far the step is
+from reading the weights once plus moving the tokens. The issue's goal is ``ratio ≤ 1.15``
+at T = 128, H = 7168, K = 8 (``goal``: met / missed). Eager records also have
+``experts_us``: the local experts alone on the first chunk's dispatched rows, times the
+number of chunks (``chunks``; exact when it is 1).
 
 Part ``eplb`` (the issue's benchmark (b)), per T and ``--hot`` layout: a layer on the
 linear placement under Zipf(α) routing (``--alpha``, default 1.2; the popular experts
@@ -32,20 +48,34 @@ on the new placement (``bal_after``, out of sample), the planner's expectation, 
 migration time (slowest rank), what moved over the network (``moved_MB``, ``experts_moved``:
 expert copies received, all ranks) and the slots whose content changed (``slots_changed``,
 local copies included), the re-plan time, and the relative difference of the outputs
-before and after (the same weights, so only summation order differs).
+before and after (the same weights, so only summation order differs). Part eplb scores
+with softmax, ungrouped: the Zipf model of ``RoutingSimulator`` samples ungrouped top-k.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import epmoe
+from epmoe.bench.comm import (
+    at_goal_shape,
+    backend_skip_reason,
+    capture_agreed,
+    graph_unavailable_reason,
+    measure_dispatch_combine,
+    table,
+    time_phases,
+    verdict,
+    warm_up_on_side_stream,
+)
 from epmoe.bench.common import (
     distributed_setup,
     format_table,
@@ -54,23 +84,38 @@ from epmoe.bench.common import (
     progress,
     time_fn,
 )
-from epmoe.comm import available_backends, backend_class
 from epmoe.comm.base import Layout
 from epmoe.eplb.manager import EPLBManager, measured_balancedness
 from epmoe.reference import relative_error
 from epmoe.routing import RoutingSimulator
 
 SMALL = dict(num_experts=16, top_k=4, hidden=128, intermediate=64, tokens=[16, 64])
+# EPMoE routing options of part layer; DeepSeek-V3: sigmoid scores, top-4 of 8 groups
+ROUTINGS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(
+        scoring_func="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5
+    ),
+    "softmax": dict(scoring_func="softmax"),
+}
+LAYER_GOAL_RATIO = 1.15  # layer step / (weights read + dispatch + combine), at the goal shape
+NUM_BATCHES = 4  # input batches a timed loop cycles through
 LAYER_COLUMNS = [
     "backend",
     "layout",
     "experts",
+    "mode",
     "W",
     "T",
     "chunks",
     "layer_us",
-    "comm_us",
+    "kernels",
+    "weights_read_us",
+    "dispatch_us",
+    "combine_us",
+    "ratio",
+    "goal",
     "experts_us",
+    "note",
 ]
 EPLB_COLUMNS = [
     "backend",
@@ -105,8 +150,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--backends",
         nargs="+",
+        default=["all_to_all", "symm_ll"],
+        help="part layer: backend names, or name:layout pairs (a name alone: its default layout)",
+    )
+    p.add_argument(
+        "--routing",
+        default="deepseek_v3",
+        choices=sorted(ROUTINGS),
+        help="part layer's scoring: deepseek_v3 (sigmoid, top-4 of 8 expert groups; E must "
+        "be a multiple of 8) or plain softmax",
+    )
+    p.add_argument(
+        "--max-num-tokens",
+        type=int,
         default=None,
-        help="name:layout pairs for part layer (default: every available backend and layout)",
+        help="part layer: EPMoE's max_num_tokens (M_max; default: the backend's limit or the "
+        "layer's default chunk)",
     )
     p.add_argument("--eplb-backend", default="auto", help="backend of part eplb")
     p.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of part eplb")
@@ -141,7 +200,9 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]] | None:
         rows = _layer_part(cfg, group, rank, W, device, timing, args)
         records += rows
         if rank == 0:
-            print(format_table(rows, LAYER_COLUMNS))
+            print(table(rows, LAYER_COLUMNS))
+            for line in _goal_lines(rows):
+                print(line)
     if "eplb" in args.parts:
         rows = _eplb_part(cfg, group, rank, W, device, timing, args)
         records += rows
@@ -210,66 +271,127 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _pairs(args, device, group) -> list[tuple[str, Layout]]:
-    if args.backends:
-        return [(e.split(":")[0], Layout(e.split(":")[1])) for e in args.backends]
+def _entries(args) -> list[tuple[str, Layout | None]]:
+    """``--backends`` as (name, layout or None: the backend's default)."""
     out = []
-    for name, reason in available_backends(device, group).items():
-        if reason is None:
-            layouts = backend_class(name).capabilities.layouts
-            out += [(name, lay) for lay in sorted(layouts, key=lambda v: v.value, reverse=True)]
+    for entry in args.backends:
+        name, _, layout = entry.partition(":")
+        out.append((name, Layout(layout) if layout else None))
     return out
+
+
+def _copy_bandwidth(device: torch.device, timing: dict[str, Any]) -> float:
+    """Device copy bandwidth, bytes read + written per second, of a large ``copy_``
+    (1 GiB on CUDA, 64 MiB on the CPU); the slowest rank's."""
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = over_ranks(median(time_fn(lambda: dst.copy_(src), **timing)), device)
+    return 2 * n / (ms * 1e-3)
+
+
+def count_device_ops(fn: Callable[[], Any], device: torch.device) -> tuple[int, int] | None:
+    """``(kernels, memops)``: device kernels and memcpy/memset operations that one call of
+    ``fn`` runs, as ``torch.profiler`` (CUPTI) records them; ``None`` without CUDA or when
+    it records none (as a profiler that does not trace inside CUDA graphs would)."""
+    if device.type != "cuda":
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    names = [
+        e.name
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    if not names:
+        return None
+    memops = sum(n.startswith(("Memcpy", "Memset")) for n in names)
+    return len(names) - memops, memops
+
+
+def layer_ratio(
+    layer_us: float, weights_read_us: float, dispatch_us: float, combine_us: float
+) -> float:
+    """``layer_us / (weights_read_us + dispatch_us + combine_us)``: the step against reading
+    the local weights once and moving the tokens (1.0 = nothing else costs time)."""
+    return layer_us / (weights_read_us + dispatch_us + combine_us)
 
 
 # ------------------------------------------------------------------------------ part layer
 
 
 def _layer_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any]]:
+    copy_bw = _copy_bandwidth(device, timing)
     records = []
-    for name, layout in progress(_pairs(args, device, group), "layer"):
-        layer = _make_layer(cfg, group, device, args, backend=name, layout=layout)
+    for name, layout in progress(_entries(args), "layer"):
+        reason = backend_skip_reason(name, layout, None, device, group)
+        if reason is not None:
+            layout_name = layout.value if layout is not None else "-"
+            records.append(
+                dict(kind="layer", backend=name, layout=layout_name, W=W, note=f"skipped: {reason}")
+            )
+            continue
+        layer = _make_layer(
+            cfg,
+            group,
+            device,
+            args,
+            backend=name,
+            layout=layout,
+            max_num_tokens=args.max_num_tokens,
+            **ROUTINGS[args.routing],
+        )
         for T in cfg["tokens"]:
-            records.append(_time_layer(layer, T, cfg, rank, W, device, timing, args))
+            records += _time_layer(layer, T, cfg, rank, W, device, timing, args, copy_bw)
         layer.comm.close()
         del layer
         _free(device)
     return records
 
 
-def _time_layer(layer, T, cfg, rank, W, device, timing, args) -> dict[str, Any]:
+def _time_layer(layer, T, cfg, rank, W, device, timing, args, copy_bw) -> list[dict[str, Any]]:
+    """The eager and graph records of ``layer`` at T tokens per rank."""
     E, K, H, dtype = cfg["E"], cfg["K"], cfg["H"], cfg["dtype"]
     sim = RoutingSimulator(E, K, seed=args.seed)
     gen = torch.Generator().manual_seed(args.seed + 7919 * rank + T)
-    x = (torch.randn(T, H, generator=gen) * 0.5).to(device, dtype)
-    logits = sim.router_logits(T, step=1000 * rank + T, device=device)
-    layer_ms = median(time_fn(lambda: layer(x, logits), **timing))
+    batches = [
+        (
+            (torch.randn(T, H, generator=gen) * 0.5).to(device, dtype),
+            sim.router_logits(T, step=1000 * rank + 100 * T + i, device=device),
+        )
+        for i in range(NUM_BATCHES)
+    ]
+    batch_cycle = itertools.cycle(batches)
 
-    weights_TK, ids_TK = layer.route(logits)
+    def step(x_TH: torch.Tensor, logits_TE: torch.Tensor) -> torch.Tensor:
+        return layer(x_TH, logits_TE, max_tokens_across_ranks=T)
+
     M = layer.max_num_tokens
     chunks = max(math.ceil(T / M), 1)  # T is the same on every rank here
+    loop = dict(warmup=timing["warmup"], iters=timing["iters"], device=device)
+    (eager_ms,) = time_phases([lambda: step(*next(batch_cycle))], before=timing["barrier"], **loop)
 
-    def comm_only() -> None:
-        for c in range(chunks):
-            s = slice(c * M, (c + 1) * M)
-            result = layer.comm.dispatch(x[s], ids_TK[s], weights_TK[s])
-            layer.comm.combine(result.hidden, result)
+    # the backend alone on the first chunk of batch 0 (times the number of chunks)
+    x0_TH, logits0_TE = batches[0]
+    weights_TK, ids_TK = layer.route(logits0_TE)
+    comm = measure_dispatch_combine(layer.comm, x0_TH[:M], ids_TK[:M], weights_TK[:M], timing)
+    result = layer.comm.dispatch(x0_TH[:M], ids_TK[:M], weights_TK[:M])
+    experts_ms = median(time_fn(lambda: layer.experts(result, layer.expert_weights()), **loop))
+    layer.comm.combine(layer.experts(result, layer.expert_weights()).to(dtype), result)
+    eager_ops = count_device_ops(lambda: step(x0_TH, logits0_TE), device)
 
-    comm_ms = median(time_fn(comm_only, **timing))
-    result = layer.comm.dispatch(x[:M], ids_TK[:M], weights_TK[:M])
-    experts_ms = median(
-        time_fn(
-            lambda: layer.experts(result, layer.expert_weights()),
-            warmup=timing["warmup"],
-            iters=timing["iters"],
-            device=device,
-        )
-    )
-    layer.comm.combine(layer.experts(result, layer.expert_weights()), result)
-    return dict(
+    weight_bytes = sum(t.numel() * t.element_size() for t in (layer.w13, layer.w2))
+    weights_read_us = chunks * weight_bytes / copy_bw * 1e6
+    base = dict(
         kind="layer",
         backend=layer.comm.name,
         layout=layer.comm.layout.value,
         experts=layer.experts.name,
+        routing=args.routing,
         W=W,
         T=T,
         E=E,
@@ -278,10 +400,91 @@ def _time_layer(layer, T, cfg, rank, W, device, timing, args) -> dict[str, Any]:
         I=cfg["I"],
         dtype=cfg["dtype_name"],
         chunks=chunks,
-        layer_us=over_ranks(layer_ms, device) * 1e3,
-        comm_us=over_ranks(comm_ms, device) * 1e3,
-        experts_us=over_ranks(experts_ms * chunks, device) * 1e3,
+        max_num_tokens=M,
+        sms=getattr(layer.comm, "num_sms", None),
+        weights_GB=weight_bytes / 1e9,
+        copy_GBps=copy_bw / 1e9,
+        weights_read_us=weights_read_us,
     )
+    eager = dict(base, mode="eager", experts_us=over_ranks(experts_ms * chunks, device) * 1e3)
+    _fill(eager, over_ranks(median(eager_ms), device), comm["eager"], chunks, eager_ops, device)
+
+    graph = dict(base, mode="graph")
+    reason = graph_unavailable_reason(layer.comm) or _graph_comm_reason(comm["graph"])
+    if reason is None:
+        reason = _time_layer_graph(graph, step, batches, comm, chunks, timing, device)
+    if reason is not None:
+        graph["note"] = f"n/a: {reason}"
+    return [eager, graph]
+
+
+def _graph_comm_reason(comm_graph: tuple[float, float] | str) -> str | None:
+    """Why the layer is not captured when its backend's own capture failed."""
+    if isinstance(comm_graph, str):
+        return f"the backend alone: {comm_graph.removeprefix('n/a: ')}"
+    return None
+
+
+def _time_layer_graph(rec, step, batches, comm, chunks, timing, device) -> str | None:
+    """Capture ``step`` on static inputs, replay it with each batch copied in, and fill
+    ``rec``; returns why it could not (the same answer on every rank) or ``None``."""
+    x_TH, logits_TE = (t.clone() for t in batches[0])
+
+    def capture() -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        warm_up_on_side_stream(lambda: step(x_TH, logits_TE), timing["warmup"])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out_TH = step(x_TH, logits_TE)
+        return graph, out_TH
+
+    captured, reason = capture_agreed(capture, device)
+    if captured is None:
+        return reason
+    graph, out_TH = captured
+    batch_cycle = itertools.cycle(batches)
+
+    def load_next() -> None:
+        x_new, logits_new = next(batch_cycle)
+        x_TH.copy_(x_new)
+        logits_TE.copy_(logits_new)
+        if timing["barrier"] is not None:
+            timing["barrier"]()
+
+    loop = dict(warmup=timing["warmup"], iters=timing["iters"], device=device)
+    (graph_ms,) = time_phases([graph.replay], before=load_next, **loop)
+    for t, src in zip((x_TH, logits_TE), batches[0]):
+        t.copy_(src)
+    graph.replay()
+    replayed_TH = out_TH.clone()
+    ops = count_device_ops(graph.replay, device)
+    rec["graph_vs_eager"] = over_ranks(relative_error(replayed_TH, step(*batches[0])), device)
+    _fill(rec, over_ranks(median(graph_ms), device), comm["graph"], chunks, ops, device)
+    return None
+
+
+def _fill(rec, layer_ms, comm_ms, chunks, ops, device) -> None:
+    """Add the step, comm, ratio, goal and op-count fields of one mode to ``rec``."""
+    d_us, c_us = (over_ranks(v, device) * 1e3 * chunks for v in comm_ms)
+    rec.update(layer_us=layer_ms * 1e3, dispatch_us=d_us, combine_us=c_us, comm_us=d_us + c_us)
+    rec["ratio"] = layer_ratio(rec["layer_us"], rec["weights_read_us"], d_us, c_us)
+    if at_goal_shape(rec["T"], rec["H"], rec["K"]):
+        rec["goal"] = verdict(rec["ratio"], LAYER_GOAL_RATIO)
+    if ops is not None:
+        rec["kernels"], rec["memops"] = ops
+
+
+def _goal_lines(records: list[dict[str, Any]]) -> list[str]:
+    """One line per record the issue's layer goal applies to."""
+    lines = []
+    for r in records:
+        if "goal" in r:
+            lines.append(
+                f"goal {r['backend']}:{r['layout']} {r['mode']} T={r['T']}: step "
+                f"{r['layer_us']:.0f} µs / (weights {r['weights_read_us']:.0f} + dispatch "
+                f"{r['dispatch_us']:.1f} + combine {r['combine_us']:.1f} µs) = "
+                f"{r['ratio']:.3f}, goal ≤ {LAYER_GOAL_RATIO}: {r['goal']}"
+            )
+    return lines
 
 
 # ------------------------------------------------------------------------------ part eplb

@@ -1,0 +1,289 @@
+"""The comm and layer benchmarks on one CPU process: their arithmetic (wire bytes, goals,
+ratios), the peer-store ceiling's messages and kernel, and tiny end-to-end CLI runs that
+must degrade to "n/a" records where CUDA is needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from epmoe.bench import comm, layer
+from epmoe.comm.base import DispatchResult, Layout
+from epmoe.reference import relative_error
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+
+
+def test_wire_row_bytes_bf16_and_fp8_rows_with_scales():
+    assert comm.wire_row_bytes(7168, BF16) == 14336
+    assert comm.wire_row_bytes(7168, FP8) == 7168 + 56 * 4  # 7392: rows + 56 float32 scales
+    assert comm.wire_row_bytes(7168, torch.float32) == 28672
+    assert comm.wire_row_bytes(200, FP8) == 200 + 2 * 4  # a partial last group has a scale
+
+
+def test_comm_goals_apply_at_the_issue_shape_only():
+    shape = (128, 7168, 8)
+    assert comm.comm_goal_us("dispatch", "graph", "float8_e4m3fn", *shape) == 10.0
+    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", *shape) == 13.0
+    assert comm.comm_goal_us("combine", "graph", "float8_e4m3fn", *shape) == 15.0
+    assert comm.comm_goal_us("combine", "graph", "bfloat16", *shape) == 15.0
+    assert comm.comm_goal_us("dispatch", "eager", "float8_e4m3fn", *shape) == 31.0
+    assert comm.comm_goal_us("combine", "eager", "bfloat16", *shape) == 41.0
+    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", 512, 7168, 8) is None
+    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", 128, 4096, 8) is None
+    assert comm.verdict(13.0, 13.0) == "met"
+    assert comm.verdict(13.01, 13.0) == "missed"
+
+
+def test_goal_columns_and_summary():
+    rec = dict(kind="comm", backend="symm_ll", layout="expert_batched", wire="bfloat16",
+               mode="graph", T=128, H=7168, K=8, dispatch_us=12.0, combine_us=16.0)  # fmt: skip
+    comm._add_goals(rec, "graph", "bfloat16", 128, 7168, 8)
+    assert (rec["dispatch_goal"], rec["combine_goal"], rec["goal"]) == (
+        "met",
+        "missed",
+        "met/missed",
+    )
+    skipped = dict(kind="comm", backend="symm_ll", layout="expert_batched", wire="float8_e4m3fn",
+                   mode="-", T=128, H=7168, K=8, note="skipped: why")  # fmt: skip
+    lines = comm.goal_summary([rec, skipped])
+    assert "bfloat16 graph dispatch: 12.0 µs, goal ≤ 13 µs: met" in lines[0]
+    assert "combine: 16.0 µs, goal ≤ 15 µs: missed" in lines[1]
+    assert lines[2].endswith("skipped: why")
+    assert "no record at T=128" in comm.goal_summary([dict(rec, T=1)])[0]
+
+
+def test_layer_ratio_and_its_goal():
+    assert layer.layer_ratio(3450.0, 2700.0, 150.0, 150.0) == pytest.approx(1.15)
+    rec = dict(T=128, H=7168, K=8, weights_read_us=2700.0)
+    layer._fill(rec, 3.4, (0.15, 0.15), 1, (40, 3), torch.device("cpu"))
+    assert rec["ratio"] == pytest.approx(3400 / 3000)
+    assert (rec["goal"], rec["kernels"], rec["memops"]) == ("met", 40, 3)
+    rec = dict(T=4096, H=7168, K=8, weights_read_us=2700.0)
+    layer._fill(rec, 9.0, (0.5, 0.5), 2, None, torch.device("cpu"))
+    assert rec["dispatch_us"] == pytest.approx(1000.0)  # per chunk × chunks
+    assert "goal" not in rec and "kernels" not in rec
+
+
+def test_identity_expert_out_makes_combine_return_x_times_the_weight_sum():
+    """Standard rows are weighted by their local router weights (the experts' partial
+    sums); ExpertBatched rows go as they are; FP8 rows are scaled back."""
+    rows_RH = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    standard = DispatchResult(
+        layout=Layout.STANDARD,
+        hidden=rows_RH,
+        topk_ids=torch.tensor([[0, -1], [1, 2]]),
+        topk_weights=torch.tensor([[0.5, 0.25], [0.125, 0.375]]),
+    )
+    out_RH = comm.identity_expert_out(standard, torch.float32)
+    assert torch.equal(out_RH, torch.tensor([[0.5, 1.0], [1.5, 2.0]]))
+    H = 256
+    x_eCH = torch.randn(2, 3, H)
+    scale_eCG = x_eCH.abs().reshape(2, 3, 2, 128).amax(-1) / 448
+    q_eCH = (x_eCH / scale_eCG.repeat_interleave(128, -1)).to(FP8)
+    batched = DispatchResult(Layout.EXPERT_BATCHED, q_eCH, counts=torch.tensor([3, 3]),
+                             hidden_scale=scale_eCG)  # fmt: skip
+    out_eCH = comm.identity_expert_out(batched, BF16)
+    assert out_eCH.dtype == BF16 and out_eCH.shape == (2, 3, H)
+    assert relative_error(out_eCH, x_eCH) < 0.06
+
+
+def test_time_phases_times_every_phase_of_every_iteration():
+    calls = []
+    d_ms, c_ms = comm.time_phases(
+        [lambda: calls.append("d"), lambda: calls.append("c")],
+        warmup=1,
+        iters=3,
+        device=torch.device("cpu"),
+        before=lambda: calls.append("|"),
+    )
+    assert len(d_ms) == len(c_ms) == 3 and min(d_ms + c_ms) >= 0
+    assert "".join(calls) == "dc|dc|dc|dc"
+
+
+# ------------------------------------------------------------------------------ ceiling
+
+
+@pytest.fixture(scope="module")
+def ceiling():
+    return pytest.importorskip("epmoe.bench.ceiling", reason="needs triton")
+
+
+# rank holding each selected expert of 5 tokens, K = 3, W = 3 (-1: no expert)
+OWNER_TK = torch.tensor([[0, 1, 2], [1, 1, -1], [0, 0, 0], [2, 1, 0], [-1, -1, -1]])
+
+
+def test_peer_messages_per_rank_deduplicates_and_skips_self(ceiling):
+    row, rank, slot, S = ceiling.peer_messages(OWNER_TK, 0, 3, "per_rank")
+    assert S == 5  # T slots per source rank
+    assert row.tolist() == [0, 0, 1, 3, 3]
+    assert rank.tolist() == [1, 2, 1, 1, 2]
+    assert slot.tolist() == [0, 0, 1, 2, 1]  # rank 0's region starts at 0
+    row, rank, slot, _ = ceiling.peer_messages(OWNER_TK, 1, 3, "per_rank")
+    assert row.tolist() == [0, 0, 2, 3, 3] and rank.tolist() == [0, 2, 0, 0, 2]
+    assert slot.tolist() == [5, 5, 6, 7, 6]  # rank 1's region: slots [5, 10)
+
+
+def test_peer_messages_per_expert_one_row_per_pair(ceiling):
+    row, rank, slot, S = ceiling.peer_messages(OWNER_TK, 0, 3, "per_expert")
+    assert S == 15  # T·K slots per source rank
+    assert row.tolist() == [0, 0, 1, 1, 3, 3]
+    assert rank.tolist() == [1, 2, 1, 1, 2, 1]
+    assert slot.tolist() == [0, 0, 1, 2, 1, 3]
+    with pytest.raises(ValueError, match="pattern"):
+        ceiling.peer_messages(OWNER_TK, 0, 3, "per_token")
+
+
+def test_padded_row_words_and_buffer_size(ceiling):
+    assert ceiling.padded_row_words(14336) == 3584
+    assert ceiling.padded_row_words(7392) == 1848  # 16-byte multiple already
+    assert ceiling.padded_row_words(132) == 36  # 144 bytes
+    assert comm._ceiling_words([1, 128, 512], 8, 2, [14336, 7392]) == 2 * 512 * 8 * 3584
+
+
+@pytest.mark.parametrize("B", [40, 8200], ids=["16 rows a step", "2 rows a step"])
+def test_peer_store_kernel_puts_each_row_in_its_slot(ceiling, B):
+    """The kernel (Triton interpreter on CPU) with ordinary tensors standing in for the
+    ranks' symmetric receive buffers: one program storing 16 rows a step, or two storing
+    2 rows a step over several steps."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    T, W = OWNER_TK.shape[0], 3
+    payload_TB = torch.randint(0, 256, (T, B), dtype=torch.uint8, device=device)
+    for pattern in ceiling.PATTERNS:
+        messages = ceiling.peer_messages(OWNER_TK.to(device), 0, W, pattern)
+        S, words = messages[3], ceiling.padded_row_words(B)
+        recv = [torch.zeros(W * S, words, dtype=torch.int32, device=device) for _ in range(W)]
+
+        class Buffers:  # what PeerStore reads of ReceiveBuffers
+            num_words = W * S * words
+            ptrs_W = torch.tensor([t.data_ptr() for t in recv], device=device)
+
+        store = ceiling.PeerStore(Buffers, payload_TB, messages, num_sms=2)
+        N = messages[0].numel()
+        assert store.num_programs == min(-(-N // store.msgs), 2) and store.bytes_stored == N * B
+        store.launch()
+        filled = set()
+        for t, r, s in zip(*(m.tolist() for m in messages[:3])):
+            got_B = recv[r][s].view(torch.uint8)[:B]
+            assert torch.equal(got_B, payload_TB[t]), (pattern, t, r, s)
+            filled.add((r, s))
+        for r in range(W):  # nothing else written
+            rows = [s for s in range(W * S) if (r, s) not in filled]
+            assert not recv[r][rows].any(), (pattern, r)
+
+
+def test_peer_store_kernel_stores_16_byte_vectors_on_sm90():
+    """Compiled offline for sm_90 (no GPU needed), the stores into the peer are 128-bit:
+    the alignment hint on the address loaded from the pointer table works."""
+    pytest.importorskip("triton.backends.compiler", reason="needs triton with its compiler")
+    script = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from epmoe.bench.ceiling import peer_store_kernel
+sig = {"payload_ptr": "*i32", "msg_row_ptr": "*i32", "msg_rank_ptr": "*i32",
+       "msg_slot_ptr": "*i32", "recv_ptrs_ptr": "*i64", "num_msgs": "i32",
+       "ROW_WORDS": "constexpr", "BLOCK": "constexpr", "MSGS": "constexpr"}
+src = ASTSource(peer_store_kernel, sig, constexprs={"ROW_WORDS": 1848, "BLOCK": 2048, "MSGS": 4},
+                attrs={(i,): [["tt.divisibility", 16]] for i in range(5)})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print("v4-stores" if "st.global.v4.b32" in ptx else "no-v4-stores")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=env)  # fmt: skip
+    if done.returncode != 0 and ("No such file" in done.stderr or "ptxas" in done.stderr):
+        pytest.skip(f"Triton's CUDA tools are missing: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("v4-stores") and "no-v4" not in done.stdout
+
+
+# ------------------------------------------------------------------------------ CLI runs
+
+
+def _run_bench(tmp_path, *args: str, nproc: int | None = None) -> list[dict]:
+    out = tmp_path / "records.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = ROOT
+    if nproc is None:
+        cmd = [sys.executable, "-m", "epmoe.bench", *args, "--out", str(out)]
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", str(nproc),
+               "-m", "epmoe.bench", *args, "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["machine"]["torch"] == torch.__version__
+    return data["records"]
+
+
+TINY_COMM = ["comm", "--tokens", "4", "--hidden", "256", "--num-experts", "8", "--top-k", "2",
+             "--iters", "2", "--warmup", "1"]  # fmt: skip
+
+
+def _check_tiny_comm(records: list[dict], W: int, hidden: torch.dtype) -> None:
+    rows = [r for r in records if r["kind"] == "comm"]
+    measured = [r for r in rows if r["mode"] == "eager"]
+    H, size = 256, hidden.itemsize
+    for wire, row_bytes in ((comm.dtype_name(hidden), H * size), ("float8_e4m3fn", H + 2 * 4)):
+        got = [r for r in measured if r["wire"] == wire]
+        assert {(r["backend"], r["layout"]) for r in got} >= {("all_to_all", "standard")}
+        for r in got:
+            assert r["W"] == W and r["T"] == 4 and r["dispatch_us"] > 0 and r["combine_us"] > 0
+            assert r["a2a_us"] > 0 and r["sms"] is None
+            assert r["roundtrip_error"] < (6e-2 if wire == "float8_e4m3fn" else 1e-2)
+            assert r["dispatch_MB"] == pytest.approx(r["recv_rows"] * row_bytes / 1e6)
+            assert r["combine_MB"] == pytest.approx(r["recv_rows"] * H * size / 1e6)
+    graphs = [r for r in rows if r["mode"] == "graph"]
+    assert graphs and all(r["note"] == "n/a: CUDA graphs need CUDA" for r in graphs)
+    symm = [r for r in rows if r["backend"] == "symm_ll"]
+    assert len(symm) == 2 and all(r["note"].startswith("skipped: ") for r in symm)
+    ceilings = [r for r in records if r["kind"] == "ceiling"]
+    assert len(ceilings) == 2 and all(r["note"].startswith("n/a: ") for r in ceilings)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU degradation path")
+def test_comm_cli_tiny_on_one_cpu_process(tmp_path):
+    _check_tiny_comm(_run_bench(tmp_path, *TINY_COMM), W=1, hidden=BF16)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU degradation path")
+def test_comm_cli_tiny_on_two_gloo_ranks(tmp_path):
+    _check_tiny_comm(_run_bench(tmp_path, *TINY_COMM, "--dtype", "float32",
+                                "--dispatch-dtypes", "float32", "float8_e4m3fn",
+                                nproc=2), W=2, hidden=torch.float32)  # fmt: skip
+
+
+def test_wire_dtypes_are_the_hidden_dtype_or_fp8():
+    args = argparse.Namespace(dispatch_dtypes=["float16"])
+    with pytest.raises(ValueError, match="hidden dtype"):
+        comm._wire_dtypes(args, BF16)
+    args.dispatch_dtypes = None
+    assert comm._wire_dtypes(args, BF16) == [BF16, FP8]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU degradation path")
+def test_layer_cli_tiny_on_one_cpu_process(tmp_path):
+    records = _run_bench(tmp_path, "layer", "--tokens", "4", "--num-experts", "8", "--top-k",
+                         "2", "--hidden", "64", "--intermediate", "32", "--iters", "2",
+                         "--warmup", "1", "--parts", "layer")  # fmt: skip
+    eager, graph, symm = records
+    assert (eager["backend"], eager["layout"], eager["mode"]) == ("all_to_all", "standard", "eager")
+    assert eager["routing"] == "deepseek_v3" and eager["experts"] == "torch"
+    weight_bytes = 8 * 4 * (2 * 32 * 64 + 64 * 32)  # all 8 experts local, float32 w13 + w2
+    assert eager["weights_GB"] == pytest.approx(weight_bytes / 1e9)
+    assert eager["weights_read_us"] == pytest.approx(weight_bytes / (eager["copy_GBps"] * 1e3))
+    floor = eager["weights_read_us"] + eager["dispatch_us"] + eager["combine_us"]
+    assert eager["ratio"] == pytest.approx(eager["layer_us"] / floor)
+    assert eager["experts_us"] > 0 and "kernels" not in eager and "goal" not in eager
+    assert graph["mode"] == "graph" and graph["note"] == "n/a: CUDA graphs need CUDA"
+    assert symm["backend"] == "symm_ll" and symm["note"].startswith("skipped: ")
