@@ -12,6 +12,7 @@ graph-safe backend (``Capabilities.graph_safe``) and experts (Triton, ExpertBatc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Mapping
 
@@ -19,7 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm import backend_class, backend_names, create_backend, resolve_backend
+from epmoe.comm import (
+    available_backends,
+    backend_class,
+    backend_names,
+    create_backend,
+    resolve_backend,
+)
 from epmoe.comm._collectives import agree_max, world_of
 from epmoe.comm.base import FP8_DTYPE, AllToAll, CommSpec, DispatchResult, Layout
 from epmoe.distributed import default_device, normalize_device
@@ -158,6 +165,13 @@ class EPMoE(nn.Module):
             layout = Layout(layout)
         _check_group_device(group, self.device)
         self.comm = self._create_comm(backend, layout, max_num_tokens, dispatch_dtype)
+        # backend="auto" with a graph-safe fixed-buffer backend at hand (symm_ll on one
+        # NVLink node): steps whose largest T fits its buffers (decode) go there, larger
+        # ones (prefill) to self.comm
+        self.decode_comm: AllToAll | None = None
+        self.decode_max_tokens = 0
+        if backend == "auto":
+            self._create_decode_comm(layout, max_num_tokens, dispatch_dtype)
         self.experts = create_experts(experts, activation, self.device)
 
         e = placement.num_local(self.rank)
@@ -203,7 +217,10 @@ class EPMoE(nn.Module):
         backend for this layer's :class:`CommSpec` (collective when the backend allocates
         shared buffers). FP8 dispatch that the backend cannot serve raises ``ValueError``
         naming ``dispatch_dtype`` and the backends that offer it."""
-        backend_cls = resolve_backend(backend, self.device, self.group, layout)
+        if backend == "auto":
+            backend_cls = self._auto_classes(layout, dispatch_dtype)[0]
+        else:
+            backend_cls = resolve_backend(backend, self.device, self.group, layout)
         if layout is None:
             layouts = backend_cls.capabilities.layouts
             layout = Layout.STANDARD if Layout.STANDARD in layouts else next(iter(layouts))
@@ -230,19 +247,94 @@ class EPMoE(nn.Module):
             raise _no_fp8_dispatch(backend_cls.name)
         return backend_cls(spec, self.group, layout)
 
+    def _auto_classes(
+        self, layout: Layout | None, dispatch_dtype: torch.dtype | None
+    ) -> tuple[type[AllToAll], type[AllToAll] | None]:
+        """``auto``'s choice: the first backend (registry order) that runs here, offers
+        ``layout`` and sizes its buffers per call (any batch), and the first graph-safe one
+        with fixed buffers (decode), or ``None``. Their preference order is the registry's."""
+        probe = CommSpec(
+            hidden_size=self.hidden_size,
+            top_k=self.top_k,
+            rank_offsets=self.placement.rank_offsets,
+            max_num_tokens=1,
+            dtype=self.params_dtype,
+            device=self.device,
+            dispatch_dtype=dispatch_dtype,
+        )
+        usable = []
+        for name, why in available_backends(self.device, self.group, probe).items():
+            if why is None:
+                cls = backend_class(name)
+                if layout is None or layout in cls.capabilities.layouts:
+                    usable.append(cls)
+        general = [c for c in usable if c.capabilities.default_max_tokens is None]
+        if not general:
+            # none can serve this layer: the first that runs here builds it, and its
+            # constructor (or the FP8 check) raises the specific error, with the fix
+            runs = [
+                backend_class(n)
+                for n, why in available_backends(self.device, self.group).items()
+                if why is None
+            ]
+            if not runs:  # nothing runs here at all: the error lists every reason
+                return resolve_backend("auto", self.device, self.group, layout), None
+            unbounded = [c for c in runs if c.capabilities.default_max_tokens is None]
+            return (unbounded or runs)[0], None
+        decode = [
+            c for c in usable if c.capabilities.graph_safe and c.capabilities.default_max_tokens
+        ]
+        return general[0], (decode[0] if decode else None)
+
+    def _create_decode_comm(
+        self,
+        layout: Layout | None,
+        max_num_tokens: int | None,
+        dispatch_dtype: torch.dtype | None,
+    ) -> None:
+        """Build ``self.decode_comm`` when ``auto`` found a graph-safe fixed-buffer backend
+        (see ``__init__``); its M_max is ``max_num_tokens`` or the backend's default."""
+        decode_cls = self._auto_classes(layout, dispatch_dtype)[1]
+        if decode_cls is None or decode_cls is type(self.comm):
+            return
+        caps = decode_cls.capabilities
+        M = min(max_num_tokens or caps.default_max_tokens, caps.max_num_tokens or 1 << 62)
+        spec = self.comm.spec.with_offsets(self.placement.rank_offsets)
+        spec = dataclasses.replace(spec, max_num_tokens=M)
+        if decode_cls.supports(spec) is not None:
+            return
+        dlayout = layout or next(iter(caps.layouts))
+        self.decode_comm = decode_cls(spec, self.group, dlayout)
+        self.decode_max_tokens = M
+
+    def _comm_for(self, max_tokens: int) -> tuple[AllToAll, int]:
+        """The backend of a step whose largest T over the group is ``max_tokens``, with its
+        chunk size: the decode backend when the step fits its buffers, else ``self.comm``.
+        Every rank passes the same ``max_tokens``, so every rank picks the same."""
+        if self.decode_comm is not None and max_tokens <= self.decode_max_tokens:
+            return self.decode_comm, self.decode_max_tokens
+        if not self.comm.capabilities.graph_safe and _capturing(self.device):
+            fits = (
+                f"; steps of at most {self.decode_max_tokens} tokens per rank use the "
+                f"graph-safe {self.decode_comm.name!r}"
+                if self.decode_comm is not None
+                else "; build the layer with a graph-safe backend (e.g. backend='symm_ll')"
+            )
+            raise RuntimeError(
+                f"a CUDA graph is being captured but backend {self.comm.name!r} is not graph "
+                f"safe (max_tokens_across_ranks={max_tokens}){fits}"
+            )
+        return self.comm, self.max_num_tokens
+
     def _rebind_comm(self, rank_offsets: tuple[int, ...]) -> None:
         """Move the backend to a placement with other ``rank_offsets``, keeping it (and its
         buffers) when it can: ``rebind``; a backend that refuses (its fixed buffers are too
         small for the new largest e, or it cannot rebind) is closed and replaced by a fresh
         one of the same name and layout (collective, like its first construction: every
         rank takes the same branch, since all hold the same placement)."""
-        try:
-            self.comm.rebind(rank_offsets)
-        except (ValueError, NotImplementedError):
-            name, layout = self.comm.name, self.comm.layout
-            spec = self.comm.spec.with_offsets(rank_offsets)
-            self.comm.close()
-            self.comm = create_backend(name, spec, self.group, layout)
+        self.comm = _rebound(self.comm, rank_offsets, self.group)
+        if self.decode_comm is not None:
+            self.decode_comm = _rebound(self.decode_comm, rank_offsets, self.group)
 
     @property
     def dispatch_dtype(self) -> torch.dtype | None:
@@ -272,10 +364,12 @@ class EPMoE(nn.Module):
         ``placement``: another E or W, or a slot layout its backend cannot serve. Pure: a
         re-plan calls it on every rank before any weight moves."""
         self._check_placement_shape(placement)
-        spec = self.comm.spec.with_offsets(placement.rank_offsets)
-        reason = self.comm.supports(spec)
-        if reason is not None:
-            raise ValueError(f"backend {self.comm.name!r} cannot serve the new placement: {reason}")
+        for comm in (self.comm, self.decode_comm):
+            if comm is None:
+                continue
+            reason = comm.supports(comm.spec.with_offsets(placement.rank_offsets))
+            if reason is not None:
+                raise ValueError(f"backend {comm.name!r} cannot serve the new placement: {reason}")
 
     @property
     def weights_loaded(self) -> bool:
@@ -430,8 +524,10 @@ class EPMoE(nn.Module):
         graph-safe backend and experts). The caller guarantees every rank's input is valid,
         and ``router_logits`` must be on the layer's device.
         """
-        num_chunks = self._num_chunks(hidden_states, router_logits, max_tokens_across_ranks)
-        T, M = hidden_states.shape[0], self.max_num_tokens
+        max_T = self._step_tokens(hidden_states, router_logits, max_tokens_across_ranks)
+        comm, M = self._comm_for(max_T)
+        num_chunks = max(math.ceil(max_T / M), 1)
+        T = hidden_states.shape[0]
 
         # route → place (device only; the recorder counts into its device-side ring)
         x_TH = hidden_states.to(self.params_dtype)
@@ -447,43 +543,40 @@ class EPMoE(nn.Module):
         outs, shared_TH = [], None
         for c in range(num_chunks):
             lo, hi = min(c * M, T), min((c + 1) * M, T)
-            pending = self.comm.dispatch_async(x_TH[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
+            pending = comm.dispatch_async(x_TH[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
             if c == 0 and self.shared_experts is not None:
                 shared_TH = self.shared_experts(hidden_states)
-            outs.append(self._experts_and_combine(pending.wait()))
+            outs.append(self._experts_and_combine(comm, pending.wait()))
         out_TH = outs[0] if len(outs) == 1 else torch.cat(outs)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH.to(out_TH.dtype)
         return out_TH.to(hidden_states.dtype)
 
-    def _experts_and_combine(self, result: DispatchResult) -> torch.Tensor:
+    def _experts_and_combine(self, comm: AllToAll, result: DispatchResult) -> torch.Tensor:
         """The local experts on one dispatch's rows, then the combine: ``[T_chunk, H]`` in
         ``params_dtype``."""
         expert_out = self.experts(result, self.expert_weights())
         if expert_out.dtype != self.params_dtype:  # FP8 rows come out in the experts' dtype
             expert_out = expert_out.to(self.params_dtype)
-        return self.comm.combine(expert_out, result)
+        return comm.combine(expert_out, result)
 
-    def _num_chunks(
+    def _step_tokens(
         self,
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor,
         max_tokens_across_ranks: int | None,
     ) -> int:
-        """How many chunks every rank of the group runs this step (at least one), after
-        checking this rank's inputs; see :meth:`forward`."""
+        """The largest T of any rank of the group this step, after checking this rank's
+        inputs; it decides the backend and the number of chunks (see :meth:`forward`)."""
         error = self._input_error(hidden_states, router_logits)
-        M = self.max_num_tokens
         if max_tokens_across_ranks is not None:  # graph-safe path: no collective, no sync
             if error is None:
                 error = self._hint_error(hidden_states, router_logits, max_tokens_across_ranks)
             if error is not None:
                 raise error
-            return max(math.ceil(max_tokens_across_ranks / M), 1)
+            return max_tokens_across_ranks
         T = hidden_states.shape[0] if error is None else 0
-        num_chunks, failed = agree_max(
-            (math.ceil(T / M), int(error is not None)), self.group, self.device
-        )
+        max_T, failed = agree_max((T, int(error is not None)), self.group, self.device)
         if error is not None:
             raise error
         if failed:
@@ -492,7 +585,7 @@ class EPMoE(nn.Module):
                 "own error says why); this rank stopped too so that no rank is left "
                 "waiting in a collective"
             )
-        return max(num_chunks, 1)
+        return max_T
 
     def _hint_error(
         self, hidden_states, router_logits, max_tokens_across_ranks
@@ -569,7 +662,30 @@ class EPMoE(nn.Module):
             f"local={self.placement.num_local(self.rank)}, backend={self.comm.name}, "
             f"layout={self.comm.layout.value}, experts={self.experts.name}"
             + (f", dispatch_dtype={self.dispatch_dtype}" if self.dispatch_dtype else "")
+            + (
+                f", decode_backend={self.decode_comm.name} (T <= {self.decode_max_tokens})"
+                if self.decode_comm is not None
+                else ""
+            )
         )
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _rebound(comm: AllToAll, rank_offsets: tuple[int, ...], group) -> AllToAll:
+    """``comm`` moved to ``rank_offsets`` (``rebind``, keeping its buffers), or, when it
+    refuses (fixed buffers too small for the new largest e, or no rebind), a fresh backend
+    of the same name and layout with the old one closed. Collective like a construction:
+    every rank takes the same branch, since all hold the same placement."""
+    try:
+        comm.rebind(rank_offsets)
+        return comm
+    except (ValueError, NotImplementedError):
+        spec = comm.spec.with_offsets(rank_offsets)
+        comm.close()
+        return create_backend(comm.name, spec, group, comm.layout)
 
 
 def _check_group_device(group: dist.ProcessGroup | None, device: torch.device) -> None:

@@ -214,8 +214,14 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"epmoe demo: {world} rank(s) on {device.type}, {cfg.num_layers} MoE layers, "
             f"E={cfg.num_experts} top-{cfg.top_k}, H={cfg.hidden_size}, {dtype}, "
-            f"backend={moes[0].comm.name} ({moes[0].comm.layout.value}), "
-            f"experts={moes[0].experts.name}, placement={cfg.placement}"
+            f"backend={moes[0].comm.name} ({moes[0].comm.layout.value})"
+            + (
+                f" + {moes[0].decode_comm.name} for steps of <= {moes[0].decode_max_tokens} "
+                "tokens/rank"
+                if moes[0].decode_comm is not None
+                else ""
+            )
+            + f", experts={moes[0].experts.name}, placement={cfg.placement}"
         )
         print(
             f"  served      {tokens} tokens in {cfg.steps - 2} timed steps: "

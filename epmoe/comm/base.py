@@ -144,6 +144,9 @@ class Capabilities:
     fp8_dispatch: bool = False  # CommSpec.dispatch_dtype = torch.float8_e4m3fn
     # dispatch results the caller may hold before their combine; None: no limit
     max_in_flight: int | None = None
+    # fixed buffers sized for M_max tokens per rank: the M_max a layer picks when the user
+    # sets none (None: the backend sizes its buffers per call and any chunk size goes)
+    default_max_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import torch
 import epmoe
 import epmoe.comm
 from epmoe.comm import backend_class, backend_names
+from epmoe.comm.all_to_all import AllToAllBackend
+from epmoe.comm.base import Layout
 from epmoe.comm.naive import NaiveBackend
 from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb import migration
@@ -251,3 +253,43 @@ def test_devices_have_one_spelling():
         assert default_device() == torch.device("cpu")
     layer = epmoe.EPMoE(8, 2, 16, 8, params_dtype=torch.float32, device="cpu:0")
     assert layer.device == torch.device("cpu")  # so CPU inputs (device "cpu") are accepted
+
+
+class _FixedBufferBackend(AllToAllBackend):
+    """Stands in for symm_ll in ``auto``'s choice: graph safe with fixed buffers of
+    ``default_max_tokens`` (the transfers are all_to_all's; the test checks the routing)."""
+
+    capabilities = dataclasses.replace(
+        AllToAllBackend.capabilities,
+        layouts=frozenset({Layout.EXPERT_BATCHED}),
+        graph_safe=True,
+        default_max_tokens=4,
+    )
+    calls: list[str] = []
+
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK):
+        _FixedBufferBackend.calls.append(f"fixed T={hidden_TH.shape[0]}")
+        return super().dispatch_async(hidden_TH, topk_ids_TK, topk_weights_TK)
+
+
+def test_auto_sends_decode_steps_to_the_fixed_buffer_backend_and_prefill_elsewhere(monkeypatch):
+    """``auto`` builds a graph-safe fixed-buffer backend beside the general one: steps whose
+    largest T fits its buffers run there, larger ones on the general backend, unchunked."""
+    registry = {"fixed": f"{__name__}:_FixedBufferBackend", **epmoe.comm._BACKENDS}
+    monkeypatch.setattr(epmoe.comm, "_BACKENDS", registry)
+    _FixedBufferBackend.calls = []
+    layer, w13, w2 = layer_and_weights()
+    assert layer.comm.name == "all_to_all"
+    assert isinstance(layer.decode_comm, _FixedBufferBackend) and layer.decode_max_tokens == 4
+    assert "decode_backend" in repr(layer)
+    E, K, H = 8, 2, 16
+    for T in (0, 3, 4, 9):
+        x, logits = torch.randn(T, H), torch.randn(T, E)
+        out = layer(x, logits)
+        w, ids = epmoe.select_experts(logits, K)
+        assert_close(out, epmoe.reference.moe(x, w13, w2, w, ids), 1e-5, name=f"T={T}")
+    # T = 0, 3, 4 fit the fixed buffers; T = 9 goes to all_to_all in one chunk
+    assert _FixedBufferBackend.calls == ["fixed T=0", "fixed T=3", "fixed T=4"]
+    # a named backend gets no decode twin
+    named, *_ = layer_and_weights(backend="all_to_all")
+    assert named.decode_comm is None

@@ -235,6 +235,7 @@ class SymmLLBackend(AllToAll):
         graph_safe=True,
         fp8_dispatch=True,
         max_in_flight=_NUM_PARITIES,
+        default_max_tokens=256,  # decode batches; larger ones go to a prefill backend
     )
 
     @classmethod
