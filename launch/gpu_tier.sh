@@ -41,13 +41,13 @@ for s in "${STEPS[@]}"; do
         step env 60 bash -c 'nvidia-smi; nvidia-smi topo -m; python3 -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)"'
         ;;
     tests)
-        step tests_gpu 300 env EPMOE_TEST_DEVICE=cuda python3 -m pytest -q tests/gpu tests/distributed -p no:cacheprovider
+        step tests_gpu 480 env EPMOE_TEST_DEVICE=cuda python3 -m pytest -q tests/gpu tests/distributed -p no:cacheprovider
         ;;
     demo)
         step demo 180 python3 launch/demo.py --nproc "$NGPU" --hidden-size 1024 --intermediate-size 512 --num-experts 64 --top-k 6 --max-batch 512 --steps 40
         ;;
     comm)
-        step comm 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm --tokens 128 4096 --profile --out "$OUT/comm.json"
+        step comm 240 python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm --tokens 1 128 512 --out "$OUT/comm.json"
         ;;
     experts)  # the kernels' own one-GPU script (tests, tiling sweep, baselines)
         step experts 400 bash -c 'OUT=/tmp/kernels bash launch/gpu_kernels.sh; for f in summary.txt bench.json tuned_configs.json logs.tar.gz; do cp "/tmp/kernels/$f" "$0/kernels_$f"; done' "$OUT"
