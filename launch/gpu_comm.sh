@@ -6,12 +6,7 @@
 #   OUT=results/gpu bash launch/gpu_comm.sh [STEP ...]   steps: comm layer tests (default all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-results/gpu}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export EPMOE_TRITON_AUTOTUNE="${EPMOE_TRITON_AUTOTUNE:-0}"
-NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+source launch/gpu_env.sh
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(comm layer tests)
 status=0

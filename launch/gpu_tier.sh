@@ -8,14 +8,8 @@
 # Each step runs even if an earlier one failed; the exit code says whether all passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-results/gpu}"
+source launch/gpu_env.sh
 LOGS="$(mktemp -d)"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Triton tilings come from the shipped tables or heuristics: no autotune pauses mid-run
-export EPMOE_TRITON_AUTOTUNE="${EPMOE_TRITON_AUTOTUNE:-0}"
-NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(env tests demo comm experts layer)
 REPORT="$OUT/report.md"

@@ -117,6 +117,19 @@ def _peer_ptr(bases_ptr, rank, byte_offset, dtype: tl.constexpr):
 
 
 @triton.jit
+def _route_token(ids_ptr, owner_ptr, t64, P, K: tl.constexpr, kk, k_mask, rr):
+    """Token ``t64``'s routing, read the same way by the dispatch (which ranks get it) and
+    the combine (which ranks send a row back): ``ids [BLOCK_K]`` int32 as given,
+    ``valid`` (an expert in ``[0, P)``), ``owner`` (its rank, -1 when not valid) and
+    ``has_W [BLOCK_W]`` (1 where rank r holds one of the token's experts)."""
+    ids = tl.load(ids_ptr + t64 * K + kk, mask=k_mask, other=-1).to(tl.int32)
+    valid = k_mask & (ids >= 0) & (ids < P)
+    owner = tl.where(valid, tl.load(owner_ptr + tl.where(valid, ids, 0), mask=valid, other=0), -1)
+    has_W = tl.max((owner[None, :] == rr[:, None]).to(tl.int32), 1)
+    return ids, valid, owner, has_W
+
+
+@triton.jit
 def _quantize_fp8(
     x, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr
 ):
@@ -186,16 +199,12 @@ def ll_dispatch_send_kernel(
         )
     if t < T:
         t64 = tl.cast(t, tl.int64)
-        ids = tl.load(ids_ptr + t64 * K + kk, mask=k_mask, other=-1).to(tl.int32)
+        ids, valid, owner, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
         bad = k_mask & ((ids < -1) | (ids >= P))
         if tl.max(bad.to(tl.int32)) > 0:
             _report(err_addr, ERR_EXPERT_ID, OP_DISPATCH, src)
-        valid = k_mask & (ids >= 0) & (ids < P)
-        ids = tl.where(valid, ids, 0)
-        owner = tl.where(valid, tl.load(owner_ptr + ids, mask=valid, other=0), -1)
         local = ids - tl.load(offsets_ptr + tl.maximum(owner, 0), mask=valid, other=0)
         wts = tl.load(w_ptr + t64 * K + kk, mask=k_mask, other=0.0)
-        has_W = tl.max((owner[None, :] == rr[:, None]).to(tl.int32), 1)  # [BLOCK_W]
         row = tl.cast(src, tl.int64) * M + t64  # this token's row in every receiver's tok_*
         # routing metadata to every rank (-1 where the rank holds none of the experts)
         for r in range(W):
@@ -411,12 +420,7 @@ def ll_combine_recv_kernel(
         _wait_at_least(flags + W + r, 1, timeout_ns, err_addr, OP_COMBINE, r)
     if t < T:
         t64 = tl.cast(t, tl.int64)
-        ids = tl.load(ids_ptr + t64 * K + kk, mask=k_mask, other=-1).to(tl.int32)
-        valid = k_mask & (ids >= 0) & (ids < P)
-        owner = tl.where(
-            valid, tl.load(owner_ptr + tl.where(valid, ids, 0), mask=valid, other=0), -1
-        )
-        has_W = tl.max((owner[None, :] == rr[:, None]).to(tl.int32), 1)  # [BLOCK_W]
+        _, _, _, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
         cflags = flags + 2 * W + W * M
         comb_y = _peer_ptr(bases_ptr, me, off_y, out_ptr.dtype.element_ty)
         for r in range(W):

@@ -1,0 +1,41 @@
+"""Compile ``symm_ll``'s kernels for sm_90 without a GPU (run as a script, outside the
+Triton interpreter): catches what only the compiler sees (globals, types, inline PTX)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from epmoe.comm.symm import kernels as k
+
+
+def _compile(fn, typed: dict[str, str], consts: dict) -> None:
+    """``typed``: pointer and 64-bit arguments; every other non-constexpr one is int32."""
+    signature = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
+    constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+    src = ASTSource(fn, signature, constexprs=constexprs, attrs={})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
+def main() -> None:
+    shared = dict(bases_ptr="*i64", err_addr="i64", timeout_ns="i64")
+    for fp8 in (False, True):
+        wire, wire_ptr = (tl.float8e4nv, "*fp8e4nv") if fp8 else (tl.bfloat16, "*bf16")
+        blocks = dict(K=8, BLOCK_K=8, BLOCK_H=8192, FP8=fp8, WIRE=wire)
+        send = dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", owner_ptr="*i32")
+        send.update(offsets_ptr="*i32", cnt_ptr="*i32", **shared)
+        quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
+        _compile(k.ll_dispatch_send_kernel, send, dict(blocks, BLOCK_W=2, BLOCK_E=256, **quant))
+        recv = dict(xo_ptr=wire_ptr, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
+        _compile(k.ll_dispatch_recv_kernel, dict(recv, recv_t_ptr="*i32", **shared), blocks)
+    csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", **shared)
+    _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192))
+    crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
+    _compile(k.ll_combine_recv_kernel, crecv, dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192))
+    print("compiled 6 symm_ll kernels for sm_90")
+
+
+if __name__ == "__main__":
+    main()
