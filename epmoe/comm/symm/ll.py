@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -494,6 +495,13 @@ class _Launcher:
                 g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
                 None, None, None, *values,
             )  # fmt: skip
-        except TypeError:  # another Triton launcher interface: keep the plain path
+        except TypeError as exc:  # another Triton launcher interface: keep the plain path
             self.direct = False
+            warnings.warn(
+                f"symm_ll: launching {getattr(self.fn, '__name__', self.fn)} through Triton's "
+                f"plain path from now on (its direct launcher refused the call: {exc}); eager "
+                "calls get slower",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             self.fn[grid](*args, num_warps=num_warps, **consts)
