@@ -22,6 +22,7 @@ _PUBLIC = {
     "Layout": "epmoe.comm.base",
     "DispatchResult": "epmoe.comm.base",
     "reference": "epmoe.reference",
+    "checkpoint": "epmoe.checkpoint",
     "EPLBManager": "epmoe.eplb.manager",
 }
 
@@ -34,13 +35,14 @@ __all__ = [
     "RoutingSimulator",
     "__version__",
     "available_backends",
+    "checkpoint",
     "init_distributed",
     "reference",
     "select_experts",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from epmoe import reference
+    from epmoe import checkpoint, reference
     from epmoe.comm import available_backends
     from epmoe.comm.base import DispatchResult, Layout
     from epmoe.distributed import init_distributed

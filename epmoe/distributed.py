@@ -29,12 +29,26 @@ SAFE_GPU_ENV = {
 _cpu_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
+# Default bound on any one collective wait (init_distributed's timeout_s). A serving step
+# takes milliseconds to seconds; the longest legitimate wait at a collective is one rank
+# still compiling its Triton kernels or capturing CUDA graphs at the first steps, or
+# loading its checkpoint shard before the layers' construction agreement: tens of seconds.
+# A minute covers those and still surfaces a rank that stopped within a minute instead of
+# torch's 10 (NCCL) or 30 (gloo) minutes. Pass a larger timeout_s for slow checkpoint loads.
+DEFAULT_TIMEOUT_S = 60.0
+
+
 def init_distributed(
-    backend: str | None = None, timeout_s: float = 300
+    backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> dist.ProcessGroup | None:
     """Initialise torch.distributed from the torchrun environment; returns the WORLD group.
 
     ``backend``: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
+    ``timeout_s``: how long any collective (and the rendezvous) may wait for the other
+    ranks, 60 s by default (see ``DEFAULT_TIMEOUT_S``). On gloo a collective that runs out
+    raises; the layer's agreement re-raises it naming the operation and the ranks that did
+    not arrive. On NCCL the process group's watchdog aborts the process after it, naming
+    the collective.
     Without torchrun's variables (a plain ``python script.py``) nothing is initialised and
     ``None`` is returned: every epmoe API then runs as a single process. Calling it again
     returns the existing group. On CUDA the device ``LOCAL_RANK`` is made current first.

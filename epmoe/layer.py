@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe.agreement import LayerAgreement, describe_placement
 from epmoe.comm import (
     available_backends,
     backend_class,
@@ -27,14 +28,14 @@ from epmoe.comm import (
     create_backend,
     resolve_backend,
 )
-from epmoe.comm._collectives import agree_max, world_of
+from epmoe.comm._collectives import world_of
 from epmoe.comm.base import FP8_DTYPE, AllToAll, CommSpec, DispatchResult, Layout
 from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb.recorder import LoadRecorder
 from epmoe.experts import ExpertWeights, create_experts
 from epmoe.experts.base import check_activation
 from epmoe.placement import ExpertPlacement
-from epmoe.routing import select_experts
+from epmoe.routing import RoutingFunction, select_experts
 
 # Tokens per dispatch when max_num_tokens is None and the backend sets no limit of its
 # own: transports without fixed buffers still chunk so that a prefill of any length runs
@@ -45,6 +46,33 @@ DEFAULT_CHUNK_TOKENS = {Layout.STANDARD: 8192, Layout.EXPERT_BATCHED: 1024}
 # Per-slot tensors that follow the placement (``[e, ...]`` each, slot order), in migration
 # order; the scales exist only for FP8 weights.
 SLOT_TENSORS = ("w13", "w2", "w13_scale", "w2_scale")
+
+
+@dataclasses.dataclass(frozen=True)
+class _CommPlan:
+    """A backend chosen and checked for a spec, not built yet (building can be collective:
+    the layer builds it after every rank agreed on the configuration)."""
+
+    cls: type[AllToAll]
+    spec: CommSpec
+    layout: Layout
+
+    def check(self) -> None:
+        """The checks of ``AllToAll.__init__`` (layout, ``supports``), run before the
+        construction agreement so that a refusal is agreed, not met inside a collective."""
+        caps = self.cls.capabilities
+        if self.layout not in caps.layouts:
+            raise ValueError(
+                f"backend {self.cls.name!r} does not produce layout {self.layout.value!r}; it "
+                f"offers {sorted(x.value for x in caps.layouts)}"
+            )
+        reason = self.cls.supports(self.spec)
+        if reason is not None:
+            err = TypeError if self.spec.dtype not in caps.dtypes else ValueError
+            raise err(f"backend {self.cls.name!r} cannot serve this layer: {reason}")
+
+    def build(self, group: dist.ProcessGroup | None) -> AllToAll:
+        return self.cls(self.spec, group, self.layout)
 
 
 class EPMoE(nn.Module):
@@ -59,6 +87,20 @@ class EPMoE(nn.Module):
     Weights start unset: call ``load_experts(w13, w2)`` with the full logical weights (each
     rank keeps its shard), or ``load_expert(expert_id, w13_e, w2_e)`` expert by expert.
 
+    Collective checks (:mod:`epmoe.agreement`): construction is collective over ``group``.
+    Each rank checks its arguments, then the ranks agree, with one small all-gather and
+    before any backend is built, that they built the same layer (sizes, placement, backend
+    and layout, dtypes, activation, routing options, chunk size, ...): a rank's bad argument
+    raises its own error there and an error naming it on the others; a difference raises
+    ``ValueError`` on every rank naming each field and which ranks hold which value.
+    ``forward`` (without ``max_tokens_across_ranks``) and ``rebalance`` agree the same way,
+    on the operation, the layer's index and its call count: a rank that meets the others'
+    call with another one (it skipped a forward of this layer or a rebalance, or made an
+    extra call) is named on every rank.
+
+    ``params_dtype=torch.float64`` computes in float64 throughout (torch experts; the Triton
+    experts refuse it); the router weights are float32 as ``select_experts`` returns them.
+
     Keyword-only options:
         layout: ``"standard"`` or ``"expert_batched"`` (``None``: the backend's first).
         shared_experts: a module applied to the input and added to the output; it runs
@@ -69,6 +111,10 @@ class EPMoE(nn.Module):
             ``torch.float8_e4m3fn``: rows travel as FP8 with float32 scales per 128
             columns, the experts consume the scales, combine stays in ``params_dtype``.
             Needs a backend with ``Capabilities.fp8_dispatch``.
+        custom_routing_function: ``fn(router_logits, top_k, renormalize) -> (weights [T, K],
+            ids [T, K])`` replacing the built-in routing (see ``select_experts``). Its ids
+            must lie in ``[-1, E)`` (``-1``: no expert); ids out of range raise on every
+            rank in that forward (checked on the device, read with the agreement).
     """
 
     def __init__(
@@ -98,82 +144,162 @@ class EPMoE(nn.Module):
         prefer_local_replica: bool = False,
         load_window: int | None = None,
         dispatch_dtype: torch.dtype | None = None,
+        custom_routing_function: RoutingFunction | None = None,
     ) -> None:
         super().__init__()
-        for name, value in [
-            ("num_experts", num_experts),
-            ("top_k", top_k),
-            ("hidden_size", hidden_size),
-            ("intermediate_size", intermediate_size),
-        ]:
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if top_k > num_experts:
-            raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
-        if apply_router_weight_on_input and top_k != 1:
-            raise ValueError(
-                "apply_router_weight_on_input=True scales the input by the router weight, "
-                f"which is only defined for top_k=1 (got top_k={top_k}); set it to False"
-            )
-        if max_num_tokens is not None and (
-            not isinstance(max_num_tokens, int) or max_num_tokens <= 0
-        ):
-            raise ValueError(
-                f"max_num_tokens must be a positive int or None, got {max_num_tokens!r}"
-            )
-        self.num_experts, self.top_k = num_experts, top_k
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.activation = check_activation(activation)
-        self.routing = dict(
-            renormalize=renormalize,
-            scoring_func=scoring_func,
-            num_expert_group=num_expert_group,
-            topk_group=topk_group,
-            routed_scaling_factor=routed_scaling_factor,
-        )
-        self.apply_router_weight_on_input = apply_router_weight_on_input
-        self.params_dtype = params_dtype
-        self.prefer_local_replica = prefer_local_replica
-        self.shared_experts = shared_experts
-
         if group is None and dist.is_available() and dist.is_initialized():
             group = dist.group.WORLD
         self.group = group
         self.rank, self.ep_size = world_of(group)
-        self.device = normalize_device(device) if device is not None else default_device(group)
-
-        if isinstance(placement, str):
-            builders = {
-                "linear": ExpertPlacement.linear,
-                "round_robin": ExpertPlacement.round_robin,
-            }
-            if placement not in builders:
+        # Every argument is checked and the backend chosen first; then one small all-gather
+        # agrees with the other ranks on the configuration (epmoe.agreement) before any
+        # backend is built (building one can be collective): one rank's bad argument or
+        # other configuration raises on every rank instead of hanging or crashing.
+        self._agreement = LayerAgreement(group)
+        try:
+            for name, value in [
+                ("num_experts", num_experts),
+                ("top_k", top_k),
+                ("hidden_size", hidden_size),
+                ("intermediate_size", intermediate_size),
+            ]:
+                if not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if top_k > num_experts:
+                raise ValueError(f"top_k={top_k} exceeds num_experts={num_experts}")
+            for name, value in [
+                ("apply_router_weight_on_input", apply_router_weight_on_input),
+                ("prefer_local_replica", prefer_local_replica),
+            ]:
+                if not isinstance(value, bool):
+                    raise TypeError(f"{name} must be True or False, got {value!r}")
+            if apply_router_weight_on_input and top_k != 1:
                 raise ValueError(
-                    f"placement must be 'linear', 'round_robin' or an ExpertPlacement, got "
-                    f"{placement!r} (build balanced ones with ExpertPlacement.balanced)"
+                    "apply_router_weight_on_input=True scales the input by the router weight, "
+                    f"which is only defined for top_k=1 (got top_k={top_k}); set it to False"
                 )
-            placement = builders[placement](num_experts, self.ep_size)
-        self._check_placement_shape(placement)
-        self.placement = placement
-        # build the device maps now, so no forward (or graph capture) copies them over
-        placement.maps_on(self.device)
+            if max_num_tokens is not None and (
+                isinstance(max_num_tokens, bool)
+                or not isinstance(max_num_tokens, int)
+                or max_num_tokens <= 0
+            ):
+                raise ValueError(
+                    f"max_num_tokens must be a positive int or None, got {max_num_tokens!r}"
+                )
+            if not isinstance(params_dtype, torch.dtype):
+                raise TypeError(
+                    f"params_dtype must be a torch.dtype (e.g. torch.bfloat16), got "
+                    f"{params_dtype!r}"
+                )
+            if shared_experts is not None and not callable(shared_experts):
+                raise TypeError(
+                    "shared_experts must be a module (or callable) applied to the input, or "
+                    f"None, got {type(shared_experts).__name__}"
+                )
+            self.num_experts, self.top_k = num_experts, top_k
+            self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+            self.activation = check_activation(activation)
+            self.routing = dict(
+                renormalize=renormalize,
+                scoring_func=scoring_func,
+                num_expert_group=num_expert_group,
+                topk_group=topk_group,
+                routed_scaling_factor=routed_scaling_factor,
+                custom_routing_function=custom_routing_function,
+            )
+            self.apply_router_weight_on_input = apply_router_weight_on_input
+            self.params_dtype = params_dtype
+            self.prefer_local_replica = prefer_local_replica
+            self.shared_experts = shared_experts
+            if device is not None:
+                self.device = normalize_device(device)
+            else:
+                self.device = default_device(group)
 
-        if isinstance(layout, str):
-            choices = [x.value for x in Layout]
-            if layout not in choices:
-                raise ValueError(f"layout must be one of {choices} or None, got {layout!r}")
-            layout = Layout(layout)
-        _check_group_device(group, self.device)
-        self.comm = self._create_comm(backend, layout, max_num_tokens, dispatch_dtype)
-        # backend="auto" with a graph-safe fixed-buffer backend at hand (symm_ll on one
-        # NVLink node): steps whose largest T fits its buffers (decode) go there, larger
-        # ones (prefill) to self.comm
+            placement_name = placement if isinstance(placement, str) else None
+            if isinstance(placement, str):
+                builders = {
+                    "linear": ExpertPlacement.linear,
+                    "round_robin": ExpertPlacement.round_robin,
+                }
+                if placement not in builders:
+                    raise ValueError(
+                        f"placement must be 'linear', 'round_robin' or an ExpertPlacement, got "
+                        f"{placement!r} (build balanced ones with ExpertPlacement.balanced)"
+                    )
+                placement = builders[placement](num_experts, self.ep_size)
+            self._check_placement_shape(placement)
+            self.placement = placement
+            # build the device maps now, so no forward (or graph capture) copies them over
+            placement.maps_on(self.device)
+
+            if isinstance(layout, str):
+                choices = [x.value for x in Layout]
+                if layout not in choices:
+                    raise ValueError(f"layout must be one of {choices} or None, got {layout!r}")
+                layout = Layout(layout)
+            _check_group_device(group, self.device)
+            comm_plan = self._plan_comm(backend, layout, max_num_tokens, dispatch_dtype)
+            # backend="auto" with a graph-safe fixed-buffer backend at hand (symm_ll on one
+            # NVLink node): steps whose largest T fits its buffers (decode) go there, larger
+            # ones (prefill) to self.comm
+            decode_plan = None
+            if backend == "auto":
+                decode_plan = self._plan_decode_comm(
+                    comm_plan, layout, max_num_tokens, dispatch_dtype
+                )
+            self.experts = create_experts(experts, activation, self.device, params_dtype)
+
+            if e_score_correction_bias is not None:
+                bias = e_score_correction_bias
+                if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+                    raise TypeError(
+                        "e_score_correction_bias must be a floating-point tensor [E], got "
+                        + (
+                            f"{bias.dtype}"
+                            if isinstance(bias, torch.Tensor)
+                            else type(bias).__name__
+                        )
+                    )
+                if bool(torch.isnan(bias).any()):  # once, at construction
+                    raise ValueError(
+                        "e_score_correction_bias holds NaN; experts can only be chosen with "
+                        "finite biases (-inf switches an expert off)"
+                    )
+                if e_score_correction_bias.shape != (num_experts,):
+                    raise ValueError(
+                        f"e_score_correction_bias must be [E={num_experts}], got "
+                        f"{tuple(e_score_correction_bias.shape)}"
+                    )
+                e_score_correction_bias = e_score_correction_bias.to(self.device, torch.float32)
+            self.register_buffer("e_score_correction_bias", e_score_correction_bias)
+            # check the routing options now rather than at the first forward (T = 0 is cheap)
+            select_experts(
+                torch.empty(0, num_experts, device=self.device),
+                top_k,
+                e_score_correction_bias=e_score_correction_bias,
+                **self.routing,
+            )
+            # EPLB: tokens per physical expert over the last `load_window` forwards
+            # (device-side)
+            self.load_recorder = (
+                LoadRecorder(placement.num_physical, load_window, self.device)
+                if load_window is not None
+                else None
+            )
+            fields = self._fingerprint(placement_name, comm_plan, decode_plan, load_window)
+        except Exception as exc:
+            # the agreement raises it here, and on the other ranks an error naming this one
+            self._agreement.construction(None, exc, default_device(group))
+            raise
+        self._agreement.construction(fields, None, default_device(group))
+
+        self.comm = comm_plan.build(group)
         self.decode_comm: AllToAll | None = None
         self.decode_max_tokens = 0
-        if backend == "auto":
-            self._create_decode_comm(layout, max_num_tokens, dispatch_dtype)
-        self.experts = create_experts(experts, activation, self.device)
-
+        if decode_plan is not None:
+            self.decode_comm = decode_plan.build(group)
+            self.decode_max_tokens = decode_plan.spec.max_num_tokens
         e = placement.num_local(self.rank)
         factory = dict(dtype=params_dtype, device=self.device)
         self.w13 = nn.Parameter(
@@ -182,41 +308,59 @@ class EPMoE(nn.Module):
         self.w2 = nn.Parameter(
             torch.empty(e, hidden_size, intermediate_size, **factory), requires_grad=False
         )
-        if e_score_correction_bias is not None:
-            if e_score_correction_bias.shape != (num_experts,):
-                raise ValueError(
-                    f"e_score_correction_bias must be [E={num_experts}], got "
-                    f"{tuple(e_score_correction_bias.shape)}"
-                )
-            e_score_correction_bias = e_score_correction_bias.to(self.device, torch.float32)
-        self.register_buffer("e_score_correction_bias", e_score_correction_bias)
-        # check the routing options now rather than at the first forward (T = 0 is cheap)
-        select_experts(
-            torch.empty(0, num_experts, device=self.device),
-            top_k,
-            e_score_correction_bias=e_score_correction_bias,
-            **self.routing,
-        )
         self._loaded = [False] * e  # per local slot; host bookkeeping, never on the device
-        # EPLB: tokens per physical expert over the last `load_window` forwards (device-side)
-        self.load_recorder = (
-            LoadRecorder(placement.num_physical, load_window, self.device)
-            if load_window is not None
-            else None
-        )
+
+    def _fingerprint(
+        self,
+        placement_name: str | None,
+        comm_plan: _CommPlan,
+        decode_plan: _CommPlan | None,
+        load_window: int | None,
+    ) -> dict[str, str]:
+        """What every rank of the group must build alike, as text by field (the
+        construction agreement compares their digests and shows the texts that differ)."""
+        bias = self.e_score_correction_bias
+        routing = dict(self.routing)
+        fn = routing.pop("custom_routing_function")
+        if fn is not None:
+            name = getattr(fn, "__qualname__", type(fn).__qualname__)
+            routing["custom_routing_function"] = f"{getattr(fn, '__module__', '?')}.{name}"
+        return {
+            "num_experts": repr(self.num_experts),
+            "top_k": repr(self.top_k),
+            "hidden_size": repr(self.hidden_size),
+            "intermediate_size": repr(self.intermediate_size),
+            "placement": describe_placement(self.placement, placement_name),
+            "backend": repr(comm_plan.cls.name),
+            "layout": repr(comm_plan.layout.value),
+            "max_num_tokens": repr(self.max_num_tokens),
+            "decode_backend": (
+                "None"
+                if decode_plan is None
+                else f"{decode_plan.cls.name!r} (T <= {decode_plan.spec.max_num_tokens})"
+            ),
+            "params_dtype": str(self.params_dtype),
+            "dispatch_dtype": str(comm_plan.spec.dispatch_dtype),
+            "activation": repr(self.activation),
+            "routing": repr(routing),
+            "e_score_correction_bias": "None" if bias is None else repr(bias.tolist()),
+            "apply_router_weight_on_input": repr(self.apply_router_weight_on_input),
+            "load_window": repr(load_window),
+        }
 
     # ---------------------------------------------------------------- backend
-    def _create_comm(
+    def _plan_comm(
         self,
         backend: str,
         layout: Layout | None,
         max_num_tokens: int | None,
         dispatch_dtype: torch.dtype | None,
-    ) -> AllToAll:
-        """Choose the backend, size the chunks (``self.max_num_tokens``, M_max) and build the
-        backend for this layer's :class:`CommSpec` (collective when the backend allocates
-        shared buffers). FP8 dispatch that the backend cannot serve raises ``ValueError``
-        naming ``dispatch_dtype`` and the backends that offer it."""
+    ) -> _CommPlan:
+        """Choose the backend, size the chunks (``self.max_num_tokens``, M_max) and check
+        that it can serve this layer's :class:`CommSpec`, building nothing (the layer builds
+        it after the construction agreement: building can be collective). FP8 dispatch that
+        the backend cannot serve raises ``ValueError`` naming ``dispatch_dtype`` and the
+        backends that offer it."""
         if backend == "auto":
             backend_cls = self._auto_classes(layout, dispatch_dtype)[0]
         else:
@@ -240,12 +384,14 @@ class EPMoE(nn.Module):
         )
         if backend == "auto" and backend_cls.supports(spec) is not None:
             # the first backend that runs here cannot serve this spec: choose with it; when
-            # none can, the first one's constructor (or the FP8 check) says why, with the fix
+            # none can, the first one's checks (or the FP8 check) say why, with the fix
             with contextlib.suppress(RuntimeError):
                 backend_cls = resolve_backend("auto", self.device, self.group, layout, spec)
         if spec.fp8_dispatch and not backend_cls.capabilities.fp8_dispatch:
             raise _no_fp8_dispatch(backend_cls.name)
-        return backend_cls(spec, self.group, layout)
+        plan = _CommPlan(backend_cls, spec, layout)
+        plan.check()
+        return plan
 
     def _auto_classes(
         self, layout: Layout | None, dispatch_dtype: torch.dtype | None
@@ -286,26 +432,25 @@ class EPMoE(nn.Module):
         ]
         return general[0], (decode[0] if decode else None)
 
-    def _create_decode_comm(
+    def _plan_decode_comm(
         self,
+        comm_plan: _CommPlan,
         layout: Layout | None,
         max_num_tokens: int | None,
         dispatch_dtype: torch.dtype | None,
-    ) -> None:
-        """Build ``self.decode_comm`` when ``auto`` found a graph-safe fixed-buffer backend
-        (see ``__init__``); its M_max is ``max_num_tokens`` or the backend's default."""
+    ) -> _CommPlan | None:
+        """The decode backend's plan when ``auto`` found a graph-safe fixed-buffer backend
+        other than ``comm_plan``'s (see ``__init__``); its M_max is ``max_num_tokens`` or the
+        backend's default."""
         decode_cls = self._auto_classes(layout, dispatch_dtype)[1]
-        if decode_cls is None or decode_cls is type(self.comm):
-            return
+        if decode_cls is None or decode_cls is comm_plan.cls:
+            return None
         caps = decode_cls.capabilities
         M = min(max_num_tokens or caps.default_max_tokens, caps.max_num_tokens or 1 << 62)
-        spec = self.comm.spec.with_offsets(self.placement.rank_offsets)
-        spec = dataclasses.replace(spec, max_num_tokens=M)
+        spec = dataclasses.replace(comm_plan.spec, max_num_tokens=M)
         if decode_cls.supports(spec) is not None:
-            return
-        dlayout = layout or next(iter(caps.layouts))
-        self.decode_comm = decode_cls(spec, self.group, dlayout)
-        self.decode_max_tokens = M
+            return None
+        return _CommPlan(decode_cls, spec, layout or next(iter(caps.layouts)))
 
     def _comm_for(self, max_tokens: int) -> tuple[AllToAll, int]:
         """The backend of a step whose largest T over the group is ``max_tokens``, with its
@@ -443,6 +588,7 @@ class EPMoE(nn.Module):
         """Take the full logical weights (``w13 [E, 2I, H]``, ``w2 [E, H, I]``, on any
         device) and keep this rank's shard, replicas included. Not collective."""
         E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        _check_weights("load_experts", w13=w13, w2=w2)
         if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
             raise ValueError(
                 f"load_experts wants w13 [E, 2I, H] = {[E, 2 * I, H]} and w2 [E, H, I] = "
@@ -457,8 +603,11 @@ class EPMoE(nn.Module):
     def load_expert(self, expert_id: int, w13_e: torch.Tensor, w2_e: torch.Tensor) -> bool:
         """Load one logical expert (``w13_e [2I, H]``, ``w2_e [H, I]``) into every local slot
         that holds it; returns whether this rank holds it. For checkpoints stored per expert."""
+        if isinstance(expert_id, bool) or not isinstance(expert_id, int):
+            raise TypeError(f"expert_id must be an int, got {expert_id!r}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert_id}")
+        _check_weights("load_expert", w13_e=w13_e, w2_e=w2_e)
         if tuple(w13_e.shape) != tuple(self.w13.shape[1:]) or tuple(w2_e.shape) != tuple(
             self.w2.shape[1:]
         ):
@@ -478,28 +627,64 @@ class EPMoE(nn.Module):
         weights whose slots change (point-to-point between ranks), then install the new
         placement, weights and backend binding (see :meth:`_swap_placement`). Collective
         over the EP group; outputs before and after are the same. Returns this rank's
-        :class:`~epmoe.eplb.migration.MigrationStats`."""
+        :class:`~epmoe.eplb.migration.MigrationStats`.
+
+        Before any weight moves, the ranks agree (:mod:`epmoe.agreement`): a rank whose
+        :meth:`check_placement` fails raises its error and names itself on the others, a
+        rank that holds another placement raises ``ValueError`` on every rank naming the
+        ranks and their placements, and a rank in another call (a skipped forward or
+        rebalance) is named on every rank."""
         from epmoe.eplb.migration import rebalance_layer
 
+        error = None
+        try:
+            self.check_placement(placement)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        fields = None if error else {"placement": describe_placement(placement)}
+        self._agreement.rebalance(fields, error, self.device)
         return rebalance_layer(self, placement)
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w13, self.w2)
 
+    # ------------------------------------------------------------------ checkpoints
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """This rank's shard plus the placement record (``<prefix>placement.*``) that
+        ``load_state_dict`` checks; see :mod:`epmoe.checkpoint`."""
+        from epmoe import checkpoint
+
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        checkpoint.save_record(self, destination, prefix)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args) -> None:
+        """Refuse a shard saved by another rank or under another placement (nothing is
+        copied); a shard that fits marks the weights loaded. See :mod:`epmoe.checkpoint`."""
+        from epmoe import checkpoint
+
+        if checkpoint.load_shard(self, super()._load_from_state_dict, state_dict, prefix, *args):
+            self._loaded = [True] * len(self._loaded)
+
     # ------------------------------------------------------------------ forward
     def route(self, router_logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router weights ``[T, K]`` float32 and *physical* expert ids ``[T, K]`` int64.
-        On the device, no host synchronisation."""
-        weights_TK, logical_TK = select_experts(
+        On the device, no host synchronisation (the ids are not range checked here)."""
+        weights_TK, logical_TK = self._select(router_logits_TE)
+        return weights_TK, self._to_physical(logical_TK)
+
+    def _select(self, router_logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router weights ``[T, K]`` float32 and *logical* expert ids ``[T, K]`` int64."""
+        return select_experts(
             router_logits_TE,
             self.top_k,
             e_score_correction_bias=self.e_score_correction_bias,
             **self.routing,
         )
-        physical_TK = self.placement.to_physical(
+
+    def _to_physical(self, logical_TK: torch.Tensor) -> torch.Tensor:
+        return self.placement.to_physical(
             logical_TK, rank=self.rank, prefer_local=self.prefer_local_replica
         )
-        return weights_TK, physical_TK
 
     def forward(
         self,
@@ -512,30 +697,46 @@ class EPMoE(nn.Module):
 
         Collective over the EP group: every rank calls it, also with ``T = 0``, and runs
         the same number of chunks of at most ``max_num_tokens`` tokens (one dispatch and
-        combine each). Without ``max_tokens_across_ranks`` the ranks agree on that number
-        (and on whether every rank's inputs are valid, so that bad input raises on all
-        ranks instead of leaving some inside a collective) with one small all-reduce, whose
-        result the host reads.
+        combine each). Without ``max_tokens_across_ranks`` every check of this rank's
+        inputs runs first (tensors, shapes, dtypes, devices, loaded weights, then the
+        routing and the range of its ids, ``[-1, E)``), and then one small all-gather
+        (:mod:`epmoe.agreement`), whose result the host reads, agrees on the chunk count
+        (the step's largest T), on whether every rank's checks passed, and on the call
+        (operation, layer index, call count): one rank's bad input, or a rank in another
+        call, raises on every rank in that same call instead of leaving some inside a
+        collective (see :mod:`epmoe.agreement` for what a skipped call looks like).
 
         ``max_tokens_across_ranks``: the largest ``T`` of any rank in the EP group this step
         (as a DP coordinator knows it; the same value on every rank). It replaces that
-        all-reduce, and the layer's own part of the forward then does no host
+        all-gather, and the layer's own part of the forward then does no host
         synchronisation and changes no Python state (CUDA-graph capturable with a
-        graph-safe backend and experts). The caller guarantees every rank's input is valid,
-        and ``router_logits`` must be on the layer's device.
+        graph-safe backend and experts). The caller guarantees every rank's input is valid
+        (ids in range included) and that every rank makes the same calls: these forwards
+        are not counted, and a rank that skips one is not detected. ``router_logits`` must
+        be on the layer's device.
         """
-        max_T = self._step_tokens(hidden_states, router_logits, max_tokens_across_ranks)
+        if max_tokens_across_ranks is None:
+            weights_TK, logical_TK, max_T = self._route_and_agree(hidden_states, router_logits)
+        else:  # graph-safe path: no collective, no host sync; raises on this rank only
+            error = self._input_error(hidden_states, router_logits) or self._hint_error(
+                hidden_states, router_logits, max_tokens_across_ranks
+            )
+            if error is not None:
+                raise error
+            max_T = max_tokens_across_ranks
+            weights_TK, logical_TK = self._select(router_logits)
         comm, M = self._comm_for(max_T)
         num_chunks = max(math.ceil(max_T / M), 1)
         T = hidden_states.shape[0]
 
-        # route → place (device only; the recorder counts into its device-side ring)
+        # place (device only; the recorder counts into its device-side ring)
         x_TH = hidden_states.to(self.params_dtype)
-        weights_TK, ids_TK = self.route(router_logits.to(self.device))
+        ids_TK = self._to_physical(logical_TK)
         if self.load_recorder is not None:
             self.load_recorder.record(ids_TK)
-        if self.apply_router_weight_on_input:
-            x_TH = (x_TH.float() * weights_TK).to(self.params_dtype)
+        if self.apply_router_weight_on_input:  # in float32, or float64 for float64 layers
+            compute = torch.promote_types(self.params_dtype, torch.float32)
+            x_TH = (x_TH.to(compute) * weights_TK).to(self.params_dtype)
             weights_TK = torch.ones_like(weights_TK)
 
         # dispatch → experts → combine, chunk by chunk (one dispatch held at a time, within
@@ -560,32 +761,43 @@ class EPMoE(nn.Module):
             expert_out = expert_out.to(self.params_dtype)
         return comm.combine(expert_out, result)
 
-    def _step_tokens(
-        self,
-        hidden_states: torch.Tensor,
-        router_logits: torch.Tensor,
-        max_tokens_across_ranks: int | None,
-    ) -> int:
-        """The largest T of any rank of the group this step, after checking this rank's
-        inputs; it decides the backend and the number of chunks (see :meth:`forward`)."""
+    def _route_and_agree(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        """Check this rank's inputs, route (router weights ``[T, K]``, logical ids
+        ``[T, K]``), flag ids outside ``[-1, E)`` on the device, then agree with the other
+        ranks (see :meth:`forward`). Returns the weights, the ids and the step's largest T;
+        raises on every rank when any rank's checks failed or the ranks are out of step."""
         error = self._input_error(hidden_states, router_logits)
-        if max_tokens_across_ranks is not None:  # graph-safe path: no collective, no sync
-            if error is None:
-                error = self._hint_error(hidden_states, router_logits, max_tokens_across_ranks)
-            if error is not None:
-                raise error
-            return max_tokens_across_ranks
+        weights_TK = logical_TK = bad_ids = None
+        if error is None:
+            try:
+                router_logits = router_logits.to(self.device)
+            except Exception as exc:  # e.g. a meta tensor, a device that cannot copy
+                error = ValueError(
+                    f"router_logits on {router_logits.device} cannot be copied to the layer's "
+                    f"{self.device} ({type(exc).__name__}: {exc}); compute the router logits "
+                    "on the layer's device"
+                )
+        if error is None:
+            try:  # the routing options, a custom routing function
+                weights_TK, logical_TK = self._select(router_logits)
+            except Exception as exc:
+                error = exc
+            else:
+                bad_ids = ((logical_TK < -1) | (logical_TK >= self.num_experts)).any()
         T = hidden_states.shape[0] if error is None else 0
-        max_T, failed = agree_max((T, int(error is not None)), self.group, self.device)
-        if error is not None:
-            raise error
-        if failed:
-            raise RuntimeError(
-                "another rank of the EP group rejected its inputs to EPMoE.forward (its "
-                "own error says why); this rank stopped too so that no rank is left "
-                "waiting in a collective"
+
+        def ids_error() -> ValueError:  # this rank's ids are out of range: read them back
+            lo, hi = int(logical_TK.min()), int(logical_TK.max())
+            return ValueError(
+                f"the routing returned expert ids in [{lo}, {hi}] on this rank; they must lie "
+                f"in [0, E={self.num_experts}) or be -1 (no expert): check the "
+                "custom_routing_function. Nothing was sent: every rank raises in this call"
             )
-        return max_T
+
+        max_T = self._agreement.forward(T, error, bad_ids, self.device, ids_error)
+        return weights_TK, logical_TK, max_T
 
     def _hint_error(
         self, hidden_states, router_logits, max_tokens_across_ranks
@@ -615,7 +827,15 @@ class EPMoE(nn.Module):
 
     def _input_error(self, hidden_states, router_logits) -> Exception | None:
         """What is wrong with this rank's inputs (or weights), as the exception to raise.
-        Host-side checks of shapes, dtypes and devices only (no device synchronisation)."""
+        Host-side checks of types, shapes, dtypes and devices only (no device
+        synchronisation)."""
+        for name, value in (("hidden_states", hidden_states), ("router_logits", router_logits)):
+            if not isinstance(value, torch.Tensor):
+                return TypeError(
+                    f"{name} must be a torch.Tensor, got {type(value).__name__}; pass "
+                    "hidden_states [T, H] and router_logits [T, E] (T = 0 when this rank has "
+                    "no tokens)"
+                )
         if not self.weights_loaded:
             return RuntimeError(
                 "expert weights are not loaded on this rank: call load_experts(w13, w2) or "
@@ -668,6 +888,19 @@ class EPMoE(nn.Module):
                 else ""
             )
         )
+
+
+def _check_weights(where: str, **weights: object) -> None:
+    """Expert weights are floating-point tensors (FP8 included): integer, bool or complex
+    ones would be cast silently into the layer's dtype."""
+    for name, w in weights.items():
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a torch.Tensor, got {type(w).__name__}")
+        if not w.is_floating_point():
+            raise TypeError(
+                f"{where}: {name} must be floating point (bf16, fp16, fp32, fp64 or FP8), got "
+                f"{w.dtype}; convert the checkpoint's tensors first"
+            )
 
 
 def _capturing(device: torch.device) -> bool:

@@ -14,6 +14,9 @@ B = H + 4·G bytes of one FP8 row on the wire · W world size · N rows.
 
 from __future__ import annotations
 
+import datetime
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -115,13 +118,95 @@ def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def agree_max(values: tuple[int, ...], group, device: torch.device) -> tuple[int, ...]:
-    """The element-wise largest ``values`` over the ranks of ``group`` (one all-reduce)."""
-    if world_of(group)[1] == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return tuple(t.tolist())
+def all_gather_rows(row_L: torch.Tensor, group, operation: str) -> list[list[int]]:
+    """Every rank's ``row_L`` (int64 ``[L]``, the same L on every rank) as W host lists in
+    rank order: one all-gather, whose result the host reads.
+
+    When the collective fails (the process group's timeout ran out, or a rank left), the
+    ``RuntimeError`` names ``operation`` (e.g. ``"EPMoE.forward agreement (layer #0, call
+    7)"``, unique per call) and the group's ranks, and, when the process group's store
+    answers, which ranks never arrived (see :func:`_missing_ranks`). On NCCL the group's
+    watchdog enforces the timeout (it aborts the process, naming the collective's
+    sequence number) unless ``TORCH_NCCL_BLOCKING_WAIT=1`` turns it into this error.
+    """
+    W, L = world_of(group)[1], row_L.numel()
+    if W == 1:
+        return [row_L.tolist()]
+    out = row_L.new_empty(W * L)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    start = time.monotonic()
+    try:
+        fn(out, row_L, group=group)
+        flat = out.tolist()
+    except RuntimeError as exc:  # gloo/NCCL timeouts and closed connections
+        waited = time.monotonic() - start
+        raise RuntimeError(_failure_message(operation, group, row_L.device, exc, waited)) from exc
+    return [flat[r * L : (r + 1) * L] for r in range(W)]
+
+
+# How long ranks whose collective failed wait for each other's arrival marks in the store.
+ARRIVAL_GRACE_S = 2.0
+
+
+def _failure_message(
+    operation: str, group, device: torch.device, exc: BaseException, waited_s: float
+) -> str:
+    rank, W = world_of(group)
+    timeout = _group_timeout(group, device)
+    limit = f"{timeout.total_seconds():g} s" if timeout is not None else "its timeout"
+    missing = _missing_ranks(group, operation)
+    if missing is None:
+        who = "the process group's store could not tell which ranks did not arrive"
+    elif missing:
+        ranks = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
+        who = (
+            f"{ranks} never arrived, not even {ARRIVAL_GRACE_S:g} s later (stopped, stuck "
+            f"in other work, or dead; the group's timeout is {limit})"
+        )
+    else:
+        who = "every rank reached this call (one may have come after the others gave up)"
+    cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    return (
+        f"{operation} failed on rank {rank} of the EP group (ranks 0..{W - 1}) after "
+        f"{waited_s:.1f} s: {who}. The process group cannot be trusted after this; restart "
+        f"the ranks. Collective error: {cause}"
+    )
+
+
+def _group_timeout(group, device: torch.device) -> datetime.timedelta | None:
+    """The timeout ``group``'s collectives run under (``None`` when torch does not say)."""
+    try:
+        group = group or dist.group.WORLD
+        return group._get_backend(device).options._timeout
+    except Exception:  # private torch API: only the message loses the number
+        return None
+
+
+def _missing_ranks(group, operation: str) -> list[int] | None:
+    """After a failed collective: the group ranks that did not reach ``operation``.
+
+    Each rank that gets here marks its arrival in the default store and waits up to
+    ``ARRIVAL_GRACE_S`` for the others' marks (their collectives time out at about the
+    same moment); ranks without a mark are the ones that never arrived. Costs nothing on
+    the success path. ``None`` when the store cannot be used.
+    """
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        group = group or dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)  # global rank of each group rank
+        name = getattr(group, "group_name", "") or ",".join(map(str, ranks))
+        key = f"epmoe/arrived/{name}/{operation}/"
+        store.set(key + str(dist.get_rank()), "1")
+        deadline = time.monotonic() + ARRIVAL_GRACE_S
+        while True:
+            missing = [i for i, g in enumerate(ranks) if not store.check([key + str(g)])]
+            if not missing or time.monotonic() >= deadline:
+                return missing
+            time.sleep(0.05)
+    except Exception:
+        return None
 
 
 # --------------------------------------------------------------------- FP8 rows on the wire

@@ -16,12 +16,27 @@ _EXPERTS = {
 }
 
 
-def create_experts(name: str, activation: str, device: torch.device) -> Experts:
-    """``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA, torch on CPU)."""
+# Compute dtypes of the Triton kernels (epmoe.kernels.ops.COMPUTE_DTYPES; FP8 weights come
+# with a compute dtype among these). The torch experts take any floating dtype.
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def create_experts(
+    name: str, activation: str, device: torch.device, dtype: torch.dtype | None = None
+) -> Experts:
+    """``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA, torch on CPU, and torch for
+    a compute ``dtype`` the Triton kernels lack, such as float64)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_usable() else "torch"
+        triton_fits = dtype is None or dtype in _TRITON_DTYPES
+        name = "triton" if device.type == "cuda" and triton_fits and _triton_usable() else "torch"
     if name not in _EXPERTS:
         raise ValueError(f"unknown experts {name!r}; choose one of {sorted(_EXPERTS)} or 'auto'")
+    if name == "triton" and dtype is not None and dtype not in _TRITON_DTYPES:
+        raise ValueError(
+            f"experts='triton' computes in bfloat16, float16 or float32, not {dtype}; use "
+            "experts='torch' (or 'auto'), which computes in any floating dtype, float64 "
+            "included"
+        )
     module, cls = _EXPERTS[name].split(":")
     return getattr(importlib.import_module(module), cls)(activation)
 

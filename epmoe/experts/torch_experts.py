@@ -43,8 +43,15 @@ def dequantized_hidden(hidden: torch.Tensor, scale: torch.Tensor | None, dtype: 
     return (hidden.to(torch.float32) * full).to(dtype)
 
 
+def compute_dtype(out_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the matmuls run in: on CPU at least float32 (float64 stays float64), on
+    GPU the layer's dtype (the GEMMs accumulate in float32 or wider themselves)."""
+    return torch.promote_types(out_dtype, torch.float32) if device.type == "cpu" else out_dtype
+
+
 class TorchExperts(Experts):
-    """Experts as per-expert torch matmuls (float32 accumulation on CPU and GPU alike)."""
+    """Experts as per-expert torch matmuls (float32 accumulation on CPU and GPU alike;
+    float64 weights and rows compute and accumulate in float64)."""
 
     name = "torch"
 
@@ -55,10 +62,11 @@ class TorchExperts(Experts):
     def standard(self, hidden_RH, topk_ids_RK, topk_weights_RK, weights, hidden_scale=None):
         R, H = hidden_RH.shape
         out_dtype = hidden_RH.dtype if hidden_scale is None else torch.bfloat16
-        compute = torch.float32 if hidden_RH.device.type == "cpu" else out_dtype
+        compute = compute_dtype(out_dtype, hidden_RH.device)
+        acc = torch.promote_types(out_dtype, torch.float32)  # the weighted sum over k
         x = dequantized_hidden(hidden_RH, hidden_scale, compute)
         w13, w2 = dequantized(weights, compute)
-        out = torch.zeros(R, H, dtype=torch.float32, device=hidden_RH.device)
+        out = torch.zeros(R, H, dtype=acc, device=hidden_RH.device)
         ids = topk_ids_RK.reshape(-1)
         valid = (ids >= 0).nonzero().squeeze(1)  # flat (r, k) indices with a local expert
         if valid.numel() == 0:
@@ -68,20 +76,20 @@ class TorchExperts(Experts):
         counts = torch.bincount(ids[pairs], minlength=weights.num_local).tolist()
         K = topk_ids_RK.shape[1]
         rows = pairs // K
-        w = topk_weights_RK.reshape(-1)[pairs].to(torch.float32)
+        w = topk_weights_RK.reshape(-1)[pairs].to(acc)
         start = 0
         for slot, n in enumerate(counts):
             if n == 0:
                 continue
             r = rows[start : start + n]
-            y = self._mlp(x[r], w13[slot], w2[slot]).to(torch.float32)
+            y = self._mlp(x[r], w13[slot], w2[slot]).to(acc)
             out.index_add_(0, r, y * w[start : start + n, None])
             start += n
         return out.to(out_dtype)
 
     def expert_batched(self, hidden_eCH, counts_e, weights, hidden_scale=None):
         out_dtype = hidden_eCH.dtype if hidden_scale is None else torch.bfloat16
-        compute = torch.float32 if hidden_eCH.device.type == "cpu" else out_dtype
+        compute = compute_dtype(out_dtype, hidden_eCH.device)
         w13, w2 = dequantized(weights, compute)
         out = torch.zeros(hidden_eCH.shape, dtype=out_dtype, device=hidden_eCH.device)
         for slot, n in enumerate(counts_e.tolist()):

@@ -297,8 +297,8 @@ def check_bad_inputs(rank, world, device="cpu"):
         epmoe.EPMoE(E, K, H, I, layout="batched", device=dev, params_dtype=torch.float32)
     with pytest.raises(TypeError, match="hidden_states must be floating point"):
         layer(x.to(torch.int64), logits)
-    # one rank's bad input raises on every rank (the others learn it in the chunk-count
-    # all-reduce) instead of leaving them waiting inside a collective
+    # one rank's bad input raises on every rank (the others learn it in the forward's
+    # agreement, an all-gather) instead of leaving them waiting inside a collective
     bad_rank = world - 1
     if rank == bad_rank:
         with pytest.raises(ValueError, match="hidden_states"):

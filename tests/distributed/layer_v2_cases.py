@@ -3,7 +3,8 @@
 What they check on every rank, against ``epmoe.reference`` on the rank's own tokens with the
 full weights:
 
-* the graph-safe forward (``max_tokens_across_ranks`` given) enters no all-reduce;
+* the graph-safe forward (``max_tokens_across_ranks`` given) enters no agreement (the
+  agreed forward's all-gather, :mod:`epmoe.agreement`) and no all-reduce;
 * split phase: the shared experts run between ``dispatch_async`` and its ``wait``, once;
 * FP8 on the wire from one argument (``dispatch_dtype``): the experts receive e4m3 rows with
   their scales;
@@ -294,21 +295,27 @@ def log_comm_calls(comm: AllToAll, log: list) -> None:
 
 
 @contextlib.contextmanager
-def counting_all_reduce() -> Iterator[list]:
-    """Count ``torch.distributed.all_reduce`` calls (every epmoe helper looks it up at call
-    time); yields a list that gets one entry per call."""
+def counting_agreements() -> Iterator[list]:
+    """Count ``torch.distributed.all_reduce`` calls and the layer's agreement all-gathers
+    (``epmoe.agreement.all_gather_rows``; both are looked up at call time); yields a list
+    that gets one entry per call."""
+    import epmoe.agreement as agreement
+
     calls: list = []
-    original = dist.all_reduce
+    originals = dist.all_reduce, agreement.all_gather_rows
 
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape if args else None)
-        return original(*args, **kwargs)
+    def counted(original):
+        def call(*args, **kwargs):
+            calls.append(args[0].shape if args else None)
+            return original(*args, **kwargs)
 
-    dist.all_reduce = counted
+        return call
+
+    dist.all_reduce, agreement.all_gather_rows = map(counted, originals)
     try:
         yield calls
     finally:
-        dist.all_reduce = original
+        dist.all_reduce, agreement.all_gather_rows = originals
 
 
 # ------------------------------------------------------------------------------ rank body
@@ -335,18 +342,18 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
     for backend, layout in backends_and_layouts():
         label = f"W={world} {backend} {layout.value}"
 
-        with sweep.case(f"{label}: max_tokens_across_ranks enters no all-reduce"):
+        with sweep.case(f"{label}: max_tokens_across_ranks enters no agreement"):
             layer, w13, w2 = _layer(
                 E, K, H, I, dtype, dev, backend, layout, 1, max_num_tokens=M, load_window=2
             )
             x, logits = rank_tokens(rank, T, H, E, dtype, dev, seed=1)
-            with counting_all_reduce() as hinted:
+            with counting_agreements() as hinted:
                 out = layer(x, logits, max_tokens_across_ranks=max(tokens))
-            with counting_all_reduce() as agreed:
+            with counting_agreements() as agreed:
                 again = layer(x, logits)
             ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
-            assert hinted == [], f"the hinted forward called all_reduce on {hinted}"
-            assert world == 1 or agreed, "the counter missed the chunk-count all-reduce"
+            assert hinted == [], f"the hinted forward agreed or all-reduced on {hinted}"
+            assert world == 1 or agreed, "the counter missed the forward's agreement"
             assert_close(out, ref, TOLERANCES[dtype], name="hinted vs oracle")
             assert torch.equal(out, again), "hinted and agreed forwards differ"
             want = 2 * physical_counts(layer, logits)

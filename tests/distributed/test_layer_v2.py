@@ -1,7 +1,7 @@
 """EPMoE on comm contract v2, on W ranks (gloo on CPU; NCCL with EPMOE_TEST_DEVICE=cuda).
 
 One sweep per world size (rank bodies in ``tests/distributed/layer_v2_cases.py``): the
-graph-safe forward enters no all-reduce, the shared experts overlap the first dispatch,
+graph-safe forward enters no agreement, the shared experts overlap the first dispatch,
 FP8 dispatch from ``dispatch_dtype``, and a re-plan rebinds the backend instead of
 rebuilding it. Every case also compares the output with the oracle.
 """

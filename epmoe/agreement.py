@@ -1,0 +1,286 @@
+"""One small all-gather per collective call of an ``EPMoE`` layer, so that one rank's
+mistake raises on every rank in that same call.
+
+A layer agrees with the other ranks of its EP group when it is built, at every
+``forward`` without ``max_tokens_across_ranks``, and at every ``rebalance``. Each rank
+contributes one record of ``RECORD_LEN`` int64, the same length for every operation, so a
+rank that is in another operation (or another layer) still meets the others in the same
+collective and is named instead of crashing the transport:
+
+    [MAGIC, operation, layer index, call count, T, status, digest]
+
+* operation: ``construction``, ``forward`` or ``rebalance``;
+* layer index: the order in which this process built the layers of the group (agreed at
+  construction), so a rank that skipped one layer's forward is caught at the next layer;
+* call count: this layer's agreed calls so far (forwards and rebalances that passed their
+  agreement). A forward with ``max_tokens_across_ranks`` does no collective and is not
+  counted;
+* T: this rank's tokens (forward); the step's largest T decides the chunk count;
+* status: ``OK``, or why this rank refuses the call (``REJECTED``: its arguments, inputs
+  or weights; ``IDS_OUT_OF_RANGE``: its routing chose ids outside ``[-1, E)``; a device
+  flag, added without a host synchronisation);
+* digest: a 64-bit hash of the fields every rank must hold equal (construction: the
+  layer's configuration, see ``EPMoE``; rebalance: the new placement).
+
+Every rank reads the same gathered records and so takes the same decision, in this order:
+operation, layer index and call count (``RuntimeError`` naming the ranks and their values);
+status (this rank's own error, or ``RuntimeError`` naming the refusing ranks); digest
+(``ValueError`` naming each field that differs and which ranks hold which value, from a
+second exchange of the fields' text that runs only then). With one rank (or without
+torch.distributed) nothing is exchanged. A call that raises is not counted on any rank,
+so after the error the ranks are in step again.
+
+What a skipped call looks like: the ranks' k-th agreements meet, so a rank that skipped
+a forward meets the others' forward with its next call. When that call is another layer's
+(a model: layer index), a rebalance (operation) or a construction, every rank raises
+naming the ranks and where each one is. Two forwards of one layer look alike, so a rank
+that skipped a forward and then calls the same layer again goes on unnoticed (each rank's
+output depends only on its own tokens, so the results stay right) until a call that
+differs, or until the others wait for a call it never makes: the collective's timeout
+then names it (see ``epmoe.comm._collectives.all_gather_rows``).
+
+Shape legend: W ranks of the EP group · L = ``RECORD_LEN``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm._collectives import all_gather_rows, world_of
+
+__all__ = ["RECORD_LEN", "LayerAgreement", "describe_placement"]
+
+MAGIC = 0x45504D6F45  # "EPMoE"
+CONSTRUCTION, FORWARD, REBALANCE = 1, 2, 3
+OPERATIONS = {CONSTRUCTION: "construction", FORWARD: "forward", REBALANCE: "rebalance"}
+OK, REJECTED, IDS_OUT_OF_RANGE = 0, 1, 2
+_MAGIC, _OP, _INDEX, _COUNT, _T, _STATUS, _DIGEST = range(7)
+RECORD_LEN = 7
+
+# The next layer index of each process group, by group object (entries go with their
+# group). Filled collectively: every rank of a group builds its layers in the same order,
+# and the construction agreement realigns it when they do not.
+_next_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_SHOWN_CHARS = 160  # a field's value is cut to this many characters in messages
+
+
+def digest(fields: Mapping[str, str]) -> int:
+    """A signed 64-bit hash of ``fields`` (name → text)."""
+    h = hashlib.blake2b(digest_size=8)
+    for name in sorted(fields):
+        h.update(f"{name}={fields[name]}\0".encode())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def describe_placement(placement, name: str | None = None) -> str:
+    """The placement as one line of text: its builder's name when known, ``rank_offsets``
+    and ``physical_to_logical`` (all of it: the digest must see every slot)."""
+    p2l = placement.physical_to_logical.tolist()
+    head = repr(name) if name is not None else "ExpertPlacement"
+    return f"{head} rank_offsets={list(placement.rank_offsets)} physical_to_logical={p2l}"
+
+
+class LayerAgreement:
+    """The agreement state of one layer: its EP group, its index among the group's layers
+    and its count of agreed calls. Host bookkeeping only."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        self.group = group
+        self.rank, self.world_size = world_of(group)
+        self.index = _next_index.get(group, 0) if self.world_size > 1 else 0
+        self.calls = 0
+
+    # ------------------------------------------------------------------ operations
+    def construction(
+        self, fields: Mapping[str, str] | None, error: Exception | None, device: torch.device
+    ) -> None:
+        """Agree that every rank built this layer with the same ``fields`` (name → text;
+        ``None`` when ``error``, this rank's own reason to refuse, is set). Raises
+        ``error`` on its rank and an error naming the ranks on the others."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        records = self._gather(CONSTRUCTION, 0, error, None, fields, device)
+        if all(r[_OP] == CONSTRUCTION for r in records):
+            # every rank is building a layer: the index is used up on each alike, whatever
+            # the outcome (and realigned if the ranks' indices differed)
+            _next_index[self.group] = max(r[_INDEX] for r in records) + 1
+        self._check(records, CONSTRUCTION, error, fields, None)
+
+    def forward(
+        self,
+        T: int,
+        error: Exception | None,
+        bad_ids: torch.Tensor | None,
+        device: torch.device,
+        ids_error: Callable[[], Exception],
+    ) -> int:
+        """Agree on a forward: every rank's checks passed (``error`` is this rank's,
+        ``bad_ids`` a 0-d int64 device flag: its routing chose ids out of range) and every
+        rank is in the same call. Returns the largest T of the group."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            if bad_ids is not None and bool(bad_ids):
+                raise ids_error()
+            return T
+        records = self._gather(FORWARD, T, error, bad_ids, None, device)
+        self._check(records, FORWARD, error, None, ids_error)
+        self.calls += 1
+        return max(r[_T] for r in records)
+
+    def rebalance(
+        self, fields: Mapping[str, str] | None, error: Exception | None, device: torch.device
+    ) -> None:
+        """Agree on a rebalance before any weight moves: every rank is in the same call,
+        none refuses, and all hold the same new placement (``fields``)."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        records = self._gather(REBALANCE, 0, error, None, fields, device)
+        self._check(records, REBALANCE, error, fields, None)
+        self.calls += 1
+
+    # ------------------------------------------------------------------ internals
+    def _gather(self, op, T, error, bad_ids, fields, device) -> list[list[int]]:
+        status = OK if error is None else REJECTED
+        fields_digest = digest(fields) if fields is not None and error is None else 0
+        count = self.calls if op != CONSTRUCTION else 0
+        row = torch.tensor(
+            [MAGIC, op, self.index, count, T, status, fields_digest],
+            dtype=torch.int64,
+            device=device,
+        )
+        if bad_ids is not None and error is None:  # on the device: no host sync
+            row[_STATUS] = bad_ids.to(device=device, dtype=torch.int64) * IDS_OUT_OF_RANGE
+        what = f"EPMoE.{OPERATIONS[op]} agreement (layer #{self.index}, call {count})"
+        return all_gather_rows(row, self.group, what)
+
+    def _check(self, records, op, error, fields, ids_error) -> None:
+        W = self.world_size
+        where = f"EPMoE.{OPERATIONS[op]} (layer #{self.index})"
+        if any(r[_MAGIC] != MAGIC for r in records):
+            others = [r for r in range(W) if records[r][_MAGIC] != MAGIC]
+            raise RuntimeError(
+                f"{where}: {_ranks(others)} in a collective that is not an EPMoE agreement; "
+                "the ranks are out of step"
+            )
+        places = [
+            f"{OPERATIONS.get(r[_OP], '?')} of layer #{r[_INDEX]} (call {r[_COUNT]})"
+            for r in records
+        ]
+        if len({(r[_OP], r[_INDEX], r[_COUNT]) for r in records}) > 1:
+            if len({r[_OP] for r in records}) > 1:
+                what = "different EPMoE calls"
+            elif len({r[_INDEX] for r in records}) > 1:
+                what = "different layers"
+            else:
+                what = "different calls of this layer"
+                self.calls = max(r[_COUNT] for r in records)  # realigned
+            raise RuntimeError(
+                f"{where}: the EP ranks are in {what}: {_listing(_by_value(places), 'in')}. "
+                "A rank skipped a call or made an extra one: every rank must build its "
+                "layers, call each (also with T = 0) and rebalance it in the same order. "
+                "This call is not counted on any rank, so the next one proceeds"
+            )
+        statuses = [r[_STATUS] for r in records]
+        if error is not None:
+            raise error
+        if statuses[self.rank] == IDS_OUT_OF_RANGE:
+            raise ids_error()
+        if any(statuses):
+            rejected = [r for r in range(W) if statuses[r] == REJECTED]
+            bad_ids = [r for r in range(W) if statuses[r] == IDS_OUT_OF_RANGE]
+            why = []
+            if rejected:
+                what = "inputs, weights or routing" if op == FORWARD else "arguments"
+                its = "its" if len(rejected) == 1 else "their"
+                why.append(f"{_ranks(rejected, 'rejected')} {its} {what}")
+            if bad_ids:
+                who = _ranks(bad_ids).rsplit(" ", 1)[0]  # "rank 1" / "ranks [1, 2]"
+                why.append(f"the routing of {who} chose expert ids outside [-1, E)")
+            raise RuntimeError(
+                f"{where}: another rank of the EP group refused this call: "
+                f"{' and '.join(why)} (its own error says why); this rank stopped too, so "
+                "that no rank is left waiting in a collective"
+            )
+        if len({r[_DIGEST] for r in records}) > 1:
+            raise ValueError(self._differences(op, fields or {}))
+
+    def _differences(self, op, fields: Mapping[str, str]) -> str:
+        """The message for differing fields; collective (every rank calls it alike)."""
+        texts: list = [None] * self.world_size
+        dist.all_gather_object(texts, dict(fields), group=self.group)
+        names = sorted({n for t in texts for n in t})
+        lines = []
+        for name in names:
+            values = _by_value([t.get(name, "<missing>") for t in texts])
+            if len(values) > 1:
+                start = _first_difference(list(values))
+                shown = {_shorten(v, start): ranks for v, ranks in values.items()}
+                lines.append(f"{name} differs: {_listing(shown, 'have')}")
+        fix = (
+            "build every rank's layer with the same arguments"
+            if op == CONSTRUCTION
+            else "every rank must pass the same placement (plan it from the all-reduced load, "
+            "as EPLBManager does)"
+        )
+        return (
+            f"EPMoE.{OPERATIONS[op]} (layer #{self.index}): the EP ranks disagree; "
+            + "; ".join(lines or ["(the fields' digests differ)"])
+            + f"; {fix}"
+        )
+
+
+def _by_value(values: list) -> dict:
+    """value → the ranks holding it, in order of first appearance."""
+    out: dict = {}
+    for rank, value in enumerate(values):
+        out.setdefault(value, []).append(rank)
+    return out
+
+
+def _ranks(ranks: list[int], verb: str = "are") -> str:
+    """``"ranks [0, 2] are"`` / ``"rank 1 is"`` (verb given in its plural form)."""
+    singular = {"are": "is", "have": "has"}.get(verb, verb)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} {singular}"
+    return f"ranks {ranks} {verb}"
+
+
+def _listing(groups: Mapping, verb: str) -> str:
+    """``"ranks [0, 2] have X, rank 1 has Y"`` from value → ranks; ``verb`` ``"have"``
+    or ``"in"`` (``"ranks [0, 2] are in X"``)."""
+    if verb == "in":
+        return ", ".join(f"{_ranks(r)} in {value}" for value, r in groups.items())
+    return ", ".join(f"{_ranks(r, verb)} {value}" for value, r in groups.items())
+
+
+def _first_difference(texts: list[str]) -> int:
+    """The first character position at which ``texts`` are not all equal."""
+    for i, chars in enumerate(zip(*texts)):
+        if len(set(chars)) > 1:
+            return i
+    return min(len(t) for t in texts)
+
+
+def _shorten(text: str, start: int) -> str:
+    """``text`` cut to about ``_SHOWN_CHARS`` characters, keeping its head and the part
+    from its first difference with the other ranks' values (``start``) on."""
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    head = _SHOWN_CHARS // 3
+    if start <= head + 20:
+        return text[: _SHOWN_CHARS - 1] + "…"
+    tail = text[start - 20 : start - 20 + _SHOWN_CHARS - head]
+    return text[:head] + "…" + tail + ("…" if start - 20 + len(tail) < len(text) else "")
