@@ -31,6 +31,10 @@ block class                family        routing
 ``Glm4MoeMoE``             glm4_moe      as deepseek_v3
 =========================  ============  ==============================================
 
+Saving: ``save_pretrained(model, directory)`` (collective) writes a converted model in the
+original Hugging Face layout, full experts under their original names, so that
+``from_pretrained`` reads it like the unconverted model's own checkpoint (see its docstring).
+
 Only classes defined by ``transformers`` itself match (not ``trust_remote_code`` copies,
 whose code differs). ``transformers`` is imported when a block is wrapped, never when this
 module is imported.
@@ -42,6 +46,7 @@ intermediate size · E routed experts · K top-k.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -50,10 +55,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from epmoe.checkpoint import gather_full_experts
 from epmoe.layer import EPMoE
 from epmoe.placement import ExpertPlacement
 
-__all__ = ["SUPPORTED_BLOCKS", "EPMoEBlock", "HFMoESpec", "replace_moe_blocks"]
+__all__ = [
+    "SUPPORTED_BLOCKS",
+    "EPMoEBlock",
+    "HFMoESpec",
+    "replace_moe_blocks",
+    "save_pretrained",
+]
 
 INSTALL_HINT = 'pip install "epmoe[hf]"'
 
@@ -206,6 +218,14 @@ def _expert_tensors(block: nn.Module) -> tuple[str, torch.Tensor, int]:
     raise _unsupported(block, f"its experts ({type(experts).__name__}) have no known layout")
 
 
+def _projection_names(mlp: nn.Module) -> tuple[str, str, str]:
+    """The (gate, up, down) attribute names of a per-expert MLP (see ``_mlp_projections``)."""
+    for names in _PROJ_NAMES:
+        if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in names):
+            return names
+    raise AssertionError("checked by _mlp_projections")
+
+
 def _expert_weights_e(block: nn.Module, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w13_e [2I, H], w2_e [H, I])`` of one expert of a per-expert (ModuleList) block."""
     gate, up, down = _mlp_projections(block.experts[expert])
@@ -304,6 +324,61 @@ def _shared_experts(block: nn.Module, spec: HFMoESpec) -> nn.Module | None:
     if not isinstance(expert, nn.Module) or not isinstance(gate, nn.Module):
         raise _unsupported(block, "it has no shared_expert and shared_expert_gate modules")
     return _GatedSharedExpert(expert, gate)
+
+
+# ---------------------------------------------------------------------- saving
+@dataclass(frozen=True)
+class _HFLayout:
+    """Where a wrapped block's tensors lived in the Hugging Face block (its state-dict keys,
+    relative to the block), recorded when the block is wrapped so that ``save_pretrained``
+    can write them back under those names.
+
+    ``renamed``: the wrapper's key → the block's key, for every tensor the wrapper kept
+    (router, correction bias, shared experts; matched by identity). ``expert_keys``: the
+    block's routed-expert keys. ``projections``: the per-expert (gate, up, down) names, or
+    None for fused experts. ``lost``: block keys that are neither (none in the supported
+    families); saving refuses a block that has some. ``dtype``: the experts' dtype.
+    """
+
+    renamed: dict[str, str]
+    expert_keys: frozenset[str]
+    projections: tuple[str, str, str] | None
+    lost: tuple[str, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, block: nn.Module, wrapper: nn.Module, spec: HFMoESpec) -> _HFLayout:
+        kept: dict[int, str] = {}
+        for key, t in wrapper.state_dict(keep_vars=True).items():
+            kept.setdefault(id(t), key)  # the router's own keys come first
+        renamed, expert_keys, lost = {}, set(), []
+        for key, t in block.state_dict(keep_vars=True).items():
+            if key.startswith("experts."):
+                expert_keys.add(key)
+            elif id(t) in kept:
+                renamed[kept[id(t)]] = key
+            else:
+                lost.append(key)
+        projections = None
+        if spec.expert_layout == "per_expert":
+            projections = _projection_names(block.experts[0])
+        _, weight, _ = _expert_tensors(block)
+        return cls(renamed, frozenset(expert_keys), projections, tuple(lost), weight.dtype)
+
+    def expert_state(self, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Full experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` under the block's keys, in the
+        checkpoint's dtype (each tensor its own storage: safetensors refuses shared ones)."""
+        w13, w2 = w13.to(self.dtype), w2.to(self.dtype)
+        if self.projections is None:
+            return {"experts.gate_up_proj": w13, "experts.down_proj": w2}
+        gate, up, down = self.projections
+        I = w2.shape[2]
+        out = {}
+        for j in range(w13.shape[0]):
+            out[f"experts.{j}.{gate}.weight"] = w13[j, :I].clone()
+            out[f"experts.{j}.{up}.weight"] = w13[j, I:].clone()
+            out[f"experts.{j}.{down}.weight"] = w2[j].clone()
+        return out
 
 
 # ---------------------------------------------------------------------- the wrapper
@@ -411,6 +486,7 @@ class EPMoEBlock(nn.Module):
             **moe_kwargs,
         )
         self._load_experts(block)
+        self._hf_layout = _HFLayout.of(block, self, spec)  # for save_pretrained
 
     @torch.no_grad()
     def _load_experts(self, block: nn.Module) -> None:
@@ -510,3 +586,112 @@ def replace_moe_blocks(
         setattr(parent, attr, wrapped)
         block.experts = None  # release the full expert weights now
     return len(found)
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs) -> bool:
+    """Save a model converted by ``replace_moe_blocks`` in its original Hugging Face layout.
+
+    Every ``EPMoEBlock``'s experts are gathered in full (one copy of each logical expert,
+    whatever the placement: :func:`epmoe.checkpoint.gather_full_experts`) and written,
+    with the router and shared experts, under the names the unconverted block had; the
+    rest of the model is saved as it is. Hugging Face's own ``model.save_pretrained(
+    save_directory, state_dict=...)`` writes the files (config, generation config,
+    safetensors shards; transformers 5 also writes the checkpoint's original per-expert
+    names where the model defines that conversion), so ``AutoModelForCausalLM.
+    from_pretrained(save_directory)`` loads the unconverted model, with the same logits,
+    and ``replace_moe_blocks`` converts it again with any placement or world size.
+
+    Collective over the blocks' EP group (all blocks must share one): every rank calls it.
+    The files are written by global rank 0 (as ``transformers`` decides when
+    ``torch.distributed`` is initialised); it holds the full model while writing (the
+    experts gathered to it, moved to the CPU layer by layer). With several EP groups
+    (data-parallel copies of the model) every rank calls it; the group that holds global
+    rank 0 writes, and its ranks return once the files are written (or all raise if
+    writing failed).
+    ``kwargs`` go to ``model.save_pretrained`` (``max_shard_size``, ``variant``, ...;
+    not ``state_dict`` or ``is_main_process``). Returns whether this rank wrote the files.
+
+    ``model.save_pretrained(...)`` called directly on a converted model saves each rank's
+    shard under epmoe's names, which ``from_pretrained`` does not read (the experts would
+    be initialised at random): use this function. To reload on the same placement without
+    gathering, save and load each rank's ``model.state_dict()`` (its shards are checked
+    against the placement, see :mod:`epmoe.checkpoint`).
+    """
+    fixed = sorted({"state_dict", "is_main_process"}.intersection(kwargs))
+    if fixed:
+        raise TypeError(f"save_pretrained chooses {fixed} itself; do not pass them")
+    if not callable(getattr(model, "save_pretrained", None)):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, EPMoEBlock)]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} holds no EPMoEBlock (it was not converted): call "
+            "model.save_pretrained(save_directory) directly"
+        )
+    group, device = blocks[0][1].moe.group, blocks[0][1].moe.device
+    if any(m.moe.group is not group for _, m in blocks):
+        raise ValueError("save_pretrained needs every EPMoEBlock on the same EP group")
+    lost = {n: m._hf_layout.lost for n, m in blocks if m._hf_layout.lost}
+    if lost:
+        raise ValueError(f"cannot save these blocks' tensors under their original names: {lost}")
+    writer_rank = 0  # the EP-group rank of global rank 0 (transformers writes there)
+    writes = True
+    if dist.is_available() and dist.is_initialized():
+        members = dist.get_process_group_ranks(group or dist.group.WORLD)
+        writer_rank = members.index(0) if 0 in members else 0
+        writes = dist.get_rank() == 0
+
+    full = {}
+    for name, block in blocks:  # collective: every rank, every block, in model order
+        experts = gather_full_experts(block.moe, dst=writer_rank)
+        if writes:
+            full[name] = {k: v.cpu() for k, v in experts.items()}
+
+    error = None
+    if writes:
+        try:
+            model.save_pretrained(
+                save_directory, state_dict=_hf_state_dict(model, blocks, full), **kwargs
+            )
+        except Exception as exc:  # reported on every rank below, raised here
+            error = exc
+    failed = error is not None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # rank 0 reports to all
+        failed = bool(flag.item())
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"save_pretrained: writing {os.fspath(save_directory)!r} failed on global rank 0 "
+            "(its own error says why); this rank stopped too"
+        )
+    return writes
+
+
+def _hf_state_dict(
+    model: nn.Module,
+    blocks: list[tuple[str, EPMoEBlock]],
+    full: dict[str, dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every ``EPMoEBlock``'s entries replaced by the Hugging
+    Face block's (full experts from ``full``, the rest renamed)."""
+    state = model.state_dict()
+    out = {}
+    wrapped = tuple(f"{name}." for name, _ in blocks)
+    for key, value in state.items():
+        if not key.startswith(wrapped):
+            out[key] = value
+    for name, block in blocks:
+        layout, prefix = block._hf_layout, f"{name}."
+        for key, original in layout.renamed.items():
+            out[prefix + original] = state[prefix + key]
+        experts = layout.expert_state(full[name]["w13"], full[name]["w2"])
+        if set(experts) != layout.expert_keys:
+            raise ValueError(
+                f"{name}: the experts would be written as {sorted(experts)[:4]}... but the "
+                f"block held {sorted(layout.expert_keys)[:4]}..."
+            )
+        out.update({prefix + k: v for k, v in experts.items()})
+    return out

@@ -4,7 +4,9 @@ Every supported family is built tiny from a config (no downloads,
 ``tests/distributed/hf_cases.py``), run, converted with ``replace_moe_blocks`` and run
 again: the logits must agree to 1e-5 in float32. The multi-rank test wraps one block on 2
 gloo ranks and checks every rank's output against the original block on that rank's own
-tokens. Skipped without ``transformers``.
+tokens. ``save_pretrained`` writes a converted model in the original layout:
+``from_pretrained`` reloads it with the same logits (the 2- and 3-rank round trips are in
+``tests/distributed/test_checkpoint.py``). Skipped without ``transformers``.
 """
 
 from __future__ import annotations
@@ -144,6 +146,67 @@ def test_original_experts_are_released():
     hf.replace_moe_blocks(model)
     assert block.experts is None
     assert model.get_submodule(name).gate is block.gate  # the router is kept, not copied
+
+
+# ---------------------------------------------------------------------- saving
+def _weight_keys(directory) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_pretrained_writes_the_original_layout(family, tmp_path):
+    """A converted model (round-robin, so the shards are not in logical order) saves what
+    the unconverted model saves; from_pretrained then gives the same logits, unconverted
+    and converted again."""
+    from transformers import AutoModelForCausalLM
+
+    model = hf_cases.tiny_model(family)
+    reference = copy.deepcopy(model)
+    reference.save_pretrained(tmp_path / "original")
+    hf.replace_moe_blocks(model, placement="round_robin")
+
+    assert hf.save_pretrained(model, tmp_path / "converted") is True
+
+    assert _weight_keys(tmp_path / "converted") == _weight_keys(tmp_path / "original")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
+    ids = _input_ids()
+    with torch.no_grad():
+        expected = reference(ids).logits
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        hf.replace_moe_blocks(reloaded)
+        torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_save_pretrained_refuses_what_it_cannot_save(tmp_path):
+    model = hf_cases.tiny_model("mixtral")
+    with pytest.raises(ValueError, match="holds no EPMoEBlock"):
+        hf.save_pretrained(model, tmp_path)
+    hf.replace_moe_blocks(model)
+    with pytest.raises(TypeError, match="state_dict"):
+        hf.save_pretrained(model, tmp_path, state_dict={})
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        hf.save_pretrained(torch.nn.Sequential(), tmp_path)
+
+
+def test_per_expert_layout_is_written_per_expert():
+    """transformers 4.x keeps one MLP per expert: w13 splits into gate and up rows."""
+    layout = hf._HFLayout(
+        renamed={}, expert_keys=frozenset(), projections=("w1", "w3", "w2"), lost=(),
+        dtype=torch.float32,
+    )  # fmt: skip
+    w13, w2 = torch.randn(3, 8, 5), torch.randn(3, 5, 4)
+    state = layout.expert_state(w13, w2)
+    assert sorted(state) == sorted(
+        f"experts.{j}.{n}.weight" for j in range(3) for n in ["w1", "w3", "w2"]
+    )
+    assert torch.equal(state["experts.2.w1.weight"], w13[2, :4])
+    assert torch.equal(state["experts.2.w3.weight"], w13[2, 4:])
+    assert torch.equal(state["experts.1.w2.weight"], w2[1])
+    storages = {t.untyped_storage().data_ptr() for t in state.values()}
+    assert len(storages) == len(state)  # safetensors refuses tensors that share storage
 
 
 # ---------------------------------------------------------------------- errors
