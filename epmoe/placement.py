@@ -78,7 +78,7 @@ class ExpertPlacement:
     def __post_init__(self) -> None:
         E = _check_positive_int("num_experts", self.num_experts)
         W = _check_positive_int("ep_size", self.ep_size)
-        p2l = torch.as_tensor(self.physical_to_logical)
+        p2l = _tensor_arg("physical_to_logical", self.physical_to_logical)
         if p2l.is_floating_point() or p2l.is_complex() or p2l.dtype == torch.bool:
             raise TypeError(f"physical_to_logical must hold integer ids, got dtype {p2l.dtype}")
         if p2l.dim() != 1:
@@ -175,11 +175,16 @@ class ExpertPlacement:
         policy); otherwise the global policy runs. ``current`` and ``tolerance`` make the
         re-plan migration-aware (see :func:`epmoe.eplb.algorithm.rebalance`).
         """
-        load = torch.as_tensor(expert_load)
+        load = _tensor_arg("expert_load", expert_load)
+        _check_load("expert_load", load)
         if load.dim() != 1:
             raise ValueError(
                 f"expert_load must be [E] (one layer), got shape {tuple(load.shape)}; use "
                 "ExpertPlacement.balanced_layers for [L, E]"
+            )
+        if current is not None and not isinstance(current, ExpertPlacement):
+            raise TypeError(
+                f"current must be an ExpertPlacement or None, got {type(current).__name__}"
             )
         currents = None if current is None else [current]
         return cls.balanced_layers(
@@ -199,10 +204,11 @@ class ExpertPlacement:
     ) -> list[ExpertPlacement]:
         """:meth:`balanced` for L layers at once (one vectorized re-plan); ``current`` is
         one placement per layer or ``None``. Returns L placements."""
-        load = torch.as_tensor(expert_load_LE)
+        load = _tensor_arg("expert_load_LE", expert_load_LE)
         if load.dim() != 2:
             raise ValueError(f"expert_load_LE must be [L, E], got shape {tuple(load.shape)}")
         L, E = load.shape
+        _check_load("expert_load_LE", load)
         ep_size = _check_positive_int("ep_size", ep_size)
         num_redundant = _check_int("num_redundant", num_redundant, minimum=0)
         P = E + num_redundant
@@ -220,6 +226,16 @@ class ExpertPlacement:
             raise ValueError(f"ep_size={ep_size} must be a multiple of num_nodes={num_nodes}")
         cur_p2l = None
         if current is not None:
+            if isinstance(current, ExpertPlacement) or not isinstance(current, Sequence):
+                raise TypeError(
+                    f"current must be a sequence of one ExpertPlacement per layer or None, got "
+                    f"{type(current).__name__}"
+                )
+            for i, c in enumerate(current):
+                if not isinstance(c, ExpertPlacement):
+                    raise TypeError(
+                        f"current[{i}] must be an ExpertPlacement, got {type(c).__name__}"
+                    )
             if len(current) != L:
                 raise ValueError(
                     f"current must hold one placement per layer ({L}), got {len(current)}"
@@ -257,7 +273,9 @@ class ExpertPlacement:
         ``num_experts`` defaults to ``max + 1``; ``rank_offsets`` defaults to an equal
         split (then P must be a multiple of ``ep_size``).
         """
-        p2l = torch.as_tensor(physical_to_logical)
+        p2l = _tensor_arg("physical_to_logical", physical_to_logical)
+        if p2l.is_floating_point() or p2l.is_complex() or p2l.dtype == torch.bool:
+            raise TypeError(f"physical_to_logical must hold integer ids, got dtype {p2l.dtype}")
         ep_size = _check_positive_int("ep_size", ep_size)
         if num_experts is None:
             num_experts = int(p2l.max()) + 1 if p2l.numel() else 0
@@ -354,6 +372,8 @@ class ExpertPlacement:
         Fully on the device, no host synchronisation: the layer calls it every step and it
         can be captured in a CUDA graph once :meth:`maps_on` has run for the device.
         """
+        if not isinstance(topk_ids_TK, torch.Tensor):
+            raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
         if topk_ids_TK.dim() != 2:
             raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids_TK.shape)}")
         if topk_ids_TK.dtype not in (torch.int32, torch.int64):
@@ -382,7 +402,9 @@ class ExpertPlacement:
     def rank_load(self, expert_load_E: torch.Tensor | Sequence[float]) -> torch.Tensor:
         """Expected load per rank ``[W]`` float64 when each expert's load ``[E]`` is split
         evenly over its replicas."""
-        load = torch.as_tensor(expert_load_E).detach().to("cpu", torch.float64)
+        load = _tensor_arg("expert_load_E", expert_load_E)
+        _check_load("expert_load_E", load)
+        load = load.detach().to("cpu", torch.float64)
         if load.shape != (self.num_experts,):
             raise ValueError(
                 f"expert_load must be [E={self.num_experts}], got shape {tuple(load.shape)}"
@@ -401,6 +423,8 @@ class ExpertPlacement:
     def moved_slots(self, other: ExpertPlacement) -> torch.Tensor:
         """``[P]`` bool: physical slots whose logical expert differs in ``other`` (the
         slots whose weights must be fetched when switching between the two)."""
+        if not isinstance(other, ExpertPlacement):
+            raise TypeError(f"other must be an ExpertPlacement, got {type(other).__name__}")
         if other.num_physical != self.num_physical or other.rank_offsets != self.rank_offsets:
             raise ValueError(
                 "moved_slots needs placements with the same slots: got P="
@@ -458,6 +482,39 @@ def _algorithm() -> Any:
     from epmoe.eplb import algorithm
 
     return algorithm
+
+
+def _tensor_arg(name: str, value: Any) -> torch.Tensor:
+    """``value`` as a tensor: a tensor as is, a sequence of numbers (or a NumPy array)
+    converted; anything else (``None``, a string, a dict) a ``TypeError`` naming ``name``."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"{name} must be a tensor or a sequence of numbers, got {type(value).__name__}"
+        )
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise TypeError(
+            f"{name} must be a tensor or a sequence of numbers, got {type(value).__name__} ({e})"
+        ) from None
+
+
+def _check_load(name: str, load: torch.Tensor) -> None:
+    """Expert load (token counts): real, finite and non-negative. Reads the values on the
+    host (placements are built on the host)."""
+    if load.is_complex() or load.dtype == torch.bool:
+        raise TypeError(f"{name} must hold real numbers (token counts), got dtype {load.dtype}")
+    values = load.detach().to("cpu", torch.float64)
+    bad = ~torch.isfinite(values) | (values < 0)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        where = first[0] if len(first) == 1 else list(first)
+        raise ValueError(
+            f"{name} must be finite and non-negative (tokens routed to each expert), got "
+            f"{name}[{where}] = {float(values[first])}"
+        )
 
 
 def _offsets(counts: Sequence[int]) -> tuple[int, ...]:

@@ -69,6 +69,7 @@ def expert_mlp(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_tensors(x=x, w13_e=w13_e, w2_e=w2_e)
     if x.dim() != 2 or w13_e.dim() != 2 or w2_e.dim() != 2:
         raise ValueError(
             "expert_mlp takes x [N, H], w13_e [2I, H], w2_e [H, I]; got shapes "
@@ -92,6 +93,13 @@ def expert_mlp(
     gate, up = gate_up[:, :I], gate_up[:, I:]
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="none")
     return (act * up) @ w2_e.t()
+
+
+def _check_tensors(**tensors: object) -> None:
+    """A ``TypeError`` naming the first argument that is not a ``torch.Tensor``."""
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _quant_dtype(x: torch.Tensor) -> torch.dtype:
@@ -216,8 +224,22 @@ def moe(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not compute_dtype.is_floating_point:
-        raise TypeError(f"compute_dtype must be floating point, got {compute_dtype}")
+    if not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point:
+        raise TypeError(f"compute_dtype must be a floating torch.dtype, got {compute_dtype!r}")
+    _check_tensors(
+        hidden_states=hidden_states,
+        w13=w13,
+        w2=w2,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+    )
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if not (scale is None or isinstance(scale, (torch.Tensor, float, int))) or isinstance(
+            scale, bool
+        ):
+            raise TypeError(
+                f"{name} must be a tensor of scales, a float or None, got {type(scale).__name__}"
+            )
     if hidden_states.dim() != 2 or not hidden_states.is_floating_point():
         raise ValueError(
             f"hidden_states must be a floating [T, H] tensor, got {hidden_states.dtype} "
@@ -228,6 +250,12 @@ def moe(
         raise ValueError(
             f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}"
         )
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not w.is_floating_point():  # float8_e4m3fn counts as floating
+            raise TypeError(
+                f"{name} must be floating point (or float8_e4m3fn with scales), got {w.dtype}; "
+                "integer, bool or complex weights are not expert weights"
+            )
     E, two_I, H13 = w13.shape
     if two_I % 2 != 0:
         raise ValueError(f"w13 must be [E, 2I, H] with an even 2I, got {tuple(w13.shape)}")

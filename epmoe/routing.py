@@ -72,13 +72,15 @@ def select_experts(
         router_logits: ``[T, E]`` floating (any float dtype; scored in float32). ``T`` may
             be 0.
         top_k: K, ``1 <= K <= E`` (with grouping, ``K <= topk_group * E / num_expert_group``).
-        renormalize: divide the K chosen weights by their sum.
+        renormalize: divide the K chosen weights by their sum (a ``bool``).
         scoring_func: ``"softmax"`` (over E) or ``"sigmoid"`` (per expert).
         num_expert_group, topk_group: grouped top-k (DeepSeek-V2/V3): the E experts form
             ``num_expert_group`` contiguous groups of ``E / num_expert_group``; only
             experts of the ``topk_group`` best groups are eligible. Give both or neither.
         e_score_correction_bias: ``[E]`` floating, added to the scores to choose experts
-            (and rank groups) but not to the weights.
+            (and rank groups) but not to the weights. A NaN in it is refused when the bias
+            is on the CPU (on GPU that check would need a host synchronisation; ``EPMoE``
+            checks its bias once, at construction).
         routed_scaling_factor: multiplies the final weights (after renormalization).
         custom_routing_function: ``fn(router_logits, top_k, renormalize) -> (weights,
             ids)``, replaces all of the above (then grouping, bias and scaling must be left
@@ -93,7 +95,7 @@ def select_experts(
         function adds one.
     """
     if not isinstance(router_logits, torch.Tensor):
-        raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits)}")
+        raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
     if router_logits.dim() != 2:
         raise ValueError(
             f"router_logits must be 2-D [T, E], got shape {tuple(router_logits.shape)}; "
@@ -107,6 +109,11 @@ def select_experts(
     top_k = _check_positive_int("top_k", top_k)
     if top_k > E:
         raise ValueError(f"top_k={top_k} exceeds the number of experts E={E}; use top_k <= E")
+    if not isinstance(renormalize, bool):
+        raise TypeError(
+            f"renormalize must be a bool, got {type(renormalize).__name__} ({renormalize!r}); "
+            "pass True or False"
+        )
     if scoring_func not in SCORING_FUNCS:
         raise ValueError(f"scoring_func must be one of {SCORING_FUNCS}, got {scoring_func!r}")
     if (num_expert_group is None) != (topk_group is None):
@@ -125,6 +132,11 @@ def select_experts(
         raise ValueError(f"routed_scaling_factor must be finite, got {routed_scaling_factor}")
 
     if custom_routing_function is not None:
+        if not callable(custom_routing_function):
+            raise TypeError(
+                "custom_routing_function must be callable as fn(router_logits, top_k, "
+                f"renormalize) -> (weights, ids), got {type(custom_routing_function).__name__}"
+            )
         if (
             num_expert_group is not None
             or e_score_correction_bias is not None
@@ -160,7 +172,10 @@ def select_experts(
     bias_E = None
     if e_score_correction_bias is not None:
         if not isinstance(e_score_correction_bias, torch.Tensor):
-            raise TypeError("e_score_correction_bias must be a torch.Tensor of shape [E]")
+            raise TypeError(
+                "e_score_correction_bias must be a torch.Tensor of shape [E], got "
+                f"{type(e_score_correction_bias).__name__}"
+            )
         if tuple(e_score_correction_bias.shape) != (E,):
             raise ValueError(
                 f"e_score_correction_bias must have shape [E]=[{E}], got "
@@ -170,6 +185,16 @@ def select_experts(
             raise TypeError(
                 f"e_score_correction_bias must be floating point, got "
                 f"{e_score_correction_bias.dtype}"
+            )
+        if e_score_correction_bias.device.type == "cpu" and bool(
+            torch.isnan(e_score_correction_bias).any()
+        ):
+            nan = torch.isnan(e_score_correction_bias).nonzero().flatten().tolist()
+            raise ValueError(
+                f"e_score_correction_bias holds NaN at experts {nan[:8]}"
+                f"{' ...' if len(nan) > 8 else ''} (of E={E}); a NaN score wins every top-k, "
+                "so those experts would be chosen for every token. Load the bias from the "
+                "checkpoint (or pass None)"
             )
         bias_E = e_score_correction_bias.to(device=router_logits.device, dtype=torch.float32)
 

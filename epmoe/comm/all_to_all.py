@@ -43,7 +43,10 @@ from epmoe.comm.base import (
     DispatchResult,
     Layout,
     Pending,
+    check_combine_args,
     check_dispatch_args,
+    ids_error,
+    ids_out_of_range,
 )
 
 
@@ -111,6 +114,11 @@ class AllToAllBackend(AllToAll):
         self._offsets_W = torch.tensor(
             spec.rank_offsets[:-1], dtype=torch.int64, device=spec.device
         )
+        # ExpertBatched count exchange: rank r's block of [P + W] ends with a flag, at
+        # rank_offsets[r + 1] + r
+        self._flag_pos_W = torch.tensor(
+            [spec.rank_offsets[r + 1] + r for r in range(W)], dtype=torch.int64, device=spec.device
+        )
 
     # ------------------------------------------------------------------- interface
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
@@ -121,11 +129,7 @@ class AllToAllBackend(AllToAll):
         return self._dispatch_standard(hidden_TH, topk_ids_TK, topk_weights_TK)
 
     def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
-        if expert_out.shape != result.hidden.shape or not expert_out.is_floating_point():
-            raise ValueError(
-                f"expert_out must be a floating tensor of the dispatched shape "
-                f"{tuple(result.hidden.shape)}, got {expert_out.dtype} {tuple(expert_out.shape)}"
-            )
+        check_combine_args(expert_out, result)
         if result.layout is Layout.EXPERT_BATCHED:
             return self._combine_batched(expert_out, result)
         return self._combine_standard(expert_out, result)
@@ -143,17 +147,24 @@ class AllToAllBackend(AllToAll):
     # ---------------------------------------------------------------- Standard layout
     def _dispatch_standard(self, hidden_TH, topk_ids_TK, topk_weights_TK):
         T, K = topk_ids_TK.shape
-        W, dev = self.world_size, hidden_TH.device
+        W, dev, P = self.world_size, hidden_TH.device, self.spec.num_physical
         ids_TK = topk_ids_TK.to(torch.int64)
-        # owner_TK[t, k]: rank of expert ids[t, k]; W (a dummy column) where ids is -1
-        owner_TK = torch.where(ids_TK >= 0, self._owner_P[ids_TK.clamp(min=0)], W)
+        bad = ids_out_of_range(ids_TK, P)
+        # owner_TK[t, k]: rank of expert ids[t, k]; W (a dummy column) where ids is -1 (ids
+        # out of range are clamped here and refused below, before any row moves)
+        owner_TK = torch.where(ids_TK >= 0, self._owner_P[ids_TK.clamp(0, P - 1)], W)
         dest_TW = torch.zeros(T, W + 1, dtype=torch.bool, device=dev)
         dest_TW.scatter_(1, owner_TK, True)
         dest_WT = dest_TW[:, :W].t()  # dest_WT[r, t]: token t has an expert on rank r
         send_counts_W = dest_WT.sum(1)
-        recv_counts_W = exchange_counts(send_counts_W[:, None], self.group)[:, 0]
-        counts = torch.cat([send_counts_W, recv_counts_W]).tolist()  # the one host sync
-        send_splits, recv_splits = counts[:W], counts[W:]
+        # (rows, ids out of range?) to every rank: the flag rides with the counts
+        send_W2 = torch.stack([send_counts_W, bad.expand(W)], dim=1)
+        recv_W2 = exchange_counts(send_W2, self.group)
+        counts = torch.cat([send_counts_W, recv_W2.t().reshape(-1)]).tolist()  # one host sync
+        send_splits, recv_splits, bad_W = counts[:W], counts[W : 2 * W], counts[2 * W :]
+        if any(bad_W):  # every rank raises here, before any row moves
+            bad_ranks = [r for r, b in enumerate(bad_W) if b]
+            raise ids_error(self.name, topk_ids_TK, P, bad_ranks, self.rank)
         rank_S, token_S = _true_positions(dest_WT, sum(send_splits))  # by rank, then token
 
         # ids as the receiver sees them: local slot on that rank, -1 for other ranks; sent
@@ -205,17 +216,30 @@ class AllToAllBackend(AllToAll):
         W, e, dev = self.world_size, self._num_local, hidden_TH.device
         P = self.spec.num_physical
         ids = topk_ids_TK.reshape(-1).to(torch.int64)
-        key = torch.where(ids >= 0, ids, P)  # -1 sorts last and is never sent
+        bad = ids_out_of_range(ids, P)
+        # -1 sorts last and is never sent (ids out of range too: refused below)
+        key = torch.where((ids >= 0) & (ids < P), ids, P)
         order = torch.argsort(key, stable=True)  # rank-major == by physical id
         per_expert_P = torch.bincount(key, minlength=P + 1)[:P]
-        # rank r receives the per-expert counts of its own experts from every source
-        recv_cnt_We = all_to_all(per_expert_P, self._rank_sizes_W, [e] * W, self.group).view(W, e)
+        # rank r receives the per-expert counts of its own experts from every source, then
+        # the source's ids-out-of-range flag: [P + W], rank r's block is its e_r counts + 1
+        send_PW = per_expert_P.new_empty(P + W)
+        send_PW[torch.arange(P, device=dev) + self._owner_P] = per_expert_P
+        send_PW[self._flag_pos_W] = bad
+        sizes = [n + 1 for n in self._rank_sizes_W]
+        recv_We1 = all_to_all(send_PW, sizes, [e + 1] * W, self.group).view(W, e + 1)
+        recv_cnt_We = recv_We1[:, :e]
         send_counts_W = torch.zeros(W, dtype=torch.int64, device=dev)
         send_counts_W.index_add_(0, self._owner_P, per_expert_P)
         counts_e = recv_cnt_We.sum(0)
         most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
-        counts = torch.cat([send_counts_W, recv_cnt_We.sum(1), most]).tolist()  # one host sync
-        send_splits, recv_splits = counts[:W], counts[W : 2 * W]
+        counts = torch.cat(
+            [send_counts_W, recv_cnt_We.sum(1), recv_We1[:, e], most]
+        ).tolist()  # the one host sync
+        send_splits, recv_splits, bad_W = counts[:W], counts[W : 2 * W], counts[2 * W : 3 * W]
+        if any(bad_W):  # every rank raises here, before any row moves
+            bad_ranks = [r for r, b in enumerate(bad_W) if b]
+            raise ids_error(self.name, topk_ids_TK, P, bad_ranks, self.rank)
         order_S = order[: sum(send_splits)]
         rows_S = self._wire_rows(hidden_TH)[order_S // K]
         recv_rows_R, work = all_to_all_async(rows_S, send_splits, recv_splits, self.group)

@@ -293,6 +293,11 @@ class AllToAll(ABC):
         in ``[0, P)`` or ``-1`` (no expert); ``topk_weights_TK`` float32 router weights.
         ``T <= spec.max_num_tokens`` where the backend has fixed buffers. Collective: every
         rank starts it, and finishes it with ``wait()``.
+
+        Ids outside ``[-1, P)`` are refused, never dropped: the portable backends raise
+        the same ``ValueError`` on every rank of the group in that call (the check rides
+        with their count exchange, see :func:`ids_out_of_range`); the graph-safe ones
+        report them from the device at the next call or ``check()``.
         """
 
     @abstractmethod
@@ -353,7 +358,14 @@ def check_dispatch_args(
     topk_weights_TK: torch.Tensor,
     limit_tokens: bool,
 ) -> None:
-    """Validate dispatch inputs at the boundary, with the fix in the message."""
+    """Validate dispatch inputs at the boundary, with the fix in the message.
+
+    Host-side checks only (types, shapes, dtypes; no device synchronisation), so graph-safe
+    backends call it too. The range of the ids is a device value: see :func:`ids_out_of_range`.
+    """
+    check_tensor("hidden_states", hidden_TH)
+    check_tensor("topk_ids", topk_ids_TK)
+    check_tensor("topk_weights", topk_weights_TK)
     if hidden_TH.dim() != 2 or hidden_TH.shape[1] != spec.hidden_size:
         raise ValueError(
             f"hidden_states must be [T, {spec.hidden_size}], got {tuple(hidden_TH.shape)}"
@@ -366,6 +378,10 @@ def check_dispatch_args(
         )
     if topk_ids_TK.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
+    if not topk_weights_TK.is_floating_point():
+        raise TypeError(
+            f"topk_weights must be floating point (router weights), got {topk_weights_TK.dtype}"
+        )
     if hidden_TH.dtype != spec.dtype:
         raise TypeError(
             f"hidden_states dtype {hidden_TH.dtype} differs from the layer's {spec.dtype}; "
@@ -376,3 +392,64 @@ def check_dispatch_args(
             f"{T} tokens exceed max_num_tokens={spec.max_num_tokens} of this backend's fixed "
             "buffers; raise max_num_tokens or let EPMoE chunk the batch"
         )
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    """``value`` if it is a ``torch.Tensor``, else a ``TypeError`` naming the argument (a
+    list or ``None`` would otherwise fail later as ``'list' object has no attribute …``)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_combine_args(expert_out: torch.Tensor, result: DispatchResult) -> None:
+    """Validate combine inputs: ``result`` is a :class:`DispatchResult` and ``expert_out`` a
+    floating tensor of its dispatched shape."""
+    if not isinstance(result, DispatchResult):
+        raise TypeError(
+            f"result must be the DispatchResult of this backend's dispatch, got "
+            f"{type(result).__name__}"
+        )
+    check_tensor("expert_out", expert_out)
+    if expert_out.shape != result.hidden.shape or not expert_out.is_floating_point():
+        raise ValueError(
+            f"expert_out must be a floating tensor of the dispatched shape "
+            f"{tuple(result.hidden.shape)}, got {expert_out.dtype} {tuple(expert_out.shape)}"
+        )
+
+
+def ids_out_of_range(topk_ids_TK: torch.Tensor, num_physical: int) -> torch.Tensor:
+    """0-d int64 on the ids' device: 1 if any id lies outside ``[-1, P)``, else 0.
+
+    No host synchronisation: the portable backends send this flag with their count
+    exchange (which the host reads anyway), so every rank learns that one rank's ids are
+    bad in the same dispatch and all raise :func:`ids_error` before any row moves. The
+    graph-safe backends check the ids inside their kernels instead (``symm_ll`` reports
+    them through its error word).
+    """
+    if topk_ids_TK.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=topk_ids_TK.device)
+    bad = (topk_ids_TK < -1) | (topk_ids_TK >= num_physical)
+    return bad.any().to(torch.int64)
+
+
+def ids_error(
+    backend: str,
+    topk_ids_TK: torch.Tensor,
+    num_physical: int,
+    bad_ranks: list[int],
+    rank: int,
+) -> ValueError:
+    """The error every rank raises when the ids of ``bad_ranks`` lie outside ``[-1, P)``
+    (found by :func:`ids_out_of_range`, agreed in the count exchange)."""
+    P = num_physical
+    mine = ""
+    if rank in bad_ranks:  # this rank raises anyway: reading its ids back costs nothing
+        lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
+        mine = f" (this rank's ids lie in [{lo}, {hi}])"
+    return ValueError(
+        f"{backend} dispatch: topk_ids on rank(s) {bad_ranks} hold ids outside [-1, P={P})"
+        f"{mine}; pass physical expert ids in [0, {P}) (ExpertPlacement.to_physical maps "
+        "logical ids) or -1 for no expert. Nothing was sent: every rank of the group raises "
+        "this error in the same dispatch"
+    )

@@ -39,7 +39,10 @@ from epmoe.comm.base import (
     DispatchResult,
     Layout,
     Pending,
+    check_combine_args,
     check_dispatch_args,
+    ids_error,
+    ids_out_of_range,
 )
 
 
@@ -73,10 +76,18 @@ class NaiveBackend(AllToAll):
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         check_dispatch_args(self.spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
         T, K, W = hidden_TH.shape[0], self.spec.top_k, self.world_size
-        dev = hidden_TH.device
-        counts_W = torch.empty(W, dtype=torch.int64, device=dev)
-        all_gather_into(counts_W, torch.tensor([T], dtype=torch.int64, device=dev), self.group)
-        tokens = tuple(counts_W.tolist())  # the one host sync
+        dev, P = hidden_TH.device, self.spec.num_physical
+        # every rank's (T, ids out of range?) in one all-gather
+        mine_2 = torch.stack(
+            [torch.tensor(T, dtype=torch.int64, device=dev), ids_out_of_range(topk_ids_TK, P)]
+        )
+        gathered_W2 = torch.empty(W * 2, dtype=torch.int64, device=dev)
+        all_gather_into(gathered_W2, mine_2, self.group)
+        gathered = gathered_W2.tolist()  # the one host sync
+        tokens, bad = tuple(gathered[0::2]), gathered[1::2]
+        if any(bad):  # every rank raises here, before any row moves
+            bad_ranks = [r for r, b in enumerate(bad) if b]
+            raise ids_error(self.name, topk_ids_TK, P, bad_ranks, self.rank)
         T_pad = max(tokens)
 
         # routing as int32 [T, 2K]: physical ids (each receiver maps its own), then the
@@ -124,11 +135,7 @@ class NaiveBackend(AllToAll):
         return out, all_gather_into_async(out, padded, self.group)
 
     def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
-        if expert_out.shape != result.hidden.shape or not expert_out.is_floating_point():
-            raise ValueError(
-                f"expert_out must be a floating tensor of the dispatched shape "
-                f"{tuple(result.hidden.shape)}, got {expert_out.dtype} {tuple(expert_out.shape)}"
-            )
+        check_combine_args(expert_out, result)
         h: NaiveHandle = result.handle
         W, T_pad, H = self.world_size, h.padded_tokens, self.spec.hidden_size
         T = h.tokens_per_rank[self.rank]

@@ -32,9 +32,20 @@ class LoadRecorder:
     """
 
     def __init__(self, num_physical: int, window: int, device: torch.device | str) -> None:
-        if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-            raise ValueError(f"window must be a positive number of steps, got {window!r}")
-        if not isinstance(num_physical, int) or num_physical <= 0:
+        if not isinstance(window, int) or isinstance(window, bool):
+            raise TypeError(
+                f"window (EPMoE's load_window) must be an int number of forwards, got "
+                f"{type(window).__name__} ({window!r})"
+            )
+        if window <= 0:
+            raise ValueError(
+                f"window (EPMoE's load_window) must be a positive number of forwards, got {window}"
+            )
+        if not isinstance(num_physical, int) or isinstance(num_physical, bool):
+            raise TypeError(
+                f"num_physical must be an int, got {type(num_physical).__name__} ({num_physical!r})"
+            )
+        if num_physical <= 0:
             raise ValueError(f"num_physical must be a positive int, got {num_physical!r}")
         self.num_physical = num_physical  # P
         self.window = window  # S

@@ -41,6 +41,7 @@ from epmoe.comm.base import (
     DispatchResult,
     Layout,
     Pending,
+    check_combine_args,
     check_dispatch_args,
 )
 
@@ -373,6 +374,7 @@ class SymmLLBackend(AllToAll):
         from epmoe.comm.symm import kernels as k
 
         spec, tr = self.spec, self._live()
+        check_combine_args(expert_out, result)
         h: LLHandle = result.handle
         if not isinstance(h, LLHandle):
             raise TypeError("combine needs the DispatchResult of this backend's dispatch")
