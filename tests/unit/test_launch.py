@@ -66,3 +66,64 @@ def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
             assert r["stack"] == 0, r
     bf16_gate_up = next(r for r in rows if r["dtype"] == "bf16" and r["kernel"] == "gate_up")
     assert max(bf16_gate_up["wgmma_wait_pendings"]) >= 1, bf16_gate_up
+
+
+# Rank 1 raises at once; rank 0 raises something else once rank 1's traceback is out (its
+# atexit handler runs after Python printed the traceback), as rank 0 does in EPMoE.forward
+# when another rank rejected its inputs.
+_FAILING_RANKS = """
+import atexit, os, sys, time
+rank, marker = int(os.environ["RANK"]), sys.argv[1]
+print(f"rank {rank} starts", flush=True)
+if rank == 1:
+    atexit.register(lambda: open(marker, "w").close())
+    raise ValueError("boom on rank 1")
+deadline = time.monotonic() + 60
+while not os.path.exists(marker) and time.monotonic() < deadline:
+    time.sleep(0.05)
+raise RuntimeError("another rank of the EP group rejected its inputs")
+"""
+
+
+def test_run_shows_the_error_of_a_failing_rank_other_than_rank_0(tmp_path):
+    """``launch/run.py`` shows rank 0 only, but when the job fails it prints the end of the
+    stderr of every other rank that failed: rank 1's own error is in the output."""
+    script = tmp_path / "fail.py"
+    script.write_text(_FAILING_RANKS)
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", "2",
+           str(script), str(tmp_path / "rank1.done")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert "rank 0 starts" in out and "rank 1 starts" not in out, out  # rank 0 shown live
+    assert "ValueError: boom on rank 1" in out, out
+    assert "===== rank 1 failed" in out, out
+
+
+def test_run_failed_rank_logs_picks_the_ranks_with_a_traceback(tmp_path):
+    """Only ranks whose stderr holds a traceback are printed; the tail is bounded."""
+    run_py = _load_run_py()
+    for rank, text in [(1, "warning only\n"), (2, "x\n" * 100 + "Traceback (most recent "
+                       "call last):\nValueError: bad ids on rank 2\n"), (3, "")]:  # fmt: skip
+        d = tmp_path / "run_abc" / "attempt_0" / str(rank)
+        d.mkdir(parents=True)
+        (d / "stderr.log").write_text(text)
+    report = run_py.failed_rank_logs(str(tmp_path), 4, lines=5)
+    assert "rank 2 failed" in report and "ValueError: bad ids on rank 2" in report, report
+    assert "rank 1" not in report and "rank 3" not in report, report
+    assert len(report.splitlines()) == 6, report
+    # no traceback anywhere (a rank killed by a signal): every non-empty stderr
+    (tmp_path / "run_abc" / "attempt_0" / "2" / "stderr.log").write_text("Killed\n")
+    report = run_py.failed_rank_logs(str(tmp_path), 4)
+    assert "rank 1 wrote to stderr" in report and "Killed" in report, report
+
+
+def _load_run_py():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "launch_run", os.path.join(ROOT, "launch", "run.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
