@@ -214,10 +214,14 @@ def gather_full_experts(layer: EPMoE, dst: int | None = None) -> dict[str, torch
     receiving ranks (with ``dst=None``, up to W·max_e slots while gathering).
     """
     rank, W = layer.rank, layer.ep_size
-    if dst is not None and (isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < W):
-        raise ValueError(f"dst must be None or a rank of the EP group in [0, {W}), got {dst!r}")
+    bad_dst = dst is not None and (
+        isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < W
+    )
+    dst_error = (
+        f"dst must be None or a rank of the EP group in [0, {W}), got {dst!r}" if bad_dst else None
+    )
     tensors = layer.slot_tensors()  # name -> [e, *X]
-    _agree(layer, tensors, dst)
+    _agree(layer, tensors, None if bad_dst else dst, dst_error)
     p = layer.placement
     first = p.logical_to_physical[:, 0]  # [E] physical id of each expert's first replica
     owner = p.owner_rank[first]  # [E] the rank that sends it
@@ -306,20 +310,29 @@ def _gather(
         dist.gather(send, chunks, group=group, group_dst=dst)
 
 
-def _agree(layer: EPMoE, tensors: Mapping[str, torch.Tensor], dst: int | None) -> None:
-    """Raise on every rank if the ranks' placements, tensor shapes or ``dst`` differ or some
-    rank's weights are not loaded. One all-reduce of three int64."""
+def _agree(
+    layer: EPMoE, tensors: Mapping[str, torch.Tensor], dst: int | None, dst_error: str | None
+) -> None:
+    """Raise on every rank if some rank passed an invalid ``dst`` (``dst_error``), the
+    ranks' placements, tensor shapes or ``dst`` differ, or some rank's weights are not
+    loaded. One all-reduce of four int64."""
     h = hashlib.blake2b(digest_size=8)
     p = layer.placement
     h.update(repr((p.num_experts, p.ep_size, p.rank_offsets, dst)).encode())
     h.update(p.physical_to_logical.numpy().tobytes())
     h.update(repr([(n, tuple(t.shape[1:]), str(t.dtype)) for n, t in tensors.items()]).encode())
     fingerprint = int.from_bytes(h.digest(), "little") >> 2
-    flags = [fingerprint, -fingerprint, int(not layer.weights_loaded)]
+    flags = [fingerprint, -fingerprint, int(not layer.weights_loaded), int(dst_error is not None)]
     if layer.ep_size > 1:
         t = torch.tensor(flags, dtype=torch.int64, device=layer.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=layer.group)
         flags = t.tolist()
+    if flags[3]:
+        raise ValueError(
+            dst_error
+            or "gather_full_experts: another rank of the EP group passed an invalid dst (its "
+            "own error says which); every rank must pass the same dst, None or a group rank"
+        )
     if flags[0] != -flags[1]:
         raise RuntimeError(
             "gather_full_experts: the EP ranks disagree on the placement, the expert shapes "

@@ -5,8 +5,9 @@ P physical experts · e local experts · K top-k · W EP world size · M_max tok
 
 Graph-safe forward: with ``max_tokens_across_ranks`` given (the step's token bound, agreed
 by the caller for every layer), the layer's own part of ``forward`` does no host
-synchronisation and changes no Python state per call, so a CUDA graph can capture it with a
-graph-safe backend (``Capabilities.graph_safe``) and experts (Triton, ExpertBatched).
+synchronisation and keeps no per-call Python state a graph would freeze, so a CUDA graph
+can capture it with a graph-safe backend (``Capabilities.graph_safe``) and experts
+(Triton, ExpertBatched). After replays, ``check_comm()`` raises what the device reported.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from epmoe.comm import (
     backend_class,
     backend_names,
     create_backend,
+    graph_capturing,
     resolve_backend,
 )
 from epmoe.comm._collectives import world_of
@@ -371,6 +373,7 @@ class EPMoE(nn.Module):
         self.max_num_tokens = (
             max_num_tokens
             or backend_cls.capabilities.max_num_tokens
+            or backend_cls.capabilities.default_max_tokens
             or DEFAULT_CHUNK_TOKENS[layout]
         )
         spec = CommSpec(
@@ -446,7 +449,11 @@ class EPMoE(nn.Module):
         if decode_cls is None or decode_cls is comm_plan.cls:
             return None
         caps = decode_cls.capabilities
-        M = min(max_num_tokens or caps.default_max_tokens, caps.max_num_tokens or 1 << 62)
+        # decode-sized: max_num_tokens bounds the prefill chunks; the fixed buffers stay at
+        # most the backend's default (a larger M would send prefill steps here, in buffers
+        # that grow with it)
+        M = min(max_num_tokens or caps.default_max_tokens, caps.default_max_tokens)
+        M = min(M, caps.max_num_tokens or M)
         spec = dataclasses.replace(comm_plan.spec, max_num_tokens=M)
         if decode_cls.supports(spec) is not None:
             return None
@@ -458,7 +465,7 @@ class EPMoE(nn.Module):
         Every rank passes the same ``max_tokens``, so every rank picks the same."""
         if self.decode_comm is not None and max_tokens <= self.decode_max_tokens:
             return self.decode_comm, self.decode_max_tokens
-        if not self.comm.capabilities.graph_safe and _capturing(self.device):
+        if not self.comm.capabilities.graph_safe and graph_capturing(self.device):
             fits = (
                 f"; steps of at most {self.decode_max_tokens} tokens per rank use the "
                 f"graph-safe {self.decode_comm.name!r}"
@@ -480,6 +487,17 @@ class EPMoE(nn.Module):
         self.comm = _rebound(self.comm, rank_offsets, self.group)
         if self.decode_comm is not None:
             self.decode_comm = _rebound(self.decode_comm, rank_offsets, self.group)
+
+    def check_comm(self, sync: bool = True) -> None:
+        """Raise if a graph-safe backend of this layer reported an error from the device
+        (a bounded wait that timed out, naming the rank that did not arrive; an expert id
+        outside ``[0, P)``; a capacity overflow). Eager calls check by themselves at the
+        next call; a loop that only replays CUDA graphs calls this after its replays
+        (``sync``: wait for the device first)."""
+        for comm in (self.comm, self.decode_comm):
+            check = getattr(comm, "check", None)
+            if check is not None:
+                check(sync=sync)
 
     @property
     def dispatch_dtype(self) -> torch.dtype | None:
@@ -903,22 +921,20 @@ def _check_weights(where: str, **weights: object) -> None:
             )
 
 
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _rebound(comm: AllToAll, rank_offsets: tuple[int, ...], group) -> AllToAll:
-    """``comm`` moved to ``rank_offsets`` (``rebind``, keeping its buffers), or, when it
-    refuses (fixed buffers too small for the new largest e, or no rebind), a fresh backend
-    of the same name and layout with the old one closed. Collective like a construction:
-    every rank takes the same branch, since all hold the same placement."""
+    """``comm`` moved to ``rank_offsets`` (``rebind``, keeping its buffers; a backend with
+    fixed buffers grows them itself), or, when it refuses (a backend that cannot rebind), a
+    fresh backend of the same name and layout. The old one is closed only once the new one
+    exists, so a refusal of the new spec leaves the layer with a working backend.
+    Collective like a construction: every rank takes the same branch, since all hold the
+    same placement."""
     try:
         comm.rebind(rank_offsets)
         return comm
     except (ValueError, NotImplementedError):
-        spec = comm.spec.with_offsets(rank_offsets)
+        fresh = create_backend(comm.name, comm.spec.with_offsets(rank_offsets), group, comm.layout)
         comm.close()
-        return create_backend(comm.name, spec, group, comm.layout)
+        return fresh
 
 
 def _check_group_device(group: dist.ProcessGroup | None, device: torch.device) -> None:

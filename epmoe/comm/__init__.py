@@ -64,7 +64,7 @@ def backend_class(name: str) -> type[AllToAll]:
     return cls
 
 
-def _capturing(device: torch.device) -> bool:
+def graph_capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream is capturing a graph (never on other devices)."""
     return (
         device.type == "cuda"
@@ -142,7 +142,7 @@ def resolve_backend(
     """
     device = _device(device, group, spec)
     if capturing is None:
-        capturing = _capturing(device)
+        capturing = graph_capturing(device)
     if name != "auto":
         cls = backend_class(name)  # an unknown name or a broken module raises here
         reason = _why_not(name, device, group, capturing=capturing)

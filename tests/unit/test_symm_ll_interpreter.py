@@ -119,3 +119,38 @@ def test_kernels_compile_for_sm90_outside_the_interpreter():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiled 6 symm_ll kernels" in proc.stdout
+
+
+def test_bad_ids_and_overflow_are_reported_and_every_token_still_combines():
+    """Errors come back from the device (the host word) without a hang: an id past P is
+    reported, and duplicated ids that overflow an expert's rows still get their token a
+    row back (the source's combine waits for one)."""
+    E, K, H, M = 4, 3, 128, 2
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, M, torch.float32, "cpu")
+    comm = _backend(spec)
+    x = torch.randn(2, H)
+    w = torch.full((2, K), 1.0 / K)
+    # C = W·M = 2 rows per expert; 6 (token, k) pairs all pick expert 0
+    res = comm.dispatch(x, torch.zeros(2, K, dtype=torch.int64), w)
+    with pytest.raises(RuntimeError, match="overflowed an expert's rows"):
+        comm.combine(res.hidden.clone(), res)  # the combine completes, then reports
+    with pytest.raises(RuntimeError, match="overflowed"):  # and the transport stays broken
+        comm.check(sync=False)
+    comm.close()
+
+    comm = _backend(spec)
+    res = comm.dispatch(x, torch.tensor([[0, 1, E], [2, -1, 3]]), w)
+    with pytest.raises(RuntimeError, match="expert id outside"):
+        comm.combine(res.hidden.clone(), res)
+    comm.close()
+
+
+def test_a_result_combines_once():
+    E, K, H = 4, 2, 128
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
+    comm = _backend(spec)
+    res = comm.dispatch(torch.randn(3, H), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.ones(3, K))
+    comm.combine(res.hidden.clone(), res)
+    with pytest.raises(RuntimeError, match="exactly once"):
+        comm.combine(res.hidden.clone(), res)
+    comm.close()

@@ -87,7 +87,8 @@ def _report(err_addr, kind, op, peer):
     """Write an error code to the host-mapped error word unless one is there already."""
     err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
     if tl.load(err_ptr, volatile=True) == 0:  # keep the first error (a race only between errors)
-        tl.store(err_ptr, (kind << 24) | (op << 16) | peer)
+        code = (tl.full((), kind, tl.int32) << 24) | (tl.full((), op, tl.int32) << 16) | peer
+        tl.store(err_ptr, code)
 
 
 @triton.jit
@@ -119,14 +120,17 @@ def _peer_ptr(bases_ptr, rank, byte_offset, dtype: tl.constexpr):
 @triton.jit
 def _route_token(ids_ptr, owner_ptr, t64, P, K: tl.constexpr, kk, k_mask, rr):
     """Token ``t64``'s routing, read the same way by the dispatch (which ranks get it) and
-    the combine (which ranks send a row back): ``ids [BLOCK_K]`` int32 as given,
-    ``valid`` (an expert in ``[0, P)``), ``owner`` (its rank, -1 when not valid) and
-    ``has_W [BLOCK_W]`` (1 where rank r holds one of the token's experts)."""
-    ids = tl.load(ids_ptr + t64 * K + kk, mask=k_mask, other=-1).to(tl.int32)
-    valid = k_mask & (ids >= 0) & (ids < P)
+    the combine (which ranks send a row back): ``ids [BLOCK_K]`` int32 (-1 where not
+    valid), ``valid`` (an expert in ``[0, P)``), ``bad`` (an id outside ``[-1, P)``, judged
+    before any narrowing), ``owner`` (its rank, -1 when not valid) and ``has_W [BLOCK_W]``
+    (1 where rank r holds one of the token's experts)."""
+    raw = tl.load(ids_ptr + t64 * K + kk, mask=k_mask, other=-1)
+    valid = k_mask & (raw >= 0) & (raw < P)
+    bad = k_mask & ((raw < -1) | (raw >= P))
+    ids = tl.where(valid, raw, -1).to(tl.int32)
     owner = tl.where(valid, tl.load(owner_ptr + tl.where(valid, ids, 0), mask=valid, other=0), -1)
     has_W = tl.max((owner[None, :] == rr[:, None]).to(tl.int32), 1)
-    return ids, valid, owner, has_W
+    return ids, valid, bad, owner, has_W
 
 
 @triton.jit
@@ -199,8 +203,7 @@ def ll_dispatch_send_kernel(
         )
     if t < T:
         t64 = tl.cast(t, tl.int64)
-        ids, valid, owner, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
-        bad = k_mask & ((ids < -1) | (ids >= P))
+        ids, valid, bad, owner, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
         if tl.max(bad.to(tl.int32)) > 0:
             _report(err_addr, ERR_EXPERT_ID, OP_DISPATCH, src)
         local = ids - tl.load(offsets_ptr + tl.maximum(owner, 0), mask=valid, other=0)
@@ -302,7 +305,9 @@ def ll_dispatch_recv_kernel(
         # a vector atomic returns its old values only to the thread that owns each lane:
         # publish them through memory so every thread of the program sees the same rows
         ok = valid & (slot < C)
-        tl.store(pos_ptr + row * K + kk, tl.where(ok, slot_ids * C + slot, -1), mask=k_mask)
+        # -2: sent here but dropped (capacity): the combine still sends the token a row
+        pos = tl.where(ok, slot_ids * C + slot, tl.where(valid, -2, -1))
+        tl.store(pos_ptr + row * K + kk, pos, mask=k_mask)
         tl.debug_barrier()
         dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
         if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
@@ -420,7 +425,7 @@ def ll_combine_recv_kernel(
         _wait_at_least(flags + W + r, 1, timeout_ns, err_addr, OP_COMBINE, r)
     if t < T:
         t64 = tl.cast(t, tl.int64)
-        _, _, _, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
+        _, _, _, _, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
         cflags = flags + 2 * W + W * M
         comb_y = _peer_ptr(bases_ptr, me, off_y, out_ptr.dtype.element_ty)
         for r in range(W):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -218,6 +218,7 @@ class LLHandle:
     parity: int
     ids_TK: torch.Tensor  # physical ids of this rank's tokens (combine recomputes owners)
     num_tokens: int  # T
+    transport: LLTransport = field(repr=False)  # whose parity this result holds
 
 
 class SymmLLBackend(AllToAll):
@@ -364,7 +365,7 @@ class SymmLLBackend(AllToAll):
                 hidden=tr.x_out[b][:e],
                 counts=tr.counts[b][:e],
                 hidden_scale=tr.s_out[b][:e] if tr.fp8 else None,
-                handle=LLHandle(b, ids, T),
+                handle=LLHandle(b, ids, T, tr),
             )
 
         return Pending(receive)
@@ -378,6 +379,12 @@ class SymmLLBackend(AllToAll):
         h: LLHandle = result.handle
         if not isinstance(h, LLHandle):
             raise TypeError("combine needs the DispatchResult of this backend's dispatch")
+        if h.transport is not tr or not tr.held[h.parity]:
+            # a second combine would raise the peers' flags twice and desynchronise them
+            raise RuntimeError(
+                "this dispatch result was already combined (or the backend was rebound to "
+                "other buffers since): combine each dispatch result exactly once"
+            )
         if expert_out.shape != result.hidden.shape:
             raise ValueError(
                 f"expert_out must have the dispatched shape {tuple(result.hidden.shape)}, "
@@ -387,7 +394,6 @@ class SymmLLBackend(AllToAll):
             raise TypeError(
                 f"expert_out must be {spec.dtype} (the layer's dtype), got {expert_out.dtype}"
             )
-        tr.check()
         W, K, b = self.world_size, spec.top_k, h.parity
         reg = tr.regions[b]
         y = expert_out.contiguous()
@@ -411,6 +417,9 @@ class SymmLLBackend(AllToAll):
                 num_warps=tr.num_warps,
             )  # fmt: skip
             tr.give_back(b)
+            # the call is complete on every rank: now report what the kernels flagged (this
+            # call's bad ids or overflow when they have finished, else at the next call)
+            tr.check()
             return out
 
         return Pending(receive)
@@ -473,13 +482,15 @@ class _Launcher:
         if not self.direct:
             self.fn[grid](*args, num_warps=num_warps, **consts)
             return
+        # what Triton specialises a compiled kernel on: pointer dtype and 16-byte alignment,
+        # int width and the values 1 and multiples of 16 (constexprs by value)
         key = (
             num_warps,
             tuple(consts.values()),
             tuple(
-                a.data_ptr() % 16 == 0
+                (a.dtype, a.data_ptr() % 16 == 0)
                 if isinstance(a, torch.Tensor)
-                else (a == 1, a % 16 == 0)
+                else (-(2**31) <= a < 2**31, a == 1, a % 16 == 0)
                 if isinstance(a, int)
                 else a
                 for a in args
