@@ -24,6 +24,9 @@ _PUBLIC = {
     "reference": "epmoe.reference",
     "checkpoint": "epmoe.checkpoint",
     "EPLBManager": "epmoe.eplb.manager",
+    "step": "epmoe.step_context",
+    "StepContext": "epmoe.step_context",
+    "current_step": "epmoe.step_context",
 }
 
 __all__ = [
@@ -33,12 +36,15 @@ __all__ = [
     "ExpertPlacement",
     "Layout",
     "RoutingSimulator",
+    "StepContext",
     "__version__",
     "available_backends",
     "checkpoint",
+    "current_step",
     "init_distributed",
     "reference",
     "select_experts",
+    "step",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from epmoe.layer import EPMoE
     from epmoe.placement import ExpertPlacement
     from epmoe.routing import RoutingSimulator, select_experts
+    from epmoe.step_context import StepContext, current_step, step
 
 
 def __getattr__(name: str) -> Any:

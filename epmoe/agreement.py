@@ -2,14 +2,17 @@
 mistake raises on every rank in that same call.
 
 A layer agrees with the other ranks of its EP group when it is built, at every
-``forward`` without ``max_tokens_across_ranks``, and at every ``rebalance``. Each rank
+``forward`` without ``max_tokens_across_ranks`` (or an active step), and at every
+``rebalance``; a DP step (:func:`epmoe.step`) agrees once for all layers of the step. Each rank
 contributes one record of ``RECORD_LEN`` int64, the same length for every operation, so a
 rank that is in another operation (or another layer) still meets the others in the same
 collective and is named instead of crashing the transport:
 
     [MAGIC, operation, layer index, call count, T, status, digest]
 
-* operation: ``construction``, ``forward`` or ``rebalance``;
+* operation: ``construction``, ``forward``, ``rebalance`` or ``step`` (a step record
+  holds ``-1`` as layer index, the group's step number as call count, and its rank's
+  ``decode`` wish, 0 or 1, as digest);
 * layer index: the order in which this process built the layers of the group (agreed at
   construction), so a rank that skipped one layer's forward is caught at the next layer;
 * call count: this layer's agreed calls so far (forwards and rebalances that passed their
@@ -53,11 +56,17 @@ import torch.distributed as dist
 
 from epmoe.comm._collectives import all_gather_rows, world_of
 
-__all__ = ["RECORD_LEN", "LayerAgreement", "describe_placement"]
+__all__ = ["RECORD_LEN", "LayerAgreement", "StepAgreement", "describe_placement"]
 
 MAGIC = 0x45504D6F45  # "EPMoE"
-CONSTRUCTION, FORWARD, REBALANCE = 1, 2, 3
-OPERATIONS = {CONSTRUCTION: "construction", FORWARD: "forward", REBALANCE: "rebalance"}
+CONSTRUCTION, FORWARD, REBALANCE, STEP = 1, 2, 3, 4
+OPERATIONS = {
+    CONSTRUCTION: "construction",
+    FORWARD: "forward",
+    REBALANCE: "rebalance",
+    STEP: "step",
+}
+STEP_INDEX = -1  # the layer index field of a step record (a step belongs to no layer)
 OK, REJECTED, IDS_OUT_OF_RANGE = 0, 1, 2
 _MAGIC, _OP, _INDEX, _COUNT, _T, _STATUS, _DIGEST = range(7)
 RECORD_LEN = 7
@@ -66,6 +75,8 @@ RECORD_LEN = 7
 # group). Filled collectively: every rank of a group builds its layers in the same order,
 # and the construction agreement realigns it when they do not.
 _next_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The next step number of each process group (epmoe.step), likewise.
+_next_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 _SHOWN_CHARS = 160  # a field's value is cut to this many characters in messages
 
@@ -168,7 +179,11 @@ class LayerAgreement:
 
     def _check(self, records, op, error, fields, ids_error) -> None:
         W = self.world_size
-        where = f"EPMoE.{OPERATIONS[op]} (layer #{self.index})"
+        where = (
+            f"epmoe.step (step {self.calls})"
+            if op == STEP
+            else f"EPMoE.{OPERATIONS[op]} (layer #{self.index})"
+        )
         if any(r[_MAGIC] != MAGIC for r in records):
             others = [r for r in range(W) if records[r][_MAGIC] != MAGIC]
             raise RuntimeError(
@@ -176,7 +191,9 @@ class LayerAgreement:
                 "the ranks are out of step"
             )
         places = [
-            f"{OPERATIONS.get(r[_OP], '?')} of layer #{r[_INDEX]} (call {r[_COUNT]})"
+            f"step {r[_COUNT]}"
+            if r[_OP] == STEP
+            else f"{OPERATIONS.get(r[_OP], '?')} of layer #{r[_INDEX]} (call {r[_COUNT]})"
             for r in records
         ]
         if len({(r[_OP], r[_INDEX], r[_COUNT]) for r in records}) > 1:
@@ -185,12 +202,17 @@ class LayerAgreement:
             elif len({r[_INDEX] for r in records}) > 1:
                 what = "different layers"
             else:
-                what = "different calls of this layer"
+                what = "different steps" if op == STEP else "different calls of this layer"
                 self.calls = max(r[_COUNT] for r in records)  # realigned
+            rule = (
+                "every rank must open every step (also with num_tokens=0), in the same order"
+                if op == STEP
+                else "every rank must build its layers, call each (also with T = 0) and "
+                "rebalance it in the same order"
+            )
             raise RuntimeError(
                 f"{where}: the EP ranks are in {what}: {_listing(_by_value(places), 'in')}. "
-                "A rank skipped a call or made an extra one: every rank must build its "
-                "layers, call each (also with T = 0) and rebalance it in the same order. "
+                f"A rank skipped a call or made an extra one: {rule}. "
                 "This call is not counted on any rank, so the next one proceeds"
             )
         statuses = [r[_STATUS] for r in records]
@@ -203,7 +225,9 @@ class LayerAgreement:
             bad_ids = [r for r in range(W) if statuses[r] == IDS_OUT_OF_RANGE]
             why = []
             if rejected:
-                what = "inputs, weights or routing" if op == FORWARD else "arguments"
+                what = {FORWARD: "inputs, weights or routing", STEP: "num_tokens"}.get(
+                    op, "arguments"
+                )
                 its = "its" if len(rejected) == 1 else "their"
                 why.append(f"{_ranks(rejected, 'rejected')} {its} {what}")
             if bad_ids:
@@ -214,7 +238,7 @@ class LayerAgreement:
                 f"{' and '.join(why)} (its own error says why); this rank stopped too, so "
                 "that no rank is left waiting in a collective"
             )
-        if len({r[_DIGEST] for r in records}) > 1:
+        if op != STEP and len({r[_DIGEST] for r in records}) > 1:
             raise ValueError(self._differences(op, fields or {}))
 
     def _differences(self, op, fields: Mapping[str, str]) -> str:
@@ -240,6 +264,70 @@ class LayerAgreement:
             + "; ".join(lines or ["(the fields' digests differ)"])
             + f"; {fix}"
         )
+
+
+class StepAgreement(LayerAgreement):
+    """The agreement of one DP step (:func:`epmoe.step`): the same record as a layer's,
+    ``[MAGIC, STEP, -1, step number, T, status, decode]``, so a rank in a step meets a
+    rank in a layer's own agreement (or in another step) in the same collective and both
+    are named. The step number counts the group's agreed steps (per group object, like
+    the layer index); a step that raises is not counted on any rank."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__(group)
+        self.index = STEP_INDEX
+        self.calls = _next_step.get(self.group, 0) if self.group is not None else 0
+
+    def step(
+        self,
+        T: int,
+        decode: bool,
+        error: Exception | None,
+        device: torch.device,
+        step_id: int | None = None,
+    ) -> tuple[list[int], list[bool]]:
+        """Agree on a step: every rank's ``T`` (``error``: this rank's reason to refuse,
+        e.g. a bad ``num_tokens``) and its ``decode`` wish, and that every rank is in the
+        same step: the same ``step_id`` (the caller's step number, e.g. its scheduler's),
+        or, without one, the same count of agreed steps. One all-gather read by the host.
+        Returns ``T`` and ``decode`` of every rank, in rank order; raises on every rank when
+        a rank refused or the ranks are in different steps (or calls)."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            self._count()
+            return [T], [decode]
+        count = self.calls if step_id is None else step_id
+        row = torch.tensor(
+            [
+                MAGIC,
+                STEP,
+                STEP_INDEX,
+                count,
+                T if error is None else 0,
+                OK if error is None else REJECTED,
+                int(bool(decode)),
+            ],
+            dtype=torch.int64,
+            device=device,
+        )
+        records = all_gather_rows(row, self.group, f"epmoe.step agreement (step {count})")
+        own = self.calls
+        self.calls = count  # what _check names (and realigns, for the group's own count)
+        try:
+            self._check(records, STEP, error, None, None)
+        finally:
+            if step_id is not None:
+                self.calls = own  # a caller's step id leaves the group's count alone
+            elif self.group is not None:  # realigned when the ranks' counts differed
+                _next_step[self.group] = self.calls
+        self._count()
+        return [r[_T] for r in records], [bool(r[_DIGEST]) for r in records]
+
+    def _count(self) -> None:
+        self.calls += 1
+        if self.group is not None:
+            _next_step[self.group] = self.calls
 
 
 def _by_value(values: list) -> dict:

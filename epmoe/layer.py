@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe import custom_op
 from epmoe.agreement import LayerAgreement, describe_placement
 from epmoe.comm import (
     available_backends,
@@ -38,6 +39,7 @@ from epmoe.experts import ExpertWeights, create_experts
 from epmoe.experts.base import check_activation
 from epmoe.placement import ExpertPlacement
 from epmoe.routing import RoutingFunction, select_experts
+from epmoe.step_context import StepContext, current_step, group_ranks
 
 # Tokens per dispatch when max_num_tokens is None and the backend sets no limit of its
 # own: transports without fixed buffers still chunk so that a prefill of any length runs
@@ -311,6 +313,9 @@ class EPMoE(nn.Module):
             torch.empty(e, hidden_size, intermediate_size, **factory), requires_grad=False
         )
         self._loaded = [False] * e  # per local slot; host bookkeeping, never on the device
+        self._group_ranks = group_ranks(group)  # compared with an epmoe.step's group
+        # the key of this layer in epmoe::moe_forward's registry (torch.compile)
+        self._op_id = custom_op.register(self)
 
     def _fingerprint(
         self,
@@ -710,8 +715,19 @@ class EPMoE(nn.Module):
         router_logits: torch.Tensor,
         *,
         max_tokens_across_ranks: int | None = None,
+        step: StepContext | None = None,
     ) -> torch.Tensor:
         """``hidden_states [T, H]``, ``router_logits [T, E]`` → ``[T, H]`` in the input dtype.
+
+        ``step``: an agreed DP step (:func:`epmoe.step`), by default the active one (the
+        innermost ``with epmoe.step(...)`` block); its ``max_tokens`` is this forward's
+        ``max_tokens_across_ranks`` (below), checked against this rank's ``T`` and the
+        layer's group. An explicit ``max_tokens_across_ranks`` overrides the active step.
+
+        Under ``torch.compile`` the whole forward is one opaque op,
+        ``torch.ops.epmoe.moe_forward`` (:mod:`epmoe.custom_op`): a model with ``EPMoE``
+        layers compiles with ``fullgraph=True`` and no graph breaks; the active step is read
+        when the op runs, so one compiled model serves every step.
 
         Collective over the EP group: every rank calls it, also with ``T = 0``, and runs
         the same number of chunks of at most ``max_num_tokens`` tokens (one dispatch and
@@ -733,6 +749,31 @@ class EPMoE(nn.Module):
         are not counted, and a rank that skips one is not detected. ``router_logits`` must
         be on the layer's device.
         """
+        if torch.compiler.is_compiling():
+            if step is not None and max_tokens_across_ranks is None:
+                max_tokens_across_ranks = step.max_tokens  # a constant of this graph
+            hint = -1 if max_tokens_across_ranks is None else max_tokens_across_ranks
+            return torch.ops.epmoe.moe_forward(hidden_states, router_logits, self._op_id, hint)
+        return self._eager_forward(
+            hidden_states, router_logits, max_tokens_across_ranks=max_tokens_across_ranks, step=step
+        )
+
+    def _eager_forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        *,
+        max_tokens_across_ranks: int | None = None,
+        step: StepContext | None = None,
+    ) -> torch.Tensor:
+        """:meth:`forward` outside the compiler (and inside ``epmoe::moe_forward``)."""
+        if step is not None and max_tokens_across_ranks is not None:
+            raise TypeError("pass either step= or max_tokens_across_ranks=, not both")
+        if step is None and max_tokens_across_ranks is None:
+            step = current_step()
+        if step is not None:
+            T = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
+            max_tokens_across_ranks = step.max_tokens_for(self, T)
         if max_tokens_across_ranks is None:
             weights_TK, logical_TK, max_T = self._route_and_agree(hidden_states, router_logits)
         else:  # graph-safe path: no collective, no host sync; raises on this rank only

@@ -1,0 +1,67 @@
+"""``EPMoE.forward`` as one opaque custom op for ``torch.compile``.
+
+The layer's forward reads values back to the host (chunk counts, the agreement, count
+exchanges of the backends), which the compiler cannot trace without graph breaks, and
+``fullgraph=True`` refuses. Under ``torch.compile`` the layer therefore calls
+``torch.ops.epmoe.moe_forward(hidden_states, router_logits, layer_id, max_tokens)``: the
+compiler sees one op whose output is ``[T, H]`` in the input's dtype (the fake
+implementation) and, at run time, the op runs the layer's eager forward.
+
+* ``layer_id``: the layer's key in a registry of live layers (weak references, so a freed
+  layer leaves it); set at construction, an int constant in the compiled graph.
+* ``max_tokens``: the step's largest token count (``max_tokens_across_ranks``), or ``-1``:
+  the op resolves it at run time from the active ``epmoe.step`` (read when the op runs,
+  so a compiled model serves every step without recompiling), else by the layer's own
+  agreement.
+
+Registering the op is this module's only import-time effect (``import epmoe`` does not
+import it; ``epmoe.layer`` does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+__all__ = ["lookup", "moe_forward", "register"]
+
+_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def register(layer) -> int:
+    """Register ``layer`` (an ``EPMoE``) and return its id for the op."""
+    layer_id = next(_ids)
+    _layers[layer_id] = layer
+    return layer_id
+
+
+def lookup(layer_id: int):
+    """The live layer registered under ``layer_id``."""
+    layer = _layers.get(layer_id)
+    if layer is None:
+        raise RuntimeError(
+            f"epmoe::moe_forward: no live EPMoE layer has id {layer_id} (it was freed); "
+            "compile the model again after rebuilding its layers"
+        )
+    return layer
+
+
+@torch.library.custom_op("epmoe::moe_forward", mutates_args=())
+def moe_forward(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_id: int, max_tokens: int
+) -> torch.Tensor:
+    """``[T, H]``, ``[T, E]`` → ``[T, H]``: layer ``layer_id``'s eager forward (``max_tokens
+    = -1``: from the active step or the layer's agreement)."""
+    layer = lookup(layer_id)
+    hint = None if max_tokens < 0 else max_tokens
+    out = layer._eager_forward(hidden_states, router_logits, max_tokens_across_ranks=hint)
+    # a custom op may not return an alias of its input (T = 0, same dtype: .to() is a no-op)
+    return out.clone() if out is hidden_states or out._base is not None else out
+
+
+@moe_forward.register_fake
+def _(hidden_states, router_logits, layer_id, max_tokens):
+    return torch.empty_like(hidden_states)

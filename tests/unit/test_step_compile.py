@@ -1,0 +1,133 @@
+"""One process (no torch.distributed): ``epmoe.step`` and ``torch.compile`` of a model with
+an ``EPMoE`` layer (``fullgraph=True``, no graph breaks, equal to eager). The same on gloo
+ranks: ``tests/distributed/test_step.py``."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch._dynamo
+
+import epmoe
+from epmoe import custom_op
+from epmoe.reference import assert_close
+from tests.distributed.cases import loaded_layer
+
+E, K, H, I = 8, 2, 16, 8
+
+
+class Tiny(torch.nn.Module):
+    """Linear → EPMoE (router from the hidden state) → Linear."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(H, H)
+        self.router = torch.nn.Linear(H, E)
+        self.moe = loaded_layer(E, K, H, I, torch.float32, "cpu", backend="all_to_all")[0]
+        self.down = torch.nn.Linear(H, H)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.down(self.moe(h, self.router(h)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_explain_reports_no_graph_break():
+    model = Tiny()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(torch.randn(5, H))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_fullgraph_compile_equals_eager(backend):
+    model = Tiny()
+    compiled = torch.compile(model, fullgraph=True, backend=backend, dynamic=True)
+    with torch.no_grad():
+        for T in (5, 1, 0, 9):
+            x = torch.randn(T, H)
+            assert_close(compiled(x), model(x), name=f"{backend} T={T}")
+            with epmoe.step(num_tokens=T) as s:  # the op reads the active step
+                assert_close(compiled(x), model(x), name=f"{backend} step T={T}")
+            assert s.max_tokens == T and s.tokens_per_rank == (T,)
+            hinted = model.moe(x, model.router(x), max_tokens_across_ranks=T + 3)
+            assert_close(hinted, model.moe(x, model.router(x)), name="hint")
+
+
+def test_layer_with_explicit_hint_compiles():
+    model = Tiny()
+
+    def f(x, n: int):
+        h = model.up(x)
+        return model.moe(h, model.router(h), max_tokens_across_ranks=n)
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        x = torch.randn(4, H)
+        assert_close(compiled(x, 4), f(x, 4), name="hinted")
+
+
+def test_the_registry_lets_layers_go():
+    layer = loaded_layer(E, K, H, I, torch.float32, "cpu")[0]
+    layer_id = layer._op_id
+    assert custom_op.lookup(layer_id) is layer
+    del layer
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no live EPMoE layer"):
+        custom_op.lookup(layer_id)
+
+
+def test_fake_op_keeps_shape_and_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(3, H, dtype=torch.bfloat16)
+        out = torch.ops.epmoe.moe_forward(x, torch.empty(3, E), 0, -1)
+    assert out.shape == (3, H) and out.dtype == torch.bfloat16
+
+
+def test_step_on_one_process():
+    layer = loaded_layer(E, K, H, I, torch.float32, "cpu")[0]
+    x, logits = torch.randn(3, H), torch.randn(3, E)
+    want = layer(x, logits)
+    assert epmoe.current_step() is None
+    with epmoe.step(num_tokens=3, decode=True, graph_max_tokens=4) as s:
+        assert epmoe.current_step() is s
+        assert s.decode and not s.idle and s.bucket([1, 2, 4, 8]) == 4
+        assert_close(layer(x, logits), want)
+        assert_close(layer(x, logits, step=s), want)
+        with pytest.raises(ValueError, match="above the step's largest token count 3"):
+            layer(torch.randn(4, H), torch.randn(4, E))
+        with pytest.raises(TypeError, match="not both"):
+            layer(x, logits, step=s, max_tokens_across_ranks=3)
+    assert epmoe.current_step() is None and not s.active
+    with pytest.raises(RuntimeError, match="has ended"):
+        layer(x, logits, step=s)
+    with epmoe.step(num_tokens=5, decode=True, graph_max_tokens=4) as s:
+        assert not s.decode and s.bucket([1, 2, 4]) is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_tokens=-1), "num_tokens must be an int >= 0"),
+        (dict(num_tokens=2.0), "num_tokens must be an int >= 0"),
+        (dict(num_tokens=True), "num_tokens must be an int >= 0"),
+        (dict(num_tokens=1, step_id=-2), "step_id must be an int >= 0"),
+        (dict(num_tokens=1, graph_max_tokens=0), "graph_max_tokens must be a positive int"),
+    ],
+)
+def test_step_rejects_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match), epmoe.step(**kwargs):
+        pass
+    assert epmoe.current_step() is None
