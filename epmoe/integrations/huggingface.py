@@ -31,6 +31,10 @@ block class                family        routing
 ``Glm4MoeMoE``             glm4_moe      as deepseek_v3
 =========================  ============  ==============================================
 
+Loading by shard: ``from_pretrained_sharded(directory, group=...)`` builds the model with
+its parameters on the meta device, converts it, and fills it from the safetensors files so
+that each rank reads only its own experts' tensors (see :func:`load_sharded`).
+
 Saving: ``save_pretrained(model, directory)`` (collective) writes a converted model in the
 original Hugging Face layout, full experts under their original names, so that
 ``from_pretrained`` reads it like the unconverted model's own checkpoint (see its docstring).
@@ -45,9 +49,11 @@ intermediate size · E routed experts · K top-k.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epmoe.checkpoint import gather_full_experts
+from epmoe.integrations.safetensors_loader import SCALE_SUFFIX, CheckpointReader
 from epmoe.layer import EPMoE
 from epmoe.placement import ExpertPlacement
 
@@ -63,6 +70,9 @@ __all__ = [
     "SUPPORTED_BLOCKS",
     "EPMoEBlock",
     "HFMoESpec",
+    "ShardLoadReport",
+    "from_pretrained_sharded",
+    "load_sharded",
     "replace_moe_blocks",
     "save_pretrained",
 ]
@@ -415,6 +425,11 @@ class EPMoEBlock(nn.Module):
             ``params_dtype`` (default: the expert weights' dtype), ``device`` (default:
             theirs), ``load_window``, ``prefer_local_replica``). Routing arguments come from
             the block and may not be passed.
+        defer_expert_loading: leave the ``EPMoE``'s experts empty (unloaded) instead of
+            copying them from the block, whose experts may then be on the meta device;
+            ``device`` must be passed. The caller fills them with ``moe.load_expert`` (what
+            ``from_pretrained_sharded`` does); the layer refuses to run until every local
+            slot is loaded.
     """
 
     def __init__(
@@ -426,6 +441,7 @@ class EPMoEBlock(nn.Module):
         placement: str | ExpertPlacement = "linear",
         backend: str = "auto",
         experts: str = "auto",
+        defer_expert_loading: bool = False,
         **moe_kwargs,
     ) -> None:
         super().__init__()
@@ -450,11 +466,14 @@ class EPMoEBlock(nn.Module):
                 )
         spec = _read_spec(block, config, family, tf_major)
         _, weight, _ = _expert_tensors(block)
-        if weight.device.type == "meta":
+        if weight.device.type == "meta" and not defer_expert_loading:
             raise ValueError(
                 f"the expert weights of {spec.block_class} are on the meta device; load the "
-                "checkpoint (and move the model to its device) before replacing the block"
+                "checkpoint (and move the model to its device) before replacing the block, "
+                "or load it by shard (from_pretrained_sharded)"
             )
+        if defer_expert_loading and "device" not in moe_kwargs:
+            raise TypeError("defer_expert_loading=True needs device= (where the layer runs)")
         moe_kwargs.setdefault("params_dtype", weight.dtype)
         moe_kwargs.setdefault("device", weight.device)
 
@@ -485,7 +504,8 @@ class EPMoEBlock(nn.Module):
             shared_experts=_shared_experts(block, spec),
             **moe_kwargs,
         )
-        self._load_experts(block)
+        if not defer_expert_loading:
+            self._load_experts(block)
         self._hf_layout = _HFLayout.of(block, self, spec)  # for save_pretrained
 
     @torch.no_grad()
@@ -695,3 +715,308 @@ def _hf_state_dict(
             )
         out.update({prefix + k: v for k, v in experts.items()})
     return out
+
+
+# ---------------------------------------------------------------------- loading by shard
+# A routed expert's tensor in a checkpoint, after the model's renamings (per expert: the
+# layout transformers 4.x models hold and transformers 5 writes back; fused: 5.x in memory).
+_EXPERT_KEY = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+_FUSED_KEY = re.compile(r"^(?P<block>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+_ROLES = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 2}
+
+
+@dataclass(frozen=True)
+class ShardLoadReport:
+    """What one rank read from a checkpoint in ``load_sharded``.
+
+    ``tensors_read``: tensors read from the files, each once (an FP8 weight and its
+    ``weight_scale_inv`` count as two; a fused expert tensor counts once per local expert
+    sliced from it) = ``expert_tensors_read + other_tensors_read``. ``local_experts``: per
+    converted block, the logical experts loaded on this rank (each once, replicas
+    included). ``expert_tensors_skipped``: other ranks' expert tensors, never read.
+    ``unused_keys``: checkpoint keys the model has no place for (not read either; e.g.
+    DeepSeek-V3's multi-token-prediction layer).
+    """
+
+    path: str
+    tensors_read: int
+    expert_tensors_read: int
+    other_tensors_read: int
+    expert_tensors_skipped: int
+    local_experts: dict[str, tuple[int, ...]]
+    unused_keys: tuple[str, ...]
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside register their parameters on the meta device; buffers are
+    built for real (rotary ``inv_freq`` and the like are computed, not read from files)."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _materialise(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give every meta parameter empty storage on ``device`` (floating ones in ``dtype``;
+    tied parameters stay tied) and move the buffers there."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in made:
+                kind = dtype if p.is_floating_point() else p.dtype
+                empty = torch.empty(p.shape, dtype=kind, device=device)
+                made[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.to(device)
+
+
+def _checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
+    """Checkpoint key → the model's key, with the renamings transformers 5 applies when
+    loading (Mixtral: ``block_sparse_moe`` → ``mlp``). Its converters (stacking experts)
+    are not applied: epmoe reads experts one by one. transformers 4.x: keys as they are."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:
+        return lambda key: key
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return lambda key: apply_renamings(key, renamings)
+
+
+def _resolve(name: str, targets: dict, prefix: str | None) -> str | None:
+    """``name`` in ``targets``, allowing for a checkpoint saved with or without the base
+    model's prefix (``model.``)."""
+    if name in targets:
+        return name
+    if prefix:
+        if f"{prefix}.{name}" in targets:
+            return f"{prefix}.{name}"
+        if name.startswith(prefix + ".") and name[len(prefix) + 1 :] in targets:
+            return name[len(prefix) + 1 :]
+    return None
+
+
+@torch.no_grad()
+def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
+    """Fill a model converted by ``replace_moe_blocks`` from a safetensors checkpoint in
+    the Hugging Face layout, reading on this rank only its local experts' tensors.
+
+    Every tensor outside the routed experts (embeddings, attention, norms, routers and
+    their correction biases, shared experts) is read once and copied into the model
+    (cast to its dtype); of each ``EPMoEBlock``'s routed experts, only those in
+    ``moe.local_experts`` are read (per expert: ``gate_proj``/``w1``, ``up_proj``/``w3``,
+    ``down_proj``/``w2``, each ``[I, H]`` or ``[H, I]``; fused ``experts.gate_up_proj``
+    ``[E, 2I, H]`` / ``experts.down_proj [E, H, I]``: the local rows only) and loaded with
+    ``moe.load_expert``. FP8 weights with a ``weight_scale_inv`` are dequantised while
+    loading. Checkpoint keys are renamed as transformers 5 does when loading.
+
+    Not collective: each rank reads its own tensors. Raises ``ValueError`` when a model
+    tensor or a local expert is missing from the checkpoint or a shape differs (the model
+    would otherwise run on uninitialised memory).
+    """
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, EPMoEBlock)}
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} holds no EPMoEBlock: convert it with replace_moe_blocks "
+            "first (or use from_pretrained_sharded)"
+        )
+    state = model.state_dict(keep_vars=True)
+    inside = tuple(f"{n}." for n in blocks)
+    targets = {k: t for k, t in state.items() if not k.startswith(inside)}
+    for n, block in blocks.items():
+        for key, original in block._hf_layout.renamed.items():
+            targets[f"{n}.{original}"] = state[f"{n}.{key}"]
+    local = {n: sorted(set(b.moe.local_experts)) for n, b in blocks.items()}
+    rename = _checkpoint_renamer(model)
+    prefix = getattr(model, "base_model_prefix", None)
+    block_of = {}  # checkpoint block name (model's, maybe without the prefix) → block name
+    for n in blocks:
+        block_of[n] = n
+        if prefix and n.startswith(prefix + "."):
+            block_of[n[len(prefix) + 1 :]] = n
+
+    filled: set[int] = set()
+    pending: dict[tuple[str, int], list] = {}  # (block, expert) → [gate, up, down]
+    expert_reads = other_reads = skipped = 0
+    unused = []
+    with CheckpointReader(path) as reader:
+        for key in reader.tensor_names():
+            if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in reader:
+                continue  # read with its weight
+            name = rename(key)
+            scales = int(key + SCALE_SUFFIX in reader)
+            m = _EXPERT_KEY.match(name)
+            if m and m["block"] in block_of:
+                n, j = block_of[m["block"]], int(m["expert"])
+                if m["proj"] not in _ROLES:
+                    raise ValueError(f"{key}: unknown expert projection {m['proj']!r}")
+                if j not in local[n]:
+                    skipped += 1 + scales
+                    continue
+                parts = pending.setdefault((n, j), [None, None, None])
+                parts[_ROLES[m["proj"]]] = reader.get_weight(key)
+                expert_reads += 1 + scales
+                if all(p is not None for p in parts):
+                    gate, up, down = pending.pop((n, j))
+                    blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
+                continue
+            m = _FUSED_KEY.match(name)
+            if m and m["block"] in block_of:
+                n = block_of[m["block"]]
+                if scales:
+                    raise ValueError(f"{key}: FP8 fused expert tensors are not supported")
+                stacked = reader.slice(key)
+                for j in local[n]:
+                    parts = pending.setdefault((n, j), [None, None, None])
+                    if m["proj"] == "down_proj":
+                        parts[2] = stacked[j]
+                    else:
+                        I2 = stacked.get_shape()[1]
+                        parts[0], parts[1] = stacked[j, : I2 // 2], stacked[j, I2 // 2 :]
+                    if all(p is not None for p in parts):
+                        gate, up, down = pending.pop((n, j))
+                        blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
+                expert_reads += len(local[n])
+                continue
+            target = _resolve(name, targets, prefix)
+            if target is None:
+                unused.append(key)
+                continue
+            t = targets[target]
+            value = reader.get_weight(key)
+            other_reads += 1 + scales
+            if tuple(value.shape) != tuple(t.shape):
+                raise ValueError(
+                    f"{key}: the checkpoint holds {list(value.shape)}, the model's {target} is "
+                    f"{list(t.shape)}; is the config the checkpoint's?"
+                )
+            t.copy_(value)
+            filled.add(id(t))
+    missing = sorted(k for k, t in targets.items() if id(t) not in filled)
+    if missing:
+        raise ValueError(
+            f"the checkpoint at {os.fspath(path)} lacks {len(missing)} tensor(s) of the model: "
+            f"{missing[:6]}{' ...' * (len(missing) > 6)}"
+        )
+    for n, block in blocks.items():
+        if not block.moe.weights_loaded:
+            got = sorted({j for (b, j) in pending if b == n})
+            raise ValueError(
+                f"{n}: the checkpoint at {os.fspath(path)} lacks some of this rank's experts "
+                f"{local[n]} (incomplete: {got}); is it a checkpoint of this model?"
+            )
+        bias = getattr(block.gate, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor) and block.moe.e_score_correction_bias is not None:
+            block.moe.e_score_correction_bias.copy_(bias)  # EPMoE holds its own float32 copy
+    return ShardLoadReport(
+        path=os.fspath(path),
+        tensors_read=expert_reads + other_reads,
+        expert_tensors_read=expert_reads,
+        other_tensors_read=other_reads,
+        expert_tensors_skipped=skipped,
+        local_experts={n: tuple(v) for n, v in local.items()},
+        unused_keys=tuple(unused),
+    )
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return torch.float32
+    if dtype.itemsize == 1:  # an FP8 checkpoint: run in bfloat16, dequantised while loading
+        return torch.bfloat16
+    return dtype
+
+
+def from_pretrained_sharded(
+    pretrained: str | os.PathLike,
+    *,
+    model_class=None,
+    config=None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    placement: PlacementArg = "linear",
+    backend: str = "auto",
+    experts: str = "auto",
+    **moe_kwargs,
+) -> nn.Module:
+    """Build a Hugging Face model converted by ``replace_moe_blocks`` and load it from a
+    local safetensors checkpoint by shard: each rank reads its own experts only.
+
+    The model is built from ``config`` with its parameters on the meta device (nothing
+    allocated), its MoE blocks are replaced by ``EPMoEBlock``s holding empty shards of this
+    rank's experts, the other parameters get storage on ``device``, and
+    :func:`load_sharded` fills everything from the files. Peak memory per rank: the
+    non-expert weights plus its own experts; no rank ever holds another rank's experts.
+
+    Collective over ``group`` (the conversion is): every rank calls it with the same
+    arguments. Reading is local, so the files must be visible to every rank (a shared or
+    copied directory).
+
+    Args:
+        pretrained: a directory with ``config.json`` and ``model.safetensors`` (or
+            ``model.safetensors.index.json`` and its shards), as ``save_pretrained``
+            writes it.
+        model_class: a transformers class with ``from_config`` (default
+            ``AutoModelForCausalLM``) or a model class taking the config.
+        config: default ``AutoConfig.from_pretrained(pretrained)``.
+        dtype: of the model's floating-point parameters and the experts; default the
+            config's (bfloat16 for an FP8 checkpoint, which is dequantised while loading),
+            else float32.
+        device: where the model runs (default CPU); with NCCL, this rank's GPU.
+        group, placement, backend, experts, **moe_kwargs: as for ``replace_moe_blocks``.
+
+    Returns:
+        The model in eval mode; ``model.shard_load_report`` is this rank's
+        :class:`ShardLoadReport`.
+    """
+    _require_transformers()
+    transformers = importlib.import_module("transformers")
+    if not os.path.isdir(os.fspath(pretrained)):
+        raise FileNotFoundError(
+            f"from_pretrained_sharded reads a local checkpoint directory; {pretrained!r} is "
+            "not one (download it first, e.g. huggingface_hub.snapshot_download)"
+        )
+    if config is None:
+        config = transformers.AutoConfig.from_pretrained(pretrained)
+    model_class = model_class or transformers.AutoModelForCausalLM
+    dtype = dtype or _config_dtype(config)
+    device = torch.device("cpu" if device is None else device)
+    with _parameters_on_meta():
+        if hasattr(model_class, "from_config"):
+            model = model_class.from_config(config)
+        else:
+            model = model_class(config)
+    model.eval()
+    replace_moe_blocks(
+        model,
+        group=group,
+        placement=placement,
+        backend=backend,
+        experts=experts,
+        defer_expert_loading=True,
+        device=device,
+        params_dtype=dtype,
+        **moe_kwargs,
+    )
+    _materialise(model, device, dtype)
+    model.shard_load_report = load_sharded(model, pretrained)
+    return model

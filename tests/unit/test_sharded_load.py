@@ -1,0 +1,127 @@
+"""Loading by shard in one process: every family of ``tests/distributed/hf_cases.py`` from
+transformers' own ``save_pretrained`` output, a fused-expert checkpoint (read by slices), an
+FP8 checkpoint with 128×128 block scales (dequantised while loading), a checkpoint split by
+an index, and the errors for a checkpoint that lacks tensors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from epmoe.integrations.huggingface import from_pretrained_sharded  # noqa: E402
+from epmoe.integrations.safetensors_loader import dequantize_fp8  # noqa: E402
+from tests.distributed.hf_cases import COMMON, FAMILIES, tiny_model  # noqa: E402
+
+IDS = torch.randint(3, COMMON["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(5))
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_loads_by_shard(family, tmp_path):
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_sharded(tmp_path, experts="torch")
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=1e-5, atol=1e-5)
+    report = loaded.shard_load_report
+    assert report.expert_tensors_skipped == 0 and not report.unused_keys, report
+
+
+def test_fused_experts_are_read_by_slice(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    # rewrite the file in the transformers 5 in-memory layout: experts.gate_up_proj [E, 2I, H]
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    safetensors_torch.save_file(state, os.path.join(tmp_path, "model.safetensors"))
+    loaded = from_pretrained_sharded(tmp_path, experts="torch")
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=1e-5, atol=1e-5)
+    # E experts × (gate_up, down) × 2 layers, each slice read once
+    assert loaded.shard_load_report.expert_tensors_read == 8 * 2 * 2
+
+
+def test_index_and_several_files(tmp_path):
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.json")
+    loaded = from_pretrained_sharded(tmp_path, experts="torch")
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=1e-5, atol=1e-5)
+
+
+def _quantize_fp8(w: torch.Tensor, block: int = 128):
+    """Block-wise e4m3 (DeepSeek-V3): per 128×128 block, scale_inv = amax / 448."""
+    N, K = w.shape
+    s = torch.empty(-(-N // block), -(-K // block))
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            tile = w[i * block : (i + 1) * block, j * block : (j + 1) * block]
+            s[i, j] = tile.abs().amax().clamp(min=1e-12) / 448.0
+            q[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / s[i, j]).to(
+                torch.float8_e4m3fn
+            )
+    return q, s
+
+
+def test_dequantize_fp8_blocks():
+    w = torch.randn(200, 130, generator=torch.Generator().manual_seed(0))
+    q, s = _quantize_fp8(w)
+    assert s.shape == (2, 2)
+    torch.testing.assert_close(dequantize_fp8(q, s), w, rtol=7e-2, atol=1e-2)
+
+
+def test_fp8_checkpoint_is_dequantised(tmp_path):
+    model = tiny_model("deepseek_v3")
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    out = {}
+    for key, t in state.items():  # quantise every linear weight, experts included
+        if key.endswith("proj.weight") and t.dim() == 2:
+            out[key], out[key + "_scale_inv"] = _quantize_fp8(t)
+            state[key] = dequantize_fp8(out[key], out[key + "_scale_inv"])
+        else:
+            out[key] = t
+    safetensors_torch.save_file(out, path)
+    loaded = from_pretrained_sharded(tmp_path, experts="torch", dtype=torch.float32)
+    reference = tiny_model("deepseek_v3")
+    reference.save_pretrained(tmp_path / "dequantised")
+    safetensors_torch.save_file(state, os.path.join(tmp_path / "dequantised", "model.safetensors"))
+    expected = from_pretrained_sharded(tmp_path / "dequantised", experts="torch")
+    torch.testing.assert_close(_logits(loaded), _logits(expected), rtol=1e-5, atol=1e-5)
+    fp8_reads = loaded.shard_load_report.tensors_read
+    assert fp8_reads == len(out), (fp8_reads, len(out))
+
+
+def test_missing_tensor_is_refused(tmp_path):
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    del state["model.norm.weight"]
+    safetensors_torch.save_file(state, path)
+    with pytest.raises(ValueError, match="lacks 1 tensor"):
+        from_pretrained_sharded(tmp_path, experts="torch")
+
+
+def test_missing_expert_is_refused(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    del state["model.layers.1.mlp.experts.3.up_proj.weight"]
+    safetensors_torch.save_file(state, path)
+    with pytest.raises(ValueError, match="lacks some of this rank's experts"):
+        from_pretrained_sharded(tmp_path, experts="torch")
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        from_pretrained_sharded(tmp_path / "nowhere")
