@@ -275,9 +275,16 @@ class AllToAll(ABC):
     def unavailable_reason(
         cls, device: torch.device, group: dist.ProcessGroup | None = None
     ) -> str | None:
-        """Why this backend cannot run here, or ``None``. Must not allocate or initialise."""
+        """Why this backend cannot run here, or ``None``. Must not allocate or initialise.
+
+        Subclasses that override it call this first: a device type the backend does not
+        run on, or a CUDA device asked of a torch that has no usable CUDA, is refused here
+        for every backend."""
         if device.type not in cls.capabilities.device_types:
             return f"needs a device of type {sorted(cls.capabilities.device_types)}"
+        if device.type == "cuda" and not torch.cuda.is_available():
+            built = "has no CUDA build" if torch.version.cuda is None else "sees no GPU"
+            return f"CUDA is not available (torch {torch.__version__} {built})"
         return None
 
     @abstractmethod
