@@ -49,7 +49,9 @@ def lookup(layer_id: int):
     return layer
 
 
-@torch.library.custom_op("epmoe::moe_forward", mutates_args=())
+# cudagraph_unsafe: a captured replay would freeze the step's agreed token bound (its chunk
+# count and backend), so Inductor's CUDA graphs leave this op outside their captures
+@torch.library.custom_op("epmoe::moe_forward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def moe_forward(
     hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_id: int, max_tokens: int
 ) -> torch.Tensor:
@@ -58,10 +60,12 @@ def moe_forward(
     layer = lookup(layer_id)
     hint = None if max_tokens < 0 else max_tokens
     out = layer._eager_forward(hidden_states, router_logits, max_tokens_across_ranks=hint)
-    # a custom op may not return an alias of its input (T = 0, same dtype: .to() is a no-op)
-    return out.clone() if out is hidden_states or out._base is not None else out
+    # a custom op may not return an alias of an input (T = 0, same dtype: .to() is a no-op)
+    storage = out.untyped_storage().data_ptr()
+    aliased = any(t.untyped_storage().data_ptr() == storage for t in (hidden_states, router_logits))
+    return out.clone() if aliased else out
 
 
 @moe_forward.register_fake
 def _(hidden_states, router_logits, layer_id, max_tokens):
-    return torch.empty_like(hidden_states)
+    return hidden_states.new_empty(hidden_states.shape)  # contiguous, like the real op

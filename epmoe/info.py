@@ -166,7 +166,7 @@ def settings() -> dict[str, dict[str, Any]]:
         out[key] = {"value": value, "recommended": good, "ok": ok, "note": note}
     raw = os.environ.get("EPMOE_COMM_TIMEOUT_S")
     try:
-        ok = raw is None or float(raw) > 0
+        ok = raw is None or not raw.strip() or float(raw) > 0  # empty: the 10 s default
     except ValueError:
         ok = False
     out["EPMOE_COMM_TIMEOUT_S"] = {

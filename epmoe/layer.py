@@ -317,6 +317,12 @@ class EPMoE(nn.Module):
         # the key of this layer in epmoe::moe_forward's registry (torch.compile)
         self._op_id = custom_op.register(self)
 
+    def __setstate__(self, state) -> None:
+        """A copy (``copy.deepcopy``, ``pickle``) is another layer: its own id in the
+        compiled op's registry, never the original's."""
+        super().__setstate__(state)
+        self._op_id = custom_op.register(self)
+
     def _fingerprint(
         self,
         placement_name: str | None,
@@ -750,8 +756,11 @@ class EPMoE(nn.Module):
         be on the layer's device.
         """
         if torch.compiler.is_compiling():
-            if step is not None and max_tokens_across_ranks is None:
-                max_tokens_across_ranks = step.max_tokens  # a constant of this graph
+            if step is not None:
+                if max_tokens_across_ranks is not None:
+                    raise TypeError("pass either step= or max_tokens_across_ranks=, not both")
+                # the step's own checks (ended, group) at trace time; then a graph constant
+                max_tokens_across_ranks = step.max_tokens_for(self, 0)
             hint = -1 if max_tokens_across_ranks is None else max_tokens_across_ranks
             return torch.ops.epmoe.moe_forward(hidden_states, router_logits, self._op_id, hint)
         return self._eager_forward(

@@ -170,9 +170,9 @@ def step(
         or not isinstance(graph_max_tokens, int)
         or graph_max_tokens <= 0
     ):
-        # the same value on every rank: it raises on each alike, before the collective
-        raise ValueError(
-            f"epmoe.step: graph_max_tokens must be a positive int or None, got {graph_max_tokens!r}"
+        graph_max_tokens, bad_bound = None, graph_max_tokens
+        error = error or ValueError(  # agreed like the others: raised on every rank
+            f"epmoe.step: graph_max_tokens must be a positive int or None, got {bad_bound!r}"
         )
     agreement = StepAgreement(group)
     T = num_tokens if error is None else 0

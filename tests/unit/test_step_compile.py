@@ -131,3 +131,38 @@ def test_step_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match), epmoe.step(**kwargs):
         pass
     assert epmoe.current_step() is None
+
+
+def test_a_copied_layer_is_its_own_op():
+    """deepcopy / pickle give another layer: compiled code must run the copy's weights."""
+    import copy
+
+    model = Tiny()
+    twin = copy.deepcopy(model.moe)
+    assert twin._op_id != model.moe._op_id
+    with torch.no_grad():
+        twin.w2.mul_(2)
+        x = torch.randn(5, H)
+        logits = model.router(x)
+        compiled = torch.compile(twin, fullgraph=True, backend="eager")
+        assert_close(compiled(x, logits, max_tokens_across_ranks=5), twin(x, logits), 1e-6)
+        assert (twin(x, logits) - model.moe(x, logits)).abs().max() > 1e-3
+
+
+def test_inductor_takes_a_permuted_input():
+    """The fake op promises a contiguous output, as the real one returns."""
+    model = Tiny()
+    f = torch.compile(lambda x, lg: model.moe(x, lg, max_tokens_across_ranks=5), backend="inductor")
+    with torch.no_grad():
+        x_t = torch.randn(H, 5).t()  # [5, H], column-major
+        logits = model.router(x_t.contiguous())
+        assert_close(f(x_t, logits), model.moe(x_t.contiguous(), logits), 1e-5)
+
+
+def test_a_compiled_explicit_step_is_still_checked():
+    model = Tiny()
+    with epmoe.step(num_tokens=5) as s:
+        pass  # ended
+    f = torch.compile(lambda x: model.moe(x, model.router(x), step=s), backend="eager")
+    with pytest.raises(Exception, match="ended|not active|closed"), torch.no_grad():
+        f(torch.randn(5, H))
