@@ -485,6 +485,13 @@ class EPMoEBlock(nn.Module):
         bias = getattr(block.gate, "e_score_correction_bias", None)
         if family.scoring == "deepseek" and not isinstance(bias, torch.Tensor):
             raise _unsupported(block, "its router has no e_score_correction_bias")
+        if family.scoring == "deepseek" and bias.device.type == "meta":
+            raise ValueError(
+                f"the router's e_score_correction_bias of {spec.block_class} is on the meta "
+                "device; EPMoE checks it and keeps a float32 copy when it is built. Build the "
+                "model with only its parameters on meta (the buffers real, as "
+                "from_pretrained_sharded does), or give the buffer storage before converting"
+            )
         self.moe = EPMoE(
             spec.num_experts,
             spec.top_k,
@@ -729,11 +736,12 @@ _ROLES = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1, "w2": 2, "down_proj": 
 class ShardLoadReport:
     """What one rank read from a checkpoint in ``load_sharded``.
 
-    ``tensors_read``: tensors read from the files, each once (an FP8 weight and its
-    ``weight_scale_inv`` count as two; a fused expert tensor counts once per local expert
-    sliced from it) = ``expert_tensors_read + other_tensors_read``. ``local_experts``: per
-    converted block, the logical experts loaded on this rank (each once, replicas
-    included). ``expert_tensors_skipped``: other ranks' expert tensors, never read.
+    Counted by the ``CheckpointReader``, once per tensor read: an FP8 weight and its
+    ``weight_scale_inv`` count as two, and a fused expert tensor (``experts.gate_up_proj``
+    / ``experts.down_proj``) counts once, however many local experts' rows are sliced from
+    it. ``tensors_read`` = ``expert_tensors_read + other_tensors_read``. ``local_experts``:
+    per converted block, the logical experts loaded on this rank (each once, replicas
+    included). ``expert_tensors_skipped``: expert tensors never read (other ranks' experts).
     ``unused_keys``: checkpoint keys the model has no place for (not read either; e.g.
     DeepSeek-V3's multi-token-prediction layer).
     """
@@ -767,22 +775,95 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def _materialise(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Give every meta parameter empty storage on ``device`` (floating ones in ``dtype``;
-    tied parameters stay tied) and move the buffers there."""
-    made: dict[int, nn.Parameter] = {}
+def _fp32_names(model: nn.Module, dtype: torch.dtype) -> Callable[[str], bool]:
+    """Whether a parameter stays in float32 when the model runs in ``dtype``, as transformers
+    decides when loading: ``_keep_in_fp32_modules`` for float16, ``_keep_in_fp32_modules_strict``
+    for float16 and bfloat16 (DeepSeek-V3 / GLM-4-MoE: the router's ``gate.weight``). Patterns
+    match whole dotted components of the name, ``*`` matching anything."""
+    patterns: set[str] = set()
     for module in model.modules():
+        if dtype == torch.float16:
+            patterns.update(getattr(module, "_keep_in_fp32_modules", None) or ())
+        if dtype in (torch.float16, torch.bfloat16):
+            patterns.update(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    if not patterns:
+        return lambda name: False
+    alternation = "|".join(re.escape(p).replace(r"\*", ".*") for p in sorted(patterns))
+    regex = re.compile(rf"(?:^|\.)(?:{alternation})(?:\.|$)")
+    return lambda name: regex.search(name) is not None
+
+
+def _meta_tensors(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Names of the model's tensors on the meta device: (parameters and persistent buffers,
+    which a checkpoint holds; non-persistent buffers, which it does not)."""
+    held, computed = [], []
+    for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
+        for name, p in module._parameters.items():
+            if p is not None and p.device.type == "meta":
+                held.append(prefix + name)
+        for name, b in module._buffers.items():
+            if b is not None and b.device.type == "meta":
+                lost = name in module._non_persistent_buffers_set
+                (computed if lost else held).append(prefix + name)
+    return held, computed
+
+
+def _computed_on_meta(names: list[str]) -> ValueError:
+    return ValueError(
+        f"{len(names)} buffer(s) of the model are on the meta device and are not saved in "
+        f"checkpoints ({names[:4]}{' ...' * (len(names) > 4)}; computed when the model is "
+        "built, e.g. rotary inv_freq): build the model with only its parameters on meta, the "
+        "buffers real (e.g. accelerate's init_empty_weights(); from_pretrained_sharded does)"
+    )
+
+
+def _materialise(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    """Give every meta parameter and persistent meta buffer empty storage on ``device`` (tied
+    parameters stay tied) and move the other buffers there. Floating parameters take
+    ``dtype`` (None: keep their own), except those transformers keeps in float32
+    (``_keep_in_fp32_modules[_strict]``). Raises ``ValueError`` for a non-persistent buffer
+    on meta (no checkpoint holds it)."""
+    _, computed = _meta_tensors(model)
+    if computed:
+        raise _computed_on_meta(computed)
+    keep_fp32 = _fp32_names(model, dtype) if dtype is not None else (lambda name: False)
+    made: dict[int, nn.Parameter] = {}
+    for mname, module in model.named_modules():
+        prefix = f"{mname}." if mname else ""
         for name, p in list(module._parameters.items()):
             if p is None or p.device.type != "meta":
                 continue
             if id(p) not in made:
-                kind = dtype if p.is_floating_point() else p.dtype
+                kind = p.dtype
+                if dtype is not None and p.is_floating_point():
+                    kind = torch.float32 if keep_fp32(prefix + name) else dtype
                 empty = torch.empty(p.shape, dtype=kind, device=device)
                 made[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
             module._parameters[name] = made[id(p)]
         for name, b in list(module._buffers.items()):
-            if b is not None:
+            if b is None:
+                continue
+            if b.device.type == "meta":
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+            else:
                 module._buffers[name] = b.to(device)
+
+
+def _weight_block_size(config) -> tuple[int, int] | None:
+    """``config.quantization_config.weight_block_size`` (a dict or a transformers
+    quantization config), or None where the config names none."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    size = quant.get("weight_block_size") if isinstance(quant, dict) else None
+    if size is None and not isinstance(quant, dict):
+        size = getattr(quant, "weight_block_size", None)
+    if size is None:
+        return None
+    if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
+        raise ValueError(f"quantization_config.weight_block_size must be [N, K], got {size!r}")
+    return int(size[0]), int(size[1])
 
 
 def _checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
@@ -812,7 +893,13 @@ def _resolve(name: str, targets: dict, prefix: str | None) -> str | None:
 
 
 @torch.no_grad()
-def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
+def load_sharded(
+    model: nn.Module,
+    path: str | os.PathLike,
+    *,
+    device: torch.device | str | None = None,
+    weight_block_size: tuple[int, int] | None = None,
+) -> ShardLoadReport:
     """Fill a model converted by ``replace_moe_blocks`` from a safetensors checkpoint in
     the Hugging Face layout, reading on this rank only its local experts' tensors.
 
@@ -825,9 +912,23 @@ def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
     ``moe.load_expert``. FP8 weights with a ``weight_scale_inv`` are dequantised while
     loading. Checkpoint keys are renamed as transformers 5 does when loading.
 
+    Args:
+        model: converted with ``replace_moe_blocks(..., defer_expert_loading=True,
+            device=...)`` (or with its experts loaded already: they are overwritten).
+        path: the checkpoint directory (or one ``.safetensors`` file).
+        device: the one passed to ``replace_moe_blocks``: give the model's meta parameters
+            and persistent meta buffers empty storage there first (each in its own dtype)
+            and move the other buffers there. Without
+            it, a tensor on the meta device raises ``ValueError``: copying into it would
+            do nothing. Non-persistent buffers (rotary ``inv_freq``) cannot come from a
+            checkpoint and must not be on meta either way.
+        weight_block_size: ``(N, K)`` of the FP8 block scales; default the model config's
+            ``quantization_config.weight_block_size``, else 128×128.
+
     Not collective: each rank reads its own tensors. Raises ``ValueError`` when a model
-    tensor or a local expert is missing from the checkpoint or a shape differs (the model
-    would otherwise run on uninitialised memory).
+    tensor is on the meta device (see ``device``), a model tensor or a local expert is
+    missing from the checkpoint or a shape differs (the model would otherwise run on
+    uninitialised memory).
     """
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, EPMoEBlock)}
     if not blocks:
@@ -835,6 +936,21 @@ def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
             f"{type(model).__name__} holds no EPMoEBlock: convert it with replace_moe_blocks "
             "first (or use from_pretrained_sharded)"
         )
+    if device is not None:
+        _materialise(model, torch.device(device))
+    held, computed = _meta_tensors(model)
+    if computed:
+        raise _computed_on_meta(computed)
+    if held:
+        raise ValueError(
+            f"{len(held)} parameter(s)/buffer(s) of the model are on the meta device "
+            f"({held[:4]}{' ...' * (len(held) > 4)}); copying into them would do nothing. "
+            "Pass device= (load_sharded gives them storage there) or use "
+            "from_pretrained_sharded"
+        )
+    if weight_block_size is None:
+        weight_block_size = _weight_block_size(getattr(model, "config", None))
+    block_size = tuple(weight_block_size) if weight_block_size is not None else (128, 128)
     state = model.state_dict(keep_vars=True)
     inside = tuple(f"{n}." for n in blocks)
     targets = {k: t for k, t in state.items() if not k.startswith(inside)}
@@ -852,25 +968,24 @@ def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
 
     filled: set[int] = set()
     pending: dict[tuple[str, int], list] = {}  # (block, expert) → [gate, up, down]
-    expert_reads = other_reads = skipped = 0
+    expert_keys: set[str] = set()  # every routed-expert tensor of the checkpoint (+ scales)
     unused = []
     with CheckpointReader(path) as reader:
         for key in reader.tensor_names():
             if key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in reader:
                 continue  # read with its weight
             name = rename(key)
-            scales = int(key + SCALE_SUFFIX in reader)
+            scale = key + SCALE_SUFFIX
             m = _EXPERT_KEY.match(name)
             if m and m["block"] in block_of:
                 n, j = block_of[m["block"]], int(m["expert"])
+                expert_keys.update(k for k in (key, scale) if k in reader)
                 if m["proj"] not in _ROLES:
                     raise ValueError(f"{key}: unknown expert projection {m['proj']!r}")
                 if j not in local[n]:
-                    skipped += 1 + scales
                     continue
                 parts = pending.setdefault((n, j), [None, None, None])
-                parts[_ROLES[m["proj"]]] = reader.get_weight(key)
-                expert_reads += 1 + scales
+                parts[_ROLES[m["proj"]]] = reader.get_weight(key, block=block_size)
                 if all(p is not None for p in parts):
                     gate, up, down = pending.pop((n, j))
                     blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
@@ -878,7 +993,8 @@ def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
             m = _FUSED_KEY.match(name)
             if m and m["block"] in block_of:
                 n = block_of[m["block"]]
-                if scales:
+                expert_keys.add(key)
+                if scale in reader:
                     raise ValueError(f"{key}: FP8 fused expert tensors are not supported")
                 stacked = reader.slice(key)
                 for j in local[n]:
@@ -891,15 +1007,13 @@ def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
                     if all(p is not None for p in parts):
                         gate, up, down = pending.pop((n, j))
                         blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
-                expert_reads += len(local[n])
                 continue
             target = _resolve(name, targets, prefix)
             if target is None:
                 unused.append(key)
                 continue
             t = targets[target]
-            value = reader.get_weight(key)
-            other_reads += 1 + scales
+            value = reader.get_weight(key, block=block_size)
             if tuple(value.shape) != tuple(t.shape):
                 raise ValueError(
                     f"{key}: the checkpoint holds {list(value.shape)}, the model's {target} is "
@@ -907,6 +1021,7 @@ def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
                 )
             t.copy_(value)
             filled.add(id(t))
+        reads = reader.reads  # the one read counter (see ShardLoadReport)
     missing = sorted(k for k, t in targets.items() if id(t) not in filled)
     if missing:
         raise ValueError(
@@ -923,12 +1038,13 @@ def load_sharded(model: nn.Module, path: str | os.PathLike) -> ShardLoadReport:
         bias = getattr(block.gate, "e_score_correction_bias", None)
         if isinstance(bias, torch.Tensor) and block.moe.e_score_correction_bias is not None:
             block.moe.e_score_correction_bias.copy_(bias)  # EPMoE holds its own float32 copy
+    expert_reads = sum(reads[k] for k in expert_keys)
     return ShardLoadReport(
         path=os.fspath(path),
-        tensors_read=expert_reads + other_reads,
+        tensors_read=sum(reads.values()),
         expert_tensors_read=expert_reads,
-        other_tensors_read=other_reads,
-        expert_tensors_skipped=skipped,
+        other_tensors_read=sum(reads.values()) - expert_reads,
+        expert_tensors_skipped=sum(reads[k] == 0 for k in expert_keys),
         local_experts={n: tuple(v) for n, v in local.items()},
         unused_keys=tuple(unused),
     )
@@ -969,7 +1085,10 @@ def from_pretrained_sharded(
 
     Collective over ``group`` (the conversion is): every rank calls it with the same
     arguments. Reading is local, so the files must be visible to every rank (a shared or
-    copied directory).
+    copied directory). The ranks agree (a small all-reduce over ``group``) after building
+    the model and after loading it, so a rank that fails (a missing directory, a config
+    that does not load, a checkpoint that lacks a tensor) raises its own error while every
+    other rank raises ``RuntimeError``, instead of some waiting in a collective.
 
     Args:
         pretrained: a directory with ``config.json`` and ``model.safetensors`` (or
@@ -979,8 +1098,11 @@ def from_pretrained_sharded(
             ``AutoModelForCausalLM``) or a model class taking the config.
         config: default ``AutoConfig.from_pretrained(pretrained)``.
         dtype: of the model's floating-point parameters and the experts; default the
-            config's (bfloat16 for an FP8 checkpoint, which is dequantised while loading),
-            else float32.
+            config's (bfloat16 for an FP8 checkpoint, which is dequantised while loading,
+            in blocks of the config's ``quantization_config.weight_block_size``), else
+            float32. Parameters transformers keeps in float32 (``_keep_in_fp32_modules``
+            for float16, ``_keep_in_fp32_modules_strict`` for float16 and bfloat16: the
+            DeepSeek-V3 / GLM-4-MoE router ``gate.weight``) stay in float32.
         device: where the model runs (default CPU); with NCCL, this rank's GPU.
         group, placement, backend, experts, **moe_kwargs: as for ``replace_moe_blocks``.
 
@@ -989,23 +1111,29 @@ def from_pretrained_sharded(
         :class:`ShardLoadReport`.
     """
     _require_transformers()
-    transformers = importlib.import_module("transformers")
-    if not os.path.isdir(os.fspath(pretrained)):
-        raise FileNotFoundError(
-            f"from_pretrained_sharded reads a local checkpoint directory; {pretrained!r} is "
-            "not one (download it first, e.g. huggingface_hub.snapshot_download)"
-        )
-    if config is None:
-        config = transformers.AutoConfig.from_pretrained(pretrained)
-    model_class = model_class or transformers.AutoModelForCausalLM
-    dtype = dtype or _config_dtype(config)
-    device = torch.device("cpu" if device is None else device)
-    with _parameters_on_meta():
-        if hasattr(model_class, "from_config"):
-            model = model_class.from_config(config)
-        else:
-            model = model_class(config)
-    model.eval()
+    error: BaseException | None = None
+    try:  # local steps: a rank that fails here must not leave the others in the conversion
+        transformers = importlib.import_module("transformers")
+        if not os.path.isdir(os.fspath(pretrained)):
+            raise FileNotFoundError(
+                f"from_pretrained_sharded reads a local checkpoint directory; {pretrained!r} "
+                "is not one (download it first, e.g. huggingface_hub.snapshot_download)"
+            )
+        if config is None:
+            config = transformers.AutoConfig.from_pretrained(pretrained)
+        model_class = model_class or transformers.AutoModelForCausalLM
+        dtype = dtype or _config_dtype(config)
+        device = torch.device("cpu" if device is None else device)
+        block_size = _weight_block_size(config)
+        with _parameters_on_meta():
+            if hasattr(model_class, "from_config"):
+                model = model_class.from_config(config)
+            else:
+                model = model_class(config)
+        model.eval()
+    except Exception as exc:
+        error = exc
+    _agree(error, group, "building the model")
     replace_moe_blocks(
         model,
         group=group,
@@ -1017,6 +1145,35 @@ def from_pretrained_sharded(
         params_dtype=dtype,
         **moe_kwargs,
     )
-    _materialise(model, device, dtype)
-    model.shard_load_report = load_sharded(model, pretrained)
+    try:  # not collective either: agree before returning
+        _materialise(model, device, dtype)
+        model.shard_load_report = load_sharded(model, pretrained, weight_block_size=block_size)
+    except Exception as exc:
+        error = exc
+    _agree(error, group, "loading the checkpoint")
     return model
+
+
+def _agree(error: BaseException | None, group: dist.ProcessGroup | None, step: str) -> None:
+    """Every rank of ``group`` learns whether any failed ``step`` (an all-reduce of an ok
+    flag), so that all raise together instead of some waiting in the next collective: the
+    failing rank its own error, the others ``RuntimeError``. Nothing to agree on without an
+    initialised process group."""
+    if dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend(group))
+        if "gloo" in backend or not torch.cuda.is_available():
+            where = torch.device("cpu")
+        else:
+            where = torch.device("cuda", torch.cuda.current_device())
+        flag = torch.tensor([int(error is None)], dtype=torch.int64, device=where)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        ok = bool(flag.item())
+    else:
+        ok = error is None
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(
+            f"from_pretrained_sharded: another rank of the group failed {step} (its own error "
+            "is raised there); every rank stops here"
+        )

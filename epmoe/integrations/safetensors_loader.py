@@ -5,8 +5,9 @@ shards listed by ``model.safetensors.index.json``) or a single ``.safetensors`` 
 lists the keys without reading any tensor, and ``get(key)`` reads one tensor (only that
 tensor's bytes) through ``safetensors.safe_open``. ``reads`` counts the tensors read, so a
 caller can check that a rank read only its own experts. FP8 weights stored with scales
-(DeepSeek-V3: ``<name>.weight`` float8_e4m3fn plus ``<name>.weight_scale_inv``, 128×128
-blocks, or one scale per tensor) are dequantised by ``get_weight``.
+(DeepSeek-V3: ``<name>.weight`` float8_e4m3fn plus ``<name>.weight_scale_inv``, one scale
+per block of the config's ``quantization_config.weight_block_size`` (128×128), or one per
+tensor) are dequantised by ``get_weight``.
 
 ``safetensors`` is imported when a reader opens a file, never when this module is imported.
 """
@@ -60,7 +61,9 @@ def dequantize_fp8(
     if (-(-N // bN), -(-K // bK)) != tuple(s.shape):
         raise ValueError(
             f"scales {list(s.shape)} do not tile a weight {list(w.shape)} in {bN}x{bK} blocks "
-            f"(want {[-(-N // bN), -(-K // bK)]}); pass the checkpoint's weight_block_size"
+            f"(that would take {[-(-N // bN), -(-K // bK)]}); the block size comes from the "
+            "config's quantization_config.weight_block_size (default 128x128): is it the "
+            "checkpoint's?"
         )
     s_NK = s.repeat_interleave(bN, 0)[:N].repeat_interleave(bK, 1)[:, :K]
     return w * s_NK
@@ -145,13 +148,17 @@ class CheckpointReader:
         self.reads[key] += 1
         return self._handle(self._file_of[key]).get_slice(key)
 
-    def get_weight(self, key: str) -> torch.Tensor:
+    def get_weight(self, key: str, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
         """Read a weight; an FP8 one with a ``<key>_scale_inv`` partner is dequantised to
-        float32 (both tensors count as read)."""
+        float32 with scales per ``block`` (the config's
+        ``quantization_config.weight_block_size``); both tensors count as read."""
         w = self.get(key)
         scale = key + SCALE_SUFFIX
         if scale in self._file_of:
-            return dequantize_fp8(w, self.get(scale))
+            try:
+                return dequantize_fp8(w, self.get(scale), tuple(block))
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
         if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             raise ValueError(
                 f"{key} is stored in {w.dtype} without a {scale} scale; epmoe dequantises FP8 "

@@ -4,7 +4,9 @@ Rank 0 writes a tiny model of each family with transformers' own ``save_pretrain
 per-expert layout transformers writes); every rank then loads it by shard while
 ``safetensors.safe_open`` is wrapped to record every tensor read, and checks that it read
 each non-expert tensor once, its own experts' tensors once and no other rank's, and that
-its logits equal the unsharded model's. Imports ``transformers`` inside functions only.
+its logits equal the unsharded model's. ``failing_rank`` gives one rank a bad checkpoint
+(a missing directory, then one that lacks a tensor) and records what every rank raised.
+Imports ``transformers`` inside functions only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
+import time
 from collections.abc import Iterator
 
 import torch
@@ -135,3 +139,37 @@ def check_sharded_load(rank, world, tmpdir, families, placements=("linear", "rou
                 torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     sweep.check()
     return sweep.passed
+
+
+def failing_rank(rank, world, tmpdir):
+    """Rank 1 is given a bad checkpoint, the other ranks a good one: (1) a directory that
+    does not exist (fails before the collective conversion), (2) a copy that lacks
+    ``model.norm.weight`` (fails in load_sharded, after it). Returns per case what this rank
+    raised (type name, message) and how long the call took."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file, save_file
+
+    from epmoe.integrations.huggingface import from_pretrained_sharded
+
+    good = os.path.join(tmpdir, "failing-good")
+    _write_checkpoint(rank, "mixtral", good, torch.device("cpu"))
+    damaged = os.path.join(tmpdir, f"failing-damaged-{rank}")
+    if rank == 1:  # local: only this rank reads it
+        shutil.copytree(good, damaged)
+        state = load_file(os.path.join(damaged, "model.safetensors"))
+        del state["model.norm.weight"]
+        save_file(state, os.path.join(damaged, "model.safetensors"))
+    bad = {"missing": os.path.join(tmpdir, "nowhere"), "damaged": damaged}
+    out = {}
+    for case, path in bad.items():
+        start = time.monotonic()
+        try:
+            from_pretrained_sharded(path if rank == 1 else good, experts="torch")
+            raised = None
+        except Exception as exc:
+            raised = (type(exc).__name__, str(exc))
+        out[case] = (raised, time.monotonic() - start)
+    return out

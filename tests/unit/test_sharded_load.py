@@ -1,10 +1,13 @@
 """Loading by shard in one process: every family of ``tests/distributed/hf_cases.py`` from
 transformers' own ``save_pretrained`` output, a fused-expert checkpoint (read by slices), an
 FP8 checkpoint with 128×128 block scales (dequantised while loading), a checkpoint split by
-an index, and the errors for a checkpoint that lacks tensors."""
+an index, the block size of an FP8 config, the float32 router of DeepSeek-V3 in bfloat16,
+the manual flow (``replace_moe_blocks(defer_expert_loading=True)`` then ``load_sharded``)
+and the errors for a checkpoint that lacks tensors or a model left on the meta device."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -13,7 +16,12 @@ import torch
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from epmoe.integrations.huggingface import from_pretrained_sharded  # noqa: E402
+from epmoe.integrations.huggingface import (  # noqa: E402
+    _parameters_on_meta,
+    from_pretrained_sharded,
+    load_sharded,
+    replace_moe_blocks,
+)
 from epmoe.integrations.safetensors_loader import dequantize_fp8  # noqa: E402
 from tests.distributed.hf_cases import COMMON, FAMILIES, tiny_model  # noqa: E402
 
@@ -43,8 +51,11 @@ def test_fused_experts_are_read_by_slice(tmp_path):
     safetensors_torch.save_file(state, os.path.join(tmp_path, "model.safetensors"))
     loaded = from_pretrained_sharded(tmp_path, experts="torch")
     torch.testing.assert_close(_logits(loaded), _logits(model), rtol=1e-5, atol=1e-5)
-    # E experts × (gate_up, down) × 2 layers, each slice read once
-    assert loaded.shard_load_report.expert_tensors_read == 8 * 2 * 2
+    # (gate_up, down) × 2 layers: a fused tensor counts once, however many rows are sliced
+    report = loaded.shard_load_report
+    assert report.expert_tensors_read == 2 * 2, report
+    assert report.tensors_read == len(state), report  # every tensor, each once
+    assert report.tensors_read == report.expert_tensors_read + report.other_tensors_read
 
 
 def test_index_and_several_files(tmp_path):
@@ -125,3 +136,94 @@ def test_missing_expert_is_refused(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError):
         from_pretrained_sharded(tmp_path / "nowhere")
+
+
+def _fp8_checkpoint(directory, block: int) -> dict:
+    """Quantise every linear weight of the DeepSeek-V3 checkpoint in ``directory`` in
+    ``block``×``block`` blocks; returns the dequantised state (what loading should give)."""
+    path = os.path.join(directory, "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    out = {}
+    for key, t in state.items():
+        if key.endswith("proj.weight") and t.dim() == 2:
+            out[key], out[key + "_scale_inv"] = _quantize_fp8(t, block)
+            state[key] = dequantize_fp8(out[key], out[key + "_scale_inv"], (block, block))
+        else:
+            out[key] = t
+    safetensors_torch.save_file(out, path)
+    return state
+
+
+def test_fp8_block_size_comes_from_the_config(tmp_path):
+    model = tiny_model("deepseek_v3")
+    model.save_pretrained(tmp_path)
+    state = _fp8_checkpoint(tmp_path, 8)  # 8×8 blocks: scales [N/8, K/8], not one per tensor
+    with pytest.raises(ValueError, match="weight_block_size"):  # read as 128×128
+        from_pretrained_sharded(tmp_path, experts="torch", dtype=torch.float32)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [8, 8],
+    }
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    loaded = from_pretrained_sharded(tmp_path, experts="torch", dtype=torch.float32)
+    reference = tiny_model("deepseek_v3")
+    reference.save_pretrained(tmp_path / "dequantised")
+    safetensors_torch.save_file(state, os.path.join(tmp_path / "dequantised", "model.safetensors"))
+    expected = from_pretrained_sharded(tmp_path / "dequantised", experts="torch")
+    torch.testing.assert_close(_logits(loaded), _logits(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_router_stays_float32_in_bfloat16(tmp_path):
+    """DeepSeek-V3's ``_keep_in_fp32_modules_strict``: ``gate.weight`` (and the correction
+    bias) stay float32 as transformers keeps them; the rest runs in bfloat16."""
+    model = tiny_model("deepseek_v3")
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_sharded(tmp_path, experts="torch", dtype=torch.bfloat16)
+    mlp = loaded.model.layers[0].mlp
+    assert mlp.gate.weight.dtype == torch.float32, mlp.gate.weight.dtype
+    assert mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.lm_head.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(mlp.gate.weight, model.model.layers[0].mlp.gate.weight)
+    plain = tiny_model("mixtral")  # no keep-in-float32 modules: its router is bfloat16
+    plain.save_pretrained(tmp_path / "mixtral")
+    loaded = from_pretrained_sharded(tmp_path / "mixtral", experts="torch", dtype=torch.bfloat16)
+    assert loaded.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_manual_flow_with_parameters_on_meta(family, tmp_path):
+    """Parameters on meta, buffers real; convert with deferred experts; load_sharded with
+    device= gives the parameters storage and fills them."""
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    with _parameters_on_meta():
+        empty = type(model)(model.config)
+    empty.eval()
+    replace_moe_blocks(empty, experts="torch", defer_expert_loading=True, device="cpu")
+    with pytest.raises(ValueError, match="meta device"):
+        load_sharded(empty, tmp_path)  # copying into meta tensors would do nothing
+    report = load_sharded(empty, tmp_path, device="cpu")
+    assert report.tensors_read == report.expert_tensors_read + report.other_tensors_read
+    assert not any(t.device.type == "meta" for t in empty.state_dict().values())
+    torch.testing.assert_close(_logits(empty), _logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_model_moved_to_meta_is_refused(tmp_path):
+    """``model.to("meta")`` also puts the computed buffers (rotary inv_freq) on meta: no
+    checkpoint holds them, so load_sharded refuses instead of "loading" nothing."""
+    model = tiny_model("mixtral")
+    model.save_pretrained(tmp_path)
+    on_meta = tiny_model("mixtral").to("meta")
+    replace_moe_blocks(on_meta, experts="torch", defer_expert_loading=True, device="cpu")
+    for device in (None, "cpu"):
+        with pytest.raises(ValueError, match="not saved in checkpoints"):
+            load_sharded(on_meta, tmp_path, device=device)
+    deepseek = tiny_model("deepseek_v3").to("meta")
+    with pytest.raises(ValueError, match="e_score_correction_bias .* meta"):
+        replace_moe_blocks(deepseek, experts="torch", defer_expert_loading=True, device="cpu")
