@@ -93,7 +93,11 @@ def test_main_reports_a_bad_option_as_a_usage_error(capsys):
 def test_python_m_epmoe_launch_runs_a_module_on_two_ranks(tmp_path):
     """The packaged launcher end to end: ``python -m epmoe.launch --all-ranks -m MODULE``."""
     (tmp_path / "hello_ranks.py").write_text(
-        "import os\nprint('hello from rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'])\n"
+        # one write per rank (a line below PIPE_BUF is atomic): the ranks share the pipe
+        "import os, sys\n"
+        "rank, world = os.environ['RANK'], os.environ['WORLD_SIZE']\n"
+        "sys.stdout.write(f'hello from rank {rank} of {world}\\n')\n"
+        "sys.stdout.flush()\n"
     )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), ROOT) if p)
