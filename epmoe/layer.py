@@ -243,15 +243,14 @@ class EPMoE(nn.Module):
                     raise ValueError(f"layout must be one of {choices} or None, got {layout!r}")
                 layout = Layout(layout)
             _check_group_device(group, self.device)
-            comm_plan = self._plan_comm(backend, layout, max_num_tokens, dispatch_dtype)
             # backend="auto" with a graph-safe fixed-buffer backend at hand (symm_ll on one
             # NVLink node): steps whose largest T fits its buffers (decode) go there, larger
             # ones (prefill) to self.comm
+            auto = self._auto_classes(layout, dispatch_dtype) if backend == "auto" else None
+            comm_plan = self._plan_comm(backend, layout, max_num_tokens, dispatch_dtype, auto)
             decode_plan = None
-            if backend == "auto":
-                decode_plan = self._plan_decode_comm(
-                    comm_plan, layout, max_num_tokens, dispatch_dtype
-                )
+            if auto is not None:
+                decode_plan = self._plan_decode_comm(auto[1], comm_plan, layout, max_num_tokens)
             self.experts = create_experts(experts, activation, self.device, params_dtype)
 
             if e_score_correction_bias is not None:
@@ -368,14 +367,16 @@ class EPMoE(nn.Module):
         layout: Layout | None,
         max_num_tokens: int | None,
         dispatch_dtype: torch.dtype | None,
+        auto: tuple[type[AllToAll], type[AllToAll] | None] | None,
     ) -> _CommPlan:
-        """Choose the backend, size the chunks (``self.max_num_tokens``, M_max) and check
+        """Choose the backend (``auto``: :meth:`_auto_classes`'s choice, for
+        ``backend="auto"``), size the chunks (``self.max_num_tokens``, M_max) and check
         that it can serve this layer's :class:`CommSpec`, building nothing (the layer builds
         it after the construction agreement: building can be collective). FP8 dispatch that
         the backend cannot serve raises ``ValueError`` naming ``dispatch_dtype`` and the
         backends that offer it."""
-        if backend == "auto":
-            backend_cls = self._auto_classes(layout, dispatch_dtype)[0]
+        if auto is not None:
+            backend_cls = auto[0]
         else:
             backend_cls = resolve_backend(backend, self.device, self.group, layout)
         if layout is None:
@@ -448,15 +449,14 @@ class EPMoE(nn.Module):
 
     def _plan_decode_comm(
         self,
+        decode_cls: type[AllToAll] | None,
         comm_plan: _CommPlan,
         layout: Layout | None,
         max_num_tokens: int | None,
-        dispatch_dtype: torch.dtype | None,
     ) -> _CommPlan | None:
         """The decode backend's plan when ``auto`` found a graph-safe fixed-buffer backend
-        other than ``comm_plan``'s (see ``__init__``); its M_max is ``max_num_tokens`` or the
-        backend's default."""
-        decode_cls = self._auto_classes(layout, dispatch_dtype)[1]
+        (``decode_cls``) other than ``comm_plan``'s (see ``__init__``); its M_max is
+        ``max_num_tokens`` or the backend's default."""
         if decode_cls is None or decode_cls is comm_plan.cls:
             return None
         caps = decode_cls.capabilities

@@ -111,24 +111,23 @@ def test_fp8_checkpoint_is_dequantised(tmp_path):
     assert fp8_reads == len(out), (fp8_reads, len(out))
 
 
-def test_missing_tensor_is_refused(tmp_path):
-    model = tiny_model("mixtral")
-    model.save_pretrained(tmp_path)
+def _checkpoint_without(tmp_path, family: str, key: str) -> None:
+    """A tiny ``family`` checkpoint in ``tmp_path`` with the tensor ``key`` removed."""
+    tiny_model(family).save_pretrained(tmp_path)
     path = os.path.join(tmp_path, "model.safetensors")
     state = safetensors_torch.load_file(path)
-    del state["model.norm.weight"]
+    del state[key]
     safetensors_torch.save_file(state, path)
+
+
+def test_missing_tensor_is_refused(tmp_path):
+    _checkpoint_without(tmp_path, "mixtral", "model.norm.weight")
     with pytest.raises(ValueError, match="lacks 1 tensor"):
         from_pretrained_sharded(tmp_path, experts="torch")
 
 
 def test_missing_expert_is_refused(tmp_path):
-    model = tiny_model("qwen3_moe")
-    model.save_pretrained(tmp_path)
-    path = os.path.join(tmp_path, "model.safetensors")
-    state = safetensors_torch.load_file(path)
-    del state["model.layers.1.mlp.experts.3.up_proj.weight"]
-    safetensors_torch.save_file(state, path)
+    _checkpoint_without(tmp_path, "qwen3_moe", "model.layers.1.mlp.experts.3.up_proj.weight")
     with pytest.raises(ValueError, match="lacks some of this rank's experts"):
         from_pretrained_sharded(tmp_path, experts="torch")
 
