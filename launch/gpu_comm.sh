@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
 # The symm_ll GPU run in one call: comm benchmark (symm_ll, all_to_all, NCCL, peer-store
-# ceiling; eager and CUDA graph), the DeepSeek-V3-shaped layer benchmark, and the symm_ll
-# and graph-decode GPU tests. Writes $OUT/{comm,layer}.json, $OUT/*.log and a summary.
+# ceiling; eager and CUDA graph, cold and back to back), the DeepSeek-V3-shaped layer
+# benchmark, and the symm_ll and graph-decode GPU tests. Writes $OUT/{comm,layer}.json,
+# $OUT/*.log and a summary.
 #
-#   OUT=results/gpu bash launch/gpu_comm.sh [STEP ...]   steps: comm layer tests (default all)
+#   OUT=results/gpu bash launch/gpu_comm.sh [STEP ...]   steps (default: comm layer tests):
+#     comm layer tests   as above
+#     gpu                every test under tests/gpu
+#     dist               the multi-process tests (tests/distributed) on NCCL and CUDA tensors
+#     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
+#     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source launch/gpu_env.sh
@@ -26,6 +32,23 @@ for s in "${STEPS[@]}"; do
     tests)
         EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-180}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_symm_ll.py tests/gpu/test_layer_graph.py >"$OUT/tests.log" 2>&1
+        ;;
+    gpu)
+        EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
+            tests/gpu >"$OUT/gpu.log" 2>&1
+        ;;
+    dist)
+        EPMOE_TEST_DEVICE=cuda timeout "${DIST_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
+            tests/distributed >"$OUT/dist.log" 2>&1
+        ;;
+    stress)
+        timeout "${STRESS_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" launch/stress.py \
+            --steps 500 --budget-s "${STRESS_BUDGET_S:-240}" --json "$OUT/stress.json" >"$OUT/stress.log" 2>&1
+        ;;
+    profile)
+        timeout "${PROFILE_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
+            --tokens 128 --backends symm_ll:expert_batched --iters 5 --warmup 3 --profile \
+            >"$OUT/profile.log" 2>&1
         ;;
     *) echo "unknown step $s"; status=1; continue ;;
     esac

@@ -44,8 +44,11 @@ def test_comm_goals_apply_at_the_issue_shape_only():
 
 def test_goal_columns_and_summary():
     rec = dict(kind="comm", backend="symm_ll", layout="expert_batched", wire="bfloat16",
-               mode="graph", T=128, H=7168, K=8, dispatch_us=12.0, combine_us=16.0)  # fmt: skip
-    comm._add_goals(rec, "graph", "bfloat16", 128, 7168, 8)
+               mode="graph_b2b", T=128, H=7168, K=8, dispatch_us=12.0, combine_us=16.0)  # fmt: skip
+    cold = dict(rec, mode="graph")
+    comm._add_goals(cold, "graph", "bfloat16", 128, 7168, 8)
+    assert "goal" not in cold  # goals are judged on back-to-back streams only
+    comm._add_goals(rec, "graph_b2b", "bfloat16", 128, 7168, 8)
     assert (rec["dispatch_goal"], rec["combine_goal"], rec["goal"]) == (
         "met",
         "missed",
@@ -53,8 +56,9 @@ def test_goal_columns_and_summary():
     )
     skipped = dict(kind="comm", backend="symm_ll", layout="expert_batched", wire="float8_e4m3fn",
                    mode="-", T=128, H=7168, K=8, note="skipped: why")  # fmt: skip
-    lines = comm.goal_summary([rec, skipped])
-    assert "bfloat16 graph dispatch: 12.0 µs, goal ≤ 13 µs: met" in lines[0]
+    lines = comm.goal_summary([rec, cold, skipped])
+    assert len(lines) == 3
+    assert "bfloat16 graph_b2b dispatch: 12.0 µs, goal ≤ 13 µs: met" in lines[0]
     assert "combine: 16.0 µs, goal ≤ 15 µs: missed" in lines[1]
     assert lines[2].endswith("skipped: why")
     assert "no record at T=128" in comm.goal_summary([dict(rec, T=1)])[0]
@@ -242,7 +246,10 @@ def _check_tiny_comm(records: list[dict], W: int, hidden: torch.dtype) -> None:
             assert r["roundtrip_error"] < (6e-2 if wire == "float8_e4m3fn" else 1e-2)
             assert r["dispatch_MB"] == pytest.approx(r["recv_rows"] * row_bytes / 1e6)
             assert r["combine_MB"] == pytest.approx(r["recv_rows"] * H * size / 1e6)
-    graphs = [r for r in rows if r["mode"] == "graph"]
+    assert {r["mode"] for r in measured} == {"eager"}
+    assert {r["mode"] for r in rows if r["mode"] not in ("-", "eager")} >= {
+        "eager_b2b", "graph", "graph_b2b"}  # fmt: skip
+    graphs = [r for r in rows if r["mode"].startswith("graph")]
     assert graphs and all(r["note"] == "n/a: CUDA graphs need CUDA" for r in graphs)
     symm = [r for r in rows if r["backend"] == "symm_ll"]
     assert len(symm) == 2 and all(r["note"].startswith("skipped: ") for r in symm)
