@@ -812,10 +812,14 @@ class EPMoE(nn.Module):
         outs, shared_TH = [], None
         for c in range(num_chunks):
             lo, hi = min(c * M, T), min((c + 1) * M, T)
-            pending = comm.dispatch_async(x_TH[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
-            if c == 0 and self.shared_experts is not None:
+            chunk = (x_TH[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
+            if c == 0 and self.shared_experts is not None:  # split phase: overlap them
+                pending = comm.dispatch_async(*chunk)
                 shared_TH = self.shared_experts(hidden_states)
-            outs.append(self._experts_and_combine(comm, pending.wait()))
+                result = pending.wait()
+            else:  # nothing to overlap: the blocking call (one launch where a backend fuses)
+                result = comm.dispatch(*chunk)
+            outs.append(self._experts_and_combine(comm, result))
         out_TH = outs[0] if len(outs) == 1 else torch.cat(outs)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH.to(out_TH.dtype)

@@ -21,20 +21,26 @@ def _compile(fn, typed: dict[str, str], consts: dict) -> None:
 
 def main() -> None:
     shared = dict(bases_ptr="*i64", err_addr="i64", timeout_ns="i64")
+    compiled = 0
     for fp8 in (False, True):
         wire, wire_ptr = (tl.float8e4nv, "*fp8e4nv") if fp8 else (tl.bfloat16, "*bf16")
         blocks = dict(K=8, BLOCK_K=8, BLOCK_H=8192, FP8=fp8, WIRE=wire)
         send = dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", owner_ptr="*i32")
-        send.update(offsets_ptr="*i32", cnt_ptr="*i32", **shared)
+        send.update(local_ptr="*i32", **shared)
         quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
-        _compile(k.ll_dispatch_send_kernel, send, dict(blocks, BLOCK_W=2, BLOCK_E=256, **quant))
+        _compile(k.ll_dispatch_send_kernel, send, dict(blocks, BLOCK_W=2, **quant))
         recv = dict(xo_ptr=wire_ptr, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
-        _compile(k.ll_dispatch_recv_kernel, dict(recv, recv_t_ptr="*i32", **shared), blocks)
-    csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", **shared)
-    _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192))
+        recv.update(recv_t_ptr="*i32", **shared)
+        _compile(k.ll_dispatch_recv_kernel, recv, blocks)
+        _compile(k.ll_dispatch_kernel, dict(send, **recv), dict(blocks, BLOCK_W=2, **quant))
+        compiled += 3
+    csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", cnt_ptr="*i32", **shared)
+    _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
-    _compile(k.ll_combine_recv_kernel, crecv, dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192))
-    print("compiled 6 symm_ll kernels for sm_90")
+    combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
+    _compile(k.ll_combine_recv_kernel, crecv, combine)
+    _compile(k.ll_combine_kernel, dict(csend, **crecv), dict(combine, BLOCK_E=256))
+    print(f"compiled {compiled + 3} symm_ll kernels for sm_90")
 
 
 if __name__ == "__main__":

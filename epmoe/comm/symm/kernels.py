@@ -29,13 +29,19 @@ Synchronisation: one flag per token and direction, set with a release atomic (sy
 scope) after the stores it covers and polled with acquire loads, so no two programs fight
 over one address; every wait is bounded by ``timeout_ns`` of the GPU's global timer and
 writes an error code to host memory instead of hanging. A flag is reset by the program
-that consumed it, ``expect`` by the next kernel of the same call, ``started`` by the next
-dispatch on the same parity. The "started" flag each rank raises at the start of its
-combine (after that reset) is what every source waits for before its next dispatch can
-run: no peer writes a parity's buffers before their last reader is done.
+that consumed it, ``expect`` by the combine of the same call, ``started`` by the next
+dispatch on the same parity; the receive counters are zeroed by the combine (the experts
+have read them) for the parity's next dispatch. The "started" flag each rank raises at the
+start of its combine (after that reset) is what every source waits for before its next
+dispatch can run: no peer writes a parity's buffers before their last reader is done.
 
 Each program handles one token (one row), whole-row steps of ``BLOCK_H`` columns, so that
 a decode-sized call is a single wave of short programs with no serial latency chain.
+
+Each phase has its two halves as separate kernels (split phase: other work runs between
+send and receive) and fused into one launch (``ll_dispatch_kernel``, ``ll_combine_kernel``:
+the blocking calls, one launch less on the host and no gap between the halves on the GPU).
+The bodies are shared ``@triton.jit`` functions, so both paths run the same code.
 """
 
 import os
@@ -46,6 +52,9 @@ import triton.language as tl
 # Under the Triton interpreter (CPU tests) there is no PTX: polls use atomics and the
 # timer reads 0 (waits are then unbounded, which a single process never needs).
 _INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+POLL_PAUSE_NS = int(os.environ.get("EPMOE_POLL_PAUSE_NS", "100"))  # see _pause
+_PAUSE_ASM = tl.constexpr(f"nanosleep.u32 {POLL_PAUSE_NS}; mov.u32 $0, 0;")
 
 # error codes written to the host word: (kind << 24) | (op << 16) | peer
 ERR_TIMEOUT = tl.constexpr(1)
@@ -62,6 +71,22 @@ def _now_ns():
     else:
         return tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+
+
+@triton.jit
+def _pause():
+    """Back off ``POLL_PAUSE_NS`` between polls: every thread of hundreds of waiting
+    programs polls, and without a pause their loads crowd the L2 that the peers' stores
+    and this GPU's own senders need."""
+    if not _INTERPRET:
+        tl.inline_asm_elementwise(
+            _PAUSE_ASM,
+            "=r",
+            [],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
         )
 
 
@@ -103,6 +128,7 @@ def _wait_at_least(flag_ptr, target, timeout_ns, err_addr, op, peer):
             timed_out = tl.full((), 1, tl.int32)
             _report(err_addr, ERR_TIMEOUT, op, peer)
         else:
+            _pause()
             value = _load_acquire(flag_ptr)
     # Every thread polls on its own and may leave the loop at another moment: none goes on
     # (e.g. to reset the flag it waited for) until all have left, and the value returned
@@ -112,9 +138,20 @@ def _wait_at_least(flag_ptr, target, timeout_ns, err_addr, op, peer):
 
 
 @triton.jit
-def _peer_ptr(bases_ptr, rank, byte_offset, dtype: tl.constexpr):
-    """Pointer to ``dtype`` elements at ``byte_offset`` of ``rank``'s symmetric buffer."""
-    return (tl.load(bases_ptr + rank) + byte_offset).to(tl.pointer_type(dtype))
+def _at(base, byte_offset, dtype: tl.constexpr):
+    """Pointer to ``dtype`` elements at ``byte_offset`` of the symmetric buffer at ``base``.
+
+    Buffers and region offsets are 16-byte aligned (checked on the host). Said here, it lets
+    the compiler move whole rows in 16-byte vectors: an address loaded from memory would
+    otherwise allow one element per load or store, which over NVLink is several times
+    slower."""
+    return tl.multiple_of((base + byte_offset).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _pick(values, lanes, i):
+    """``values[i]`` of a small vector indexed by ``lanes`` (a scalar every thread holds)."""
+    return tl.sum(tl.where(lanes == i, values, 0))
 
 
 @triton.jit
@@ -145,6 +182,181 @@ def _quantize_fp8(
     return tl.reshape(q, (BLOCK_H,)).to(tl.float8e4nv), scale
 
 
+# ------------------------------------------------------------------------------ dispatch
+@triton.jit
+def _send_step(
+    x, h0, row, bases, rr, has_W, H, G, W, off_x, off_s,
+    BLOCK_H: tl.constexpr, FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+):  # fmt: skip
+    """Columns ``[h0, h0 + BLOCK_H)`` of one token's row ``x``, quantized if FP8, stored into
+    every rank that holds one of its experts (read once, stored up to W times)."""
+    cols = h0 + tl.arange(0, BLOCK_H)
+    c_mask = cols < H
+    if FP8:
+        q, scale = _quantize_fp8(x.to(tl.float32), BLOCK_H, FP8_MAX, INV_FP8_MAX, EPS)
+        gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    else:
+        q = x.to(WIRE)
+    for r in range(W):
+        on = _pick(has_W, rr, r)  # (a scalar mask, broadcast)
+        base = _pick(bases, rr, r)
+        c_on = c_mask & (tl.broadcast_to(on, cols.shape) > 0)
+        tl.store(_at(base, off_x, WIRE) + row * H + cols, q, mask=c_on)
+        if FP8:
+            g_on = (gg < G) & (tl.broadcast_to(on, gg.shape) > 0)
+            tl.store(_at(base, off_s, tl.float32) + row * G + gg, scale, mask=g_on)
+
+
+@triton.jit
+def _dispatch_send(
+    t, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+    T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):  # fmt: skip
+    """Program ``t`` of the dispatch's send half: token ``t``'s row to every rank holding one
+    of its experts, its routing to every rank, then its flags (program 0 also clears this
+    parity's ``started`` flags first and raises ``expect`` last).
+
+    Latency is the cost at decode sizes, so every load that does not depend on another is
+    issued up front: the peers' buffer addresses, the token's ids and weights and the first
+    columns of its row; only the expert → (rank, local slot) lookups wait for the ids."""
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    rr = tl.arange(0, BLOCK_W)
+    bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)  # [BLOCK_W] each rank's buffer
+    if t == 0:
+        # this parity's "started" flags are cleared before any peer can see this call's
+        # `expect` (released below)
+        tl.atomic_xchg(
+            _at(_pick(bases, rr, src), off_flags, tl.int32) + W + rr,
+            tl.zeros((BLOCK_W,), tl.int32),
+            mask=rr < W,
+            sem="relaxed",
+            scope="sys",
+        )
+    if t < T:
+        t64 = tl.cast(t, tl.int64)
+        x_first = tl.load(x_ptr + t64 * H + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < H)
+        wts = tl.load(w_ptr + t64 * K + kk, mask=k_mask, other=0.0)
+        ids, valid, bad, owner, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
+        local = tl.load(local_ptr + tl.where(valid, ids, 0), mask=valid, other=-1)
+        if tl.max(bad.to(tl.int32)) > 0:
+            _report(err_addr, ERR_EXPERT_ID, OP_DISPATCH, src)
+        row = tl.cast(src, tl.int64) * M + t64  # this token's row in every receiver's tok_*
+        # the row, then its routing metadata to every rank (-1 where it holds none of them)
+        _send_step(
+            x_first, 0, row, bases, rr, has_W, H, G, W, off_x, off_s,
+            BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+        )  # fmt: skip
+        for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
+            x = tl.load(
+                x_ptr + t64 * H + h0 + tl.arange(0, BLOCK_H), mask=h0 + tl.arange(0, BLOCK_H) < H
+            )
+            _send_step(
+                x, h0, row, bases, rr, has_W, H, G, W, off_x, off_s,
+                BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+            )  # fmt: skip
+        for r in range(W):
+            base = _pick(bases, rr, r)
+            tl.store(
+                _at(base, off_ids, tl.int32) + row * K + kk,
+                tl.where(owner == r, local, -1),
+                mask=k_mask,
+            )
+            tl.store(_at(base, off_w, tl.float32) + row * K + kk, wts, mask=k_mask)
+        # every store of this program is issued before its release signals
+        tl.debug_barrier()
+        for r in range(W):
+            flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
+            tl.atomic_xchg(flags + 2 * W + row, 1, sem="release", scope="sys")  # dflag[src, t]
+    if t == 0:
+        tl.debug_barrier()
+        for r in range(W):
+            flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
+            tl.atomic_xchg(flags + src, T + 1, sem="release", scope="sys")  # expect[src]
+
+
+@triton.jit
+def _recv_step(
+    v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G,
+    BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Columns ``[h0, h0 + BLOCK_H)`` of one received row (and its scales) copied into each
+    of its local expert rows ``dst`` (-1: not here)."""
+    cols = h0 + tl.arange(0, BLOCK_H)
+    c_mask = cols < H
+    gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    for k in tl.static_range(BLOCK_K):
+        d = _pick(dst, kk, k)  # this k's row, -1: elsewhere
+        tl.store(xo_ptr + d * H + cols, v, mask=c_mask & (tl.broadcast_to(d, cols.shape) >= 0))
+        if FP8:
+            tl.store(so_ptr + d * G + gg, sv, mask=(gg < G) & (tl.broadcast_to(d, gg.shape) >= 0))
+
+
+@triton.jit
+def _load_scales(tok_s, row, h0, G, BLOCK_H: tl.constexpr, FP8: tl.constexpr):
+    """The FP8 scales of columns ``[h0, h0 + BLOCK_H)`` of a received row (zeros, unused,
+    without FP8: that region is empty)."""
+    gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    if FP8:
+        sv = tl.load(tok_s + row * G + gg, mask=gg < G)
+    else:
+        sv = tl.zeros((BLOCK_H // 128,), tl.float32)
+    return sv
+
+
+@triton.jit
+def _dispatch_recv(
+    s, t, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
+    H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    WIRE: tl.constexpr,
+):  # fmt: skip
+    """Program (source ``s``, token ``t``) of the dispatch's receive half: waits for the
+    token, takes a row of each of its local experts and copies it there (the row's first
+    columns are read while the expert rows are being taken)."""
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    base = tl.load(bases_ptr + me)
+    flags = _at(base, off_flags, tl.int32)
+    expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+    T_s = tl.maximum(expect - 1, 0)
+    if t == 0:
+        tl.store(recv_t_ptr + s, T_s)
+    if t < T_s:
+        row = tl.cast(s, tl.int64) * M + t
+        _wait_at_least(flags + 2 * W + row, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
+        slot_ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
+        tok_x = _at(base, off_x, WIRE)
+        tok_s = _at(base, off_s, tl.float32)
+        v_first = tl.load(tok_x + row * H + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < H)
+        s_first = _load_scales(tok_s, row, 0, G, BLOCK_H, FP8)
+        valid = k_mask & (slot_ids >= 0)
+        slot = tl.atomic_add(
+            cnt_ptr + tl.maximum(slot_ids, 0), 1, mask=valid, sem="relaxed", scope="gpu"
+        )
+        # a vector atomic returns its old values only to the thread that owns each lane:
+        # publish them through memory so every thread of the program sees the same rows
+        ok = valid & (slot < C)
+        # -2: sent here but dropped (capacity): the combine still sends the token a row
+        pos = tl.where(ok, slot_ids * C + slot, tl.where(valid, -2, -1))
+        tl.store(pos_ptr + row * K + kk, pos, mask=k_mask)
+        tl.debug_barrier()
+        dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
+        if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
+            _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
+        _recv_step(v_first, s_first, 0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
+        for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
+            cols = h0 + tl.arange(0, BLOCK_H)
+            v = tl.load(tok_x + row * H + cols, mask=cols < H)
+            sv = _load_scales(tok_s, row, h0, G, BLOCK_H, FP8)
+            _recv_step(v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
+
+
 @triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
 def ll_dispatch_send_kernel(
     # pointers
@@ -152,9 +364,8 @@ def ll_dispatch_send_kernel(
     ids_ptr,  # [T, K] int32/int64 physical expert ids, -1: none
     w_ptr,  # [T, K] float32 router weights
     owner_ptr,  # [P] int32 rank holding each physical expert
-    offsets_ptr,  # [W + 1] int32 first physical id of each rank
+    local_ptr,  # [P] int32 each physical expert's slot on its rank
     bases_ptr,  # [W] int64 address of each rank's symmetric buffer
-    cnt_ptr,  # [e_max] int32 this parity's expert row counters (zeroed here for recv)
     err_addr,  # int64 address of the host-mapped error word
     # sizes
     T,
@@ -164,7 +375,6 @@ def ll_dispatch_send_kernel(
     W,
     G,
     src,  # this rank
-    e_max,
     # byte offsets of this parity's regions in every rank's symmetric buffer
     off_flags,
     off_x,
@@ -176,80 +386,18 @@ def ll_dispatch_send_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_E: tl.constexpr,
     FP8: tl.constexpr,
     WIRE: tl.constexpr,  # tl dtype of rows on the wire
     FP8_MAX: tl.constexpr,
     INV_FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
 ):
-    t = tl.program_id(0)  # one token per program (one program when T = 0)
-    kk = tl.arange(0, BLOCK_K)
-    k_mask = kk < K
-    rr = tl.arange(0, BLOCK_W)
-    my_flags = _peer_ptr(bases_ptr, src, off_flags, tl.int32)
-    if t == 0:
-        # this parity's receive counters start from zero, and its "started" flags are
-        # cleared before any peer can see this call's `expect` (released below)
-        for e0 in range(0, e_max, BLOCK_E):
-            ee = e0 + tl.arange(0, BLOCK_E)
-            tl.store(cnt_ptr + ee, tl.zeros((BLOCK_E,), tl.int32), mask=ee < e_max)
-        tl.atomic_xchg(
-            my_flags + W + rr,
-            tl.zeros((BLOCK_W,), tl.int32),
-            mask=rr < W,
-            sem="relaxed",
-            scope="sys",
-        )
-    if t < T:
-        t64 = tl.cast(t, tl.int64)
-        ids, valid, bad, owner, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
-        if tl.max(bad.to(tl.int32)) > 0:
-            _report(err_addr, ERR_EXPERT_ID, OP_DISPATCH, src)
-        local = ids - tl.load(offsets_ptr + tl.maximum(owner, 0), mask=valid, other=0)
-        wts = tl.load(w_ptr + t64 * K + kk, mask=k_mask, other=0.0)
-        row = tl.cast(src, tl.int64) * M + t64  # this token's row in every receiver's tok_*
-        # routing metadata to every rank (-1 where the rank holds none of the experts)
-        for r in range(W):
-            tl.store(
-                _peer_ptr(bases_ptr, r, off_ids, tl.int32) + row * K + kk,
-                tl.where(owner == r, local, -1),
-                mask=k_mask,
-            )
-            tl.store(_peer_ptr(bases_ptr, r, off_w, tl.float32) + row * K + kk, wts, mask=k_mask)
-        # the row itself, once per rank holding one of its experts: read once, stored W times
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            c_mask = cols < H
-            x = tl.load(x_ptr + t64 * H + cols, mask=c_mask, other=0.0)
-            if FP8:
-                q, scale = _quantize_fp8(x.to(tl.float32), BLOCK_H, FP8_MAX, INV_FP8_MAX, EPS)
-                gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-            else:
-                q = x.to(WIRE)
-            for r in range(W):
-                has = tl.sum(tl.where(rr == r, has_W, 0))  # (a scalar mask, broadcast)
-                tl.store(
-                    _peer_ptr(bases_ptr, r, off_x, WIRE) + row * H + cols,
-                    q,
-                    mask=c_mask & (tl.broadcast_to(has, cols.shape) > 0),
-                )
-                if FP8:
-                    tl.store(
-                        _peer_ptr(bases_ptr, r, off_s, tl.float32) + row * G + gg,
-                        scale,
-                        mask=(gg < G) & (tl.broadcast_to(has, gg.shape) > 0),
-                    )
-        # every store of this program is issued before its release signals
-        tl.debug_barrier()
-        for r in range(W):
-            flags = _peer_ptr(bases_ptr, r, off_flags, tl.int32)
-            tl.atomic_xchg(flags + 2 * W + row, 1, sem="release", scope="sys")  # dflag[src, t]
-    if t == 0:
-        tl.debug_barrier()
-        for r in range(W):
-            flags = _peer_ptr(bases_ptr, r, off_flags, tl.int32)
-            tl.atomic_xchg(flags + src, T + 1, sem="release", scope="sys")  # expect[src]
+    """The send half alone (split phase): one program per token (one when T = 0)."""
+    _dispatch_send(
+        tl.program_id(0), x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+        T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
+        K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_x", "off_s", "off_ids"])
@@ -258,7 +406,7 @@ def ll_dispatch_recv_kernel(
     bases_ptr,  # [W] int64
     xo_ptr,  # [e_max, C, H] wire dtype: rows per local expert (out)
     so_ptr,  # FP8: [e_max, C, G] float32 scales (out)
-    cnt_ptr,  # [e_max] int32 rows per local expert (out; zeroed by the send kernel)
+    cnt_ptr,  # [e_max] int32 rows per local expert (out; zero on entry)
     pos_ptr,  # [W, M, K] int32 row of [e·C] each (source, token, k) went to, -1 (out)
     recv_t_ptr,  # [W] int32 tokens each source dispatched (out)
     err_addr,
@@ -282,52 +430,132 @@ def ll_dispatch_recv_kernel(
     FP8: tl.constexpr,
     WIRE: tl.constexpr,
 ):
-    s = tl.program_id(0)  # source rank
-    t = tl.program_id(1)  # its token
+    """The receive half alone (split phase): a program per (source rank, token slot)."""
+    _dispatch_recv(
+        tl.program_id(0), tl.program_id(1), bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr,
+        recv_t_ptr, err_addr, H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
+        K, BLOCK_K, BLOCK_H, FP8, WIRE,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
+def ll_dispatch_kernel(
+    x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+    xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr,
+    T, H, P, M, W, G, C, src, timeout_ns,
+    off_flags, off_x, off_s, off_ids, off_w,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):  # fmt: skip
+    """Send and receive in one launch (the blocking dispatch; arguments as in the two
+    halves): programs ``[0, max(T, 1))`` send, the next ``W·M`` receive. The senders come
+    first in launch order, so the receivers' spinning never keeps them off the SMs, and
+    rows are expanded as they arrive, while this rank's own stores are still in flight."""
+    pid = tl.program_id(0)
+    n_send = tl.maximum(T, 1)
+    if pid < n_send:
+        _dispatch_send(
+            pid, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+            T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
+            K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+        )  # fmt: skip
+    else:
+        q = pid - n_send
+        _dispatch_recv(
+            q // M, q % M, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
+            H, M, W, G, C, src, timeout_ns, off_flags, off_x, off_s, off_ids,
+            K, BLOCK_K, BLOCK_H, FP8, WIRE,
+        )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ combine
+@triton.jit
+def _combine_send(
+    s, t, y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, e_max,
+    H, M, W, me, off_flags, off_w, off_y,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Program (source ``s``, token ``t``) of the combine's send half: the weighted sum of
+    the token's rows on this rank, written into the source's ``comb_y``, then its flag.
+    Program (0, 0) also zeroes this parity's expert row counters for its next dispatch
+    (the experts have read them: they ran before this combine). The token's positions and
+    weights are read before its count is known (they are used only below it)."""
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
-    flags = _peer_ptr(bases_ptr, me, off_flags, tl.int32)
-    expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-    T_s = tl.maximum(expect - 1, 0)
+    base_s = tl.load(bases_ptr + s)
+    base_me = tl.load(bases_ptr + me)
+    row = tl.cast(s, tl.int64) * M + t
+    pos = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
+    w = tl.load(_at(base_me, off_w, tl.float32) + row * K + kk, mask=k_mask, other=0.0)
+    T_s = tl.load(recv_t_ptr + s)
+    src_flags = _at(base_s, off_flags, tl.int32)
     if t == 0:
-        tl.store(recv_t_ptr + s, T_s)
-    if t < T_s:
-        row = tl.cast(s, tl.int64) * M + t
-        _wait_at_least(flags + 2 * W + row, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
-        slot_ids = tl.load(
-            _peer_ptr(bases_ptr, me, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1
-        )
-        valid = k_mask & (slot_ids >= 0)
-        slot = tl.atomic_add(
-            cnt_ptr + tl.maximum(slot_ids, 0), 1, mask=valid, sem="relaxed", scope="gpu"
-        )
-        # a vector atomic returns its old values only to the thread that owns each lane:
-        # publish them through memory so every thread of the program sees the same rows
-        ok = valid & (slot < C)
-        # -2: sent here but dropped (capacity): the combine still sends the token a row
-        pos = tl.where(ok, slot_ids * C + slot, tl.where(valid, -2, -1))
-        tl.store(pos_ptr + row * K + kk, pos, mask=k_mask)
-        tl.debug_barrier()
-        dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
-        if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
-            _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
-        tok_x = _peer_ptr(bases_ptr, me, off_x, WIRE)
-        tok_s = _peer_ptr(bases_ptr, me, off_s, tl.float32)
+        if s == 0:
+            for e0 in range(0, e_max, BLOCK_E):
+                ee = e0 + tl.arange(0, BLOCK_E)
+                tl.store(cnt_ptr + ee, tl.zeros((BLOCK_E,), tl.int32), mask=ee < e_max)
+        # the dispatch of this call is fully received: clear its `expect`, then tell s
+        # that this rank started combining (s's next dispatch on this parity waits for it)
+        tl.atomic_xchg(_at(base_me, off_flags, tl.int32) + s, 0, sem="relaxed", scope="sys")
+        tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
+    # one row back for every token the source sent here (its combine waits for it), even
+    # if a capacity error dropped all of its rows (pos -2). Decided from this rank's own
+    # `pos`, never from the staging metadata: a source that needs no row from here may
+    # already be writing its next dispatch into that staging
+    if (t < T_s) & (tl.max((pos != -1).to(tl.int32)) > 0):
+        out = _at(base_s, off_y, y_ptr.dtype.element_ty)
+        src_row = tl.cast(me, tl.int64) * M + t  # slot in s's comb_y [W, M, H]
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             c_mask = cols < H
-            v = tl.load(tok_x + row * H + cols, mask=c_mask)
-            if FP8:
-                gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
-                sv = tl.load(tok_s + row * G + gg, mask=gg < G)
-            for k in tl.static_range(BLOCK_K):
-                d = tl.sum(tl.where(kk == k, dst, 0))  # this k's row, -1: elsewhere
-                on = tl.broadcast_to(d, cols.shape) >= 0
-                tl.store(xo_ptr + d * H + cols, v, mask=c_mask & on)
-                if FP8:
-                    on_g = tl.broadcast_to(d, gg.shape) >= 0
-                    tl.store(so_ptr + d * G + gg, sv, mask=(gg < G) & on_g)
+            acc = tl.zeros((BLOCK_H,), tl.float32)
+            for k in tl.static_range(BLOCK_K):  # unrolled: the K row loads overlap
+                p = _pick(pos, kk, k)
+                on = c_mask & (tl.broadcast_to(p, cols.shape) >= 0)
+                y = tl.load(y_ptr + p * H + cols, mask=on, other=0.0)
+                acc += y.to(tl.float32) * _pick(w, kk, k)
+            tl.store(out + src_row * H + cols, acc.to(y_ptr.dtype.element_ty), mask=c_mask)
+        tl.debug_barrier()
+        tl.atomic_xchg(src_flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
+
+
+@triton.jit
+def _combine_recv(
+    t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
+    T, H, P, W, M, me, timeout_ns, off_flags, off_y,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program ``t`` of the combine's receive half: waits for token ``t``'s partial sums
+    from the ranks holding its experts and adds them in float32."""
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    rr = tl.arange(0, BLOCK_W)
+    base = tl.load(bases_ptr + me)
+    flags = _at(base, off_flags, tl.int32)
+    t64 = tl.cast(t, tl.int64)
+    if t < T:  # (its routing does not depend on the waits below)
+        _, _, _, _, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
+    else:
+        has_W = tl.zeros((BLOCK_W,), tl.int32)
+    for r in range(W):  # every rank started its combine (see the module docstring)
+        _wait_at_least(flags + W + r, 1, timeout_ns, err_addr, OP_COMBINE, r)
+    if t < T:
+        cflags = flags + 2 * W + W * M
+        comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
+        for r in range(W):
+            if _pick(has_W, rr, r) > 0:
+                _wait_at_least(cflags + r * M + t, 1, timeout_ns, err_addr, OP_COMBINE, r)
+                tl.atomic_xchg(cflags + r * M + t, 0, sem="relaxed", scope="sys")  # consumed
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            c_mask = cols < H
+            acc = tl.zeros((BLOCK_H,), tl.float32)
+            for r in range(W):
+                on = c_mask & (tl.broadcast_to(_pick(has_W, rr, r), cols.shape) > 0)
+                part = tl.load(comb_y + (r * M + t64) * H + cols, mask=on, other=0.0)
+                acc += part.to(tl.float32)
+            tl.store(out_ptr + t64 * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_w", "off_y"])
@@ -337,6 +565,8 @@ def ll_combine_send_kernel(
     bases_ptr,  # [W] int64
     pos_ptr,  # [W, M, K] int32 from the dispatch
     recv_t_ptr,  # [W] int32 from the dispatch
+    cnt_ptr,  # [e_max] int32 the dispatch's expert row counters (zeroed here)
+    e_max,
     # sizes
     H,
     M,
@@ -350,45 +580,13 @@ def ll_combine_send_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
-    s = tl.program_id(0)  # the rank the tokens came from
-    t = tl.program_id(1)  # its token
-    kk = tl.arange(0, BLOCK_K)
-    k_mask = kk < K
-    src_flags = _peer_ptr(bases_ptr, s, off_flags, tl.int32)
-    if t == 0:
-        # the dispatch of this call is fully received: clear its `expect`, then tell s
-        # that this rank started combining (s's next dispatch on this parity waits for it)
-        my_flags = _peer_ptr(bases_ptr, me, off_flags, tl.int32)
-        tl.atomic_xchg(my_flags + s, 0, sem="relaxed", scope="sys")
-        tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
-    T_s = tl.load(recv_t_ptr + s)
-    if t < T_s:
-        row = tl.cast(s, tl.int64) * M + t
-        # one row back for every token the source sent here (its combine waits for it),
-        # even if a capacity error dropped all of its rows (pos -2). Decided from this
-        # rank's own `pos`, never from the staging metadata: a source that needs no row
-        # from here may already be writing its next dispatch into that staging
-        pos = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
-        if tl.max((pos != -1).to(tl.int32)) > 0:
-            w = tl.load(
-                _peer_ptr(bases_ptr, me, off_w, tl.float32) + row * K + kk, mask=k_mask, other=0.0
-            )
-            out = _peer_ptr(bases_ptr, s, off_y, y_ptr.dtype.element_ty)
-            src_row = tl.cast(me, tl.int64) * M + t  # slot in s's comb_y [W, M, H]
-            for h0 in range(0, H, BLOCK_H):
-                cols = h0 + tl.arange(0, BLOCK_H)
-                c_mask = cols < H
-                acc = tl.zeros((BLOCK_H,), tl.float32)
-                for k in tl.static_range(BLOCK_K):  # unrolled: the K row loads overlap
-                    p = tl.sum(tl.where(kk == k, pos, 0))
-                    wk = tl.sum(tl.where(kk == k, w, 0.0))
-                    on = tl.broadcast_to(p, cols.shape) >= 0
-                    y = tl.load(y_ptr + p * H + cols, mask=c_mask & on, other=0.0)
-                    acc += y.to(tl.float32) * wk
-                tl.store(out + src_row * H + cols, acc.to(y_ptr.dtype.element_ty), mask=c_mask)
-            tl.debug_barrier()
-            tl.atomic_xchg(src_flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
+    """The send half alone (split phase): a program per (source rank, token slot)."""
+    _combine_send(
+        tl.program_id(0), tl.program_id(1), y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr,
+        e_max, H, M, W, me, off_flags, off_w, off_y, K, BLOCK_K, BLOCK_H, BLOCK_E,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "me", "off_flags", "off_y"])
@@ -416,28 +614,32 @@ def ll_combine_recv_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    t = tl.program_id(0)  # one token per program (one program when T = 0)
-    kk = tl.arange(0, BLOCK_K)
-    k_mask = kk < K
-    rr = tl.arange(0, BLOCK_W)
-    flags = _peer_ptr(bases_ptr, me, off_flags, tl.int32)
-    for r in range(W):  # every rank started its combine (see the module docstring)
-        _wait_at_least(flags + W + r, 1, timeout_ns, err_addr, OP_COMBINE, r)
-    if t < T:
-        t64 = tl.cast(t, tl.int64)
-        _, _, _, _, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
-        cflags = flags + 2 * W + W * M
-        comb_y = _peer_ptr(bases_ptr, me, off_y, out_ptr.dtype.element_ty)
-        for r in range(W):
-            if tl.sum(tl.where(rr == r, has_W, 0)) > 0:
-                _wait_at_least(cflags + r * M + t, 1, timeout_ns, err_addr, OP_COMBINE, r)
-                tl.atomic_xchg(cflags + r * M + t, 0, sem="relaxed", scope="sys")  # consumed
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            c_mask = cols < H
-            acc = tl.zeros((BLOCK_H,), tl.float32)
-            for r in range(W):
-                on = tl.broadcast_to(tl.sum(tl.where(rr == r, has_W, 0)), cols.shape) > 0
-                part = tl.load(comb_y + (r * M + t64) * H + cols, mask=c_mask & on, other=0.0)
-                acc += part.to(tl.float32)
-            tl.store(out_ptr + t64 * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+    """The receive half alone (split phase): one program per token (one when T = 0)."""
+    _combine_recv(
+        tl.program_id(0), out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
+        T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+    )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["T", "me", "off_flags", "off_w", "off_y"])
+def ll_combine_kernel(
+    y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, out_ptr, ids_ptr, owner_ptr, err_addr,
+    e_max, T, H, P, M, W, me, timeout_ns, off_flags, off_w, off_y,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Send and receive in one launch (the blocking combine): programs ``[0, W·M)`` send,
+    the next ``max(T, 1)`` receive (senders first in launch order, as in
+    ``ll_dispatch_kernel``)."""
+    pid = tl.program_id(0)
+    n_send = W * M
+    if pid < n_send:
+        _combine_send(
+            pid // M, pid % M, y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, e_max,
+            H, M, W, me, off_flags, off_w, off_y, K, BLOCK_K, BLOCK_H, BLOCK_E,
+        )  # fmt: skip
+    else:
+        _combine_recv(
+            pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
+            T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+        )  # fmt: skip

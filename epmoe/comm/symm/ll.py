@@ -142,6 +142,8 @@ class LLTransport:
             self._handle = None
             ptrs = [self._buffer.data_ptr()]
         self._buffer.zero_()
+        if any(p % 16 for p in ptrs):  # the kernels assume it (see kernels._peer_ptr)
+            raise RuntimeError(f"symm_ll: a symmetric buffer is not 16-byte aligned: {ptrs}")
         self.bases = torch.tensor(ptrs, dtype=torch.int64, device=dev)
         e, C, G = max(max_local, 1), self.C, self.G
         self.x_out = [torch.empty(e, C, H, dtype=self.wire, device=dev) for _ in range(2)]
@@ -266,6 +268,7 @@ class SymmLLBackend(AllToAll):
         super().__init__(spec, group, layout)
         self._key = None
         self._transport: LLTransport | None = None
+        self._dispatch_consts: dict | None = None  # the dispatch kernels' meta-parameters
         self._bind()
 
     def _bind(self) -> None:
@@ -302,8 +305,10 @@ class SymmLLBackend(AllToAll):
         self._owner_P = torch.repeat_interleave(
             torch.arange(self.world_size, dtype=torch.int32), torch.tensor(sizes)
         ).to(dev)
-        self._offsets = torch.tensor(spec.rank_offsets, dtype=torch.int32, device=dev)
+        # each physical expert's slot among its rank's experts (one lookup in the kernel)
+        self._local_P = torch.cat([torch.arange(n, dtype=torch.int32) for n in sizes]).to(dev)
         self._num_local = spec.num_local(self.rank)
+        self._dispatch_consts = None  # (the transport may have changed)
 
     @property
     def num_sms(self) -> int:
@@ -321,29 +326,72 @@ class SymmLLBackend(AllToAll):
         self._live().check(sync=sync)
 
     # ------------------------------------------------------------------ dispatch
-    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
-        from epmoe.comm.symm import kernels as k
-        from epmoe.reference import FP8_EPS, FP8_MAX
-
+    def _dispatch_prologue(self, hidden_TH, topk_ids_TK, topk_weights_TK):
+        """Checks and contiguous inputs; takes a parity: ``(x, ids, w, b, consts)``."""
         spec, tr = self.spec, self._live()
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
         tr.check()
-        T, H, K, W = hidden_TH.shape[0], spec.hidden_size, spec.top_k, self.world_size
         x = hidden_TH.contiguous()
         ids = topk_ids_TK.contiguous()
         w = topk_weights_TK.to(torch.float32).contiguous()
-        wire = _TL_DTYPES[tr.wire]
-        b = tr.take_parity()
+        consts = self._dispatch_consts
+        if consts is None:
+            from epmoe.reference import FP8_EPS, FP8_MAX
+
+            K = spec.top_k
+            consts = self._dispatch_consts = dict(
+                K=K, BLOCK_K=_pow2(K), BLOCK_W=_pow2(self.world_size), BLOCK_H=tr.block_h,
+                FP8=tr.fp8, WIRE=_TL_DTYPES[tr.wire], FP8_MAX=FP8_MAX,
+                INV_FP8_MAX=_INV_FP8_MAX, EPS=FP8_EPS,
+            )  # fmt: skip
+        return x, ids, w, tr.take_parity(), consts
+
+    def _dispatch_result(self, b: int, ids: torch.Tensor, T: int) -> DispatchResult:
+        tr, e = self._live(), self._num_local
+        return DispatchResult(
+            layout=Layout.EXPERT_BATCHED,
+            hidden=tr.x_out[b][:e],
+            counts=tr.counts[b][:e],
+            hidden_scale=tr.s_out[b][:e] if tr.fp8 else None,
+            handle=LLHandle(b, ids, T, tr),
+        )
+
+    def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
+        """The blocking dispatch: send and receive in one kernel launch."""
+        from epmoe.comm.symm import kernels as k
+
+        x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
+        tr, spec, W, T = self._transport, self.spec, self.world_size, x.shape[0]
+        reg = tr.regions[b]
+        try:
+            _launch(k.ll_dispatch_kernel)(
+                (max(1, T) + W * tr.M,),
+                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
+                tr.x_out[b], tr.s_out[b] if tr.fp8 else tr.x_out[b], tr.counts[b], tr.pos[b],
+                tr.recv_t[b],
+                T, tr.H, spec.num_physical, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
+                reg.flags, reg.x, reg.s, reg.ids, reg.w,
+                num_warps=tr.num_warps, **c,
+            )  # fmt: skip
+        except BaseException:
+            tr.give_back(b)
+            raise
+        return self._dispatch_result(b, ids, T)
+
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
+        """The split dispatch: the send kernel now, the receive kernel at ``wait()``."""
+        from epmoe.comm.symm import kernels as k
+
+        x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
+        tr, spec, W, T = self._transport, self.spec, self.world_size, x.shape[0]
         reg = tr.regions[b]
         try:
             _launch(k.ll_dispatch_send_kernel)(
                 (max(1, T),),
-                x, ids, w, self._owner_P, self._offsets, tr.bases, tr.counts[b], tr.err_addr,
-                T, H, spec.num_physical, tr.M, W, tr.G, self.rank, tr.e_max,
+                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
+                T, tr.H, spec.num_physical, tr.M, W, tr.G, self.rank,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                K=K, BLOCK_K=_pow2(K), BLOCK_W=_pow2(W), BLOCK_H=tr.block_h, BLOCK_E=256,
-                FP8=tr.fp8, WIRE=wire, FP8_MAX=FP8_MAX, INV_FP8_MAX=_INV_FP8_MAX, EPS=FP8_EPS,
-                num_warps=tr.num_warps,
+                num_warps=tr.num_warps, **c,
             )  # fmt: skip
         except BaseException:  # nothing was sent: the parity is free again
             tr.give_back(b)
@@ -354,26 +402,17 @@ class SymmLLBackend(AllToAll):
                 (W, tr.M),
                 tr.bases, tr.x_out[b], tr.s_out[b] if tr.fp8 else tr.x_out[b], tr.counts[b],
                 tr.pos[b], tr.recv_t[b], tr.err_addr,
-                H, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
+                tr.H, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
                 reg.flags, reg.x, reg.s, reg.ids,
-                K=K, BLOCK_K=_pow2(K), BLOCK_H=tr.block_h, FP8=tr.fp8, WIRE=wire,
-                num_warps=tr.num_warps,
+                K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK_H=c["BLOCK_H"], FP8=c["FP8"],
+                WIRE=c["WIRE"], num_warps=tr.num_warps,
             )  # fmt: skip
-            e = self._num_local
-            return DispatchResult(
-                layout=Layout.EXPERT_BATCHED,
-                hidden=tr.x_out[b][:e],
-                counts=tr.counts[b][:e],
-                hidden_scale=tr.s_out[b][:e] if tr.fp8 else None,
-                handle=LLHandle(b, ids, T, tr),
-            )
+            return self._dispatch_result(b, ids, T)
 
         return Pending(receive)
 
     # ------------------------------------------------------------------ combine
-    def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
-        from epmoe.comm.symm import kernels as k
-
+    def _combine_prologue(self, expert_out, result) -> tuple[LLHandle, torch.Tensor, dict]:
         spec, tr = self.spec, self._live()
         check_combine_args(expert_out, result)
         h: LLHandle = result.handle
@@ -389,15 +428,49 @@ class SymmLLBackend(AllToAll):
             raise TypeError(
                 f"expert_out must be {spec.dtype} (the layer's dtype), got {expert_out.dtype}"
             )
-        W, K, b = self.world_size, spec.top_k, h.parity
+        K = spec.top_k
+        c = dict(K=K, BLOCK_K=_pow2(K), BLOCK_H=tr.block_h)
+        return h, expert_out.contiguous(), c
+
+    def _combine_done(self, h: LLHandle) -> None:
+        tr = self._live()
+        tr.give_back(h.parity)
+        # the call is complete on every rank: now report what the kernels flagged (this
+        # call's bad ids or overflow when they have finished, else at the next call)
+        tr.check()
+
+    def combine(self, expert_out, result) -> torch.Tensor:
+        """The blocking combine: send and receive in one kernel launch."""
+        from epmoe.comm.symm import kernels as k
+
+        h, y, c = self._combine_prologue(expert_out, result)
+        tr, spec, W, T, b = self._transport, self.spec, self.world_size, h.num_tokens, h.parity
         reg = tr.regions[b]
-        y = expert_out.contiguous()
+        out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
+        _launch(k.ll_combine_kernel)(
+            (W * tr.M + max(1, T),),
+            y, tr.bases, tr.pos[b], tr.recv_t[b], tr.counts[b], out, h.ids_TK, self._owner_P,
+            tr.err_addr,
+            tr.e_max, T, tr.H, spec.num_physical, tr.M, W, self.rank, tr.timeout_ns,
+            reg.flags, reg.w, reg.y,
+            BLOCK_W=_pow2(W), BLOCK_E=_BLOCK_E, num_warps=tr.num_warps, **c,
+        )  # fmt: skip
+        self._combine_done(h)
+        return out
+
+    def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
+        """The split combine: the send kernel now, the receive kernel at ``wait()``."""
+        from epmoe.comm.symm import kernels as k
+
+        h, y, c = self._combine_prologue(expert_out, result)
+        tr, spec, W, b = self._transport, self.spec, self.world_size, h.parity
+        reg = tr.regions[b]
         _launch(k.ll_combine_send_kernel)(
             (W, tr.M),
-            y, tr.bases, tr.pos[b], tr.recv_t[b],
+            y, tr.bases, tr.pos[b], tr.recv_t[b], tr.counts[b], tr.e_max,
             tr.H, tr.M, W, self.rank,
             reg.flags, reg.w, reg.y,
-            K=K, BLOCK_K=_pow2(K), BLOCK_H=tr.block_h, num_warps=tr.num_warps,
+            BLOCK_E=_BLOCK_E, num_warps=tr.num_warps, **c,
         )  # fmt: skip
 
         def receive() -> torch.Tensor:
@@ -408,13 +481,9 @@ class SymmLLBackend(AllToAll):
                 out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
                 T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
                 reg.flags, reg.y,
-                K=K, BLOCK_K=_pow2(K), BLOCK_W=_pow2(W), BLOCK_H=tr.block_h,
-                num_warps=tr.num_warps,
+                BLOCK_W=_pow2(W), num_warps=tr.num_warps, **c,
             )  # fmt: skip
-            tr.give_back(b)
-            # the call is complete on every rank: now report what the kernels flagged (this
-            # call's bad ids or overflow when they have finished, else at the next call)
-            tr.check()
+            self._combine_done(h)
             return out
 
         return Pending(receive)
@@ -427,6 +496,7 @@ class SymmLLBackend(AllToAll):
 
 
 _INV_FP8_MAX = float(torch.tensor(1.0 / 448.0, dtype=torch.float32))
+_BLOCK_E = 256  # expert counters zeroed per step
 
 
 def _tl_dtypes():
@@ -457,6 +527,24 @@ def _launch(fn) -> _Launcher:
     return launcher
 
 
+def _specialization(a):
+    """What Triton compiles ``a`` (a kernel argument) for, beyond constexprs."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if type(a) is int:
+        return a == 1, a & 15 == 0, -(2**31) <= a < 2**31
+    return a
+
+
+def _current_raw_stream() -> int:
+    """The current CUDA stream's handle, as Triton's own launcher reads it (a C call;
+    ``torch.cuda.current_stream()`` costs several µs of Python per launch)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    except AttributeError:  # another torch: the public path
+        return torch.cuda.current_stream().cuda_stream
+
+
 class _Launcher:
     """Launch one Triton kernel with little host overhead.
 
@@ -479,25 +567,14 @@ class _Launcher:
             return
         # what Triton specialises a compiled kernel on: pointer dtype and 16-byte alignment,
         # int width and the values 1 and multiples of 16 (constexprs by value)
-        key = (
-            num_warps,
-            tuple(consts.values()),
-            tuple(
-                (a.dtype, a.data_ptr() % 16 == 0)
-                if isinstance(a, torch.Tensor)
-                else (-(2**31) <= a < 2**31, a == 1, a % 16 == 0)
-                if isinstance(a, int)
-                else a
-                for a in args
-            ),
-        )
+        key = (num_warps, tuple(consts.values()), *map(_specialization, args))
         kernel = self.compiled.get(key)
         if kernel is None:
             self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, **consts)
             return
         try:
             values = list(args) + [consts[n] for n in self.names[len(args) :]]
-            stream = torch.cuda.current_stream().cuda_stream
+            stream = _current_raw_stream()
             g = (*grid, 1, 1)
             kernel.run(
                 g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
