@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epmoe.checkpoint import gather_full_experts
+from epmoe.distributed import default_device, normalize_device
 from epmoe.integrations.safetensors_loader import SCALE_SUFFIX, CheckpointReader
 from epmoe.layer import EPMoE
 from epmoe.placement import ExpertPlacement
@@ -869,14 +870,24 @@ def _weight_block_size(config) -> tuple[int, int] | None:
 def _checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     """Checkpoint key → the model's key, with the renamings transformers 5 applies when
     loading (Mixtral: ``block_sparse_moe`` → ``mlp``). Its converters (stacking experts)
-    are not applied: epmoe reads experts one by one. transformers 4.x: keys as they are."""
+    are not applied: epmoe reads experts one by one. transformers 4.x: keys as they are.
+
+    Uses only what every transformers 5 release has (``get_model_conversion_mapping`` and
+    ``WeightRenaming.rename_source_key``; 5.17 lacks the ``apply_renamings`` helper of
+    later releases), so real Mixtral checkpoints (``block_sparse_moe.gate``) load on all."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, apply_renamings
+        from transformers.core_model_loading import WeightRenaming
     except ImportError:
         return lambda key: key
     renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-    return lambda key: apply_renamings(key, renamings)
+
+    def rename(key: str) -> str:
+        for renaming in renamings:
+            key = renaming.rename_source_key(key)[0]
+        return key
+
+    return rename
 
 
 def _resolve(name: str, targets: dict, prefix: str | None) -> str | None:
@@ -1103,7 +1114,8 @@ def from_pretrained_sharded(
             float32. Parameters transformers keeps in float32 (``_keep_in_fp32_modules``
             for float16, ``_keep_in_fp32_modules_strict`` for float16 and bfloat16: the
             DeepSeek-V3 / GLM-4-MoE router ``gate.weight``) stay in float32.
-        device: where the model runs (default CPU); with NCCL, this rank's GPU.
+        device: where the model runs; default :func:`epmoe.distributed.default_device`
+            of ``group`` (CPU with gloo, this rank's current GPU with NCCL).
         group, placement, backend, experts, **moe_kwargs: as for ``replace_moe_blocks``.
 
     Returns:
@@ -1123,7 +1135,7 @@ def from_pretrained_sharded(
             config = transformers.AutoConfig.from_pretrained(pretrained)
         model_class = model_class or transformers.AutoModelForCausalLM
         dtype = dtype or _config_dtype(config)
-        device = torch.device("cpu" if device is None else device)
+        device = default_device(group) if device is None else normalize_device(device)
         block_size = _weight_block_size(config)
         with _parameters_on_meta():
             if hasattr(model_class, "from_config"):
@@ -1160,12 +1172,7 @@ def _agree(error: BaseException | None, group: dist.ProcessGroup | None, step: s
     failing rank its own error, the others ``RuntimeError``. Nothing to agree on without an
     initialised process group."""
     if dist.is_available() and dist.is_initialized():
-        backend = str(dist.get_backend(group))
-        if "gloo" in backend or not torch.cuda.is_available():
-            where = torch.device("cpu")
-        else:
-            where = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([int(error is None)], dtype=torch.int64, device=where)
+        flag = torch.tensor([int(error is None)], dtype=torch.int64, device=default_device(group))
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
         ok = bool(flag.item())
     else:

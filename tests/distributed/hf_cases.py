@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.reference import TOLERANCES, assert_close
+from tests.distributed.cases import device_for
 from tests.harness import Sweep
 
 # family -> config fields on top of COMMON: 2 layers, hidden 32, 4-8 experts, top-2.
@@ -115,10 +116,6 @@ def moe_block_names(model) -> list[str]:
     return [n for n, m in model.named_modules() if type(m).__name__ in SUPPORTED_BLOCKS]
 
 
-def _device(rank: int, device: str) -> torch.device:
-    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-
-
 def check_blocks_match_hf(rank, world, device="cpu", dtype_name="float32", families=None):
     """Each family × placement: one MoE block wrapped across the ``world`` ranks gives, on
     every rank's own tokens, what the original block gives on them. Token counts differ per
@@ -129,7 +126,7 @@ def check_blocks_match_hf(rank, world, device="cpu", dtype_name="float32", famil
     from epmoe.integrations.huggingface import EPMoEBlock
 
     dtype = getattr(torch, dtype_name)
-    dev = _device(rank, device)
+    dev = device_for(rank, device)
     group = dist.group.WORLD
     sweep = Sweep()
     for family in families or list(FAMILIES):

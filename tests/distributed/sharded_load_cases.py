@@ -21,7 +21,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from tests.harness import Sweep
+from tests.distributed.cases import device_for
+from tests.harness import Sweep, test_device
 
 EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
 
@@ -100,7 +101,8 @@ def check_sharded_load(rank, world, tmpdir, families, placements=("linear", "rou
     from epmoe.integrations.huggingface import EPMoEBlock, from_pretrained_sharded
     from tests.distributed.hf_cases import COMMON, tiny_model
 
-    dev = torch.device("cpu")
+    dev = device_for(rank, test_device())  # NCCL ranks load onto their own GPU
+    tol = 1e-5 if dev.type == "cpu" else 1e-4  # (GPU matmuls sum in another order)
     sweep = Sweep()
     for family in families:
         directory = os.path.join(tmpdir, f"sharded-{family}")
@@ -109,7 +111,7 @@ def check_sharded_load(rank, world, tmpdir, families, placements=("linear", "rou
             keys = sorted(f.keys())
         reference = tiny_model(family, torch.float32, dev)
         g = torch.Generator().manual_seed(70 + rank)
-        ids = torch.randint(3, COMMON["vocab_size"], (2, 4 + rank), generator=g)
+        ids = torch.randint(3, COMMON["vocab_size"], (2, 4 + rank), generator=g).to(dev)
         for placement in placements:
             with sweep.case(f"W={world} {family} {placement}"):
                 opened: list[str] = []
@@ -136,7 +138,8 @@ def check_sharded_load(rank, world, tmpdir, families, placements=("linear", "rou
                 report = model.shard_load_report
                 assert report.tensors_read == len(opened), (report, len(opened))
                 assert report.expert_tensors_read == n_experts, report
-                torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+                assert logits.device == dev, logits.device
+                torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
     sweep.check()
     return sweep.passed
 
@@ -155,7 +158,7 @@ def failing_rank(rank, world, tmpdir):
     from epmoe.integrations.huggingface import from_pretrained_sharded
 
     good = os.path.join(tmpdir, "failing-good")
-    _write_checkpoint(rank, "mixtral", good, torch.device("cpu"))
+    _write_checkpoint(rank, "mixtral", good, device_for(rank, test_device()))
     damaged = os.path.join(tmpdir, f"failing-damaged-{rank}")
     if rank == 1:  # local: only this rank reads it
         shutil.copytree(good, damaged)
