@@ -427,7 +427,7 @@ class EPMoE(nn.Module):
         for name, why in available_backends(self.device, self.group, probe).items():
             if why is None:
                 cls = backend_class(name)
-                if layout is None or layout in cls.capabilities.layouts:
+                if cls.capabilities.auto and (layout is None or layout in cls.capabilities.layouts):
                     usable.append(cls)
         general = [c for c in usable if c.capabilities.default_max_tokens is None]
         if not general:

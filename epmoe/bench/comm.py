@@ -79,6 +79,7 @@ DEFAULT_BACKENDS = [
     "all_to_all:expert_batched",
     "naive:standard",
     "symm_ll:expert_batched",
+    "symm_ht:standard",
 ]
 FP8_NAME = "float8_e4m3fn"
 
@@ -129,7 +130,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"wire dtypes of dispatch: the hidden dtype and/or {FP8_NAME} (default: both)",
     )
-    p.add_argument("--backends", nargs="+", default=DEFAULT_BACKENDS, help="name:layout pairs")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=DEFAULT_BACKENDS,
+        help="name:layout pairs, or name:layout:SMs for a backend with an SM budget (symm_ht)",
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument(
@@ -509,8 +515,9 @@ def _a2a_reference(send_W: torch.Tensor, row_bytes: int, device, timing) -> tupl
 
 def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> list[dict]:
     """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
-    name, layout_name = entry.split(":")
+    name, layout_name, *budget = entry.split(":")
     layout = Layout(layout_name)
+    num_sms = int(budget[0]) if budget else None
     wire = dtype_name(spec.wire_dtype)
     T, H, K = x_TH.shape[0], spec.hidden_size, spec.top_k
     base = dict(kind="comm", backend=name, layout=layout.value, wire=wire, **ctx["shape"], T=T)
@@ -518,7 +525,10 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
     if reason is not None:
         return [dict(base, mode="-", note=f"skipped: {reason}")]
     device = x_TH.device
-    comm = create_backend(name, spec, ctx["group"], layout)
+    if num_sms is None:
+        comm = create_backend(name, spec, ctx["group"], layout)
+    else:  # an SM budget: backends whose constructor takes num_sms
+        comm = backend_class(name)(spec, ctx["group"], layout, num_sms=num_sms)
     try:
         m = measure_dispatch_combine(comm, x_TH, ids_TK, weights_TK, ctx["timing"])
         if ctx["profile"]:

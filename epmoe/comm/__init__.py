@@ -6,8 +6,9 @@ pplx-kernels, NVSHMEM) or a backend that cannot import costs nothing until that 
 chosen by name; ``auto`` and ``available_backends`` report it with its reason.
 
 ``auto`` takes the first backend, in registry order, that can run here
-(``unavailable_reason``), offers the requested layout, can serve the spec (``supports``)
-and, while a CUDA graph is being captured, is graph safe.
+(``unavailable_reason``), offers the requested layout, can serve the spec (``supports``),
+while a CUDA graph is being captured is graph safe, and lets ``auto`` pick it
+(``capabilities.auto``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
 _BACKENDS: dict[str, str] = {
     "symm_ll": "epmoe.comm.symm.ll:SymmLLBackend",
     "all_to_all": "epmoe.comm.all_to_all:AllToAllBackend",
+    "symm_ht": "epmoe.comm.symm.ht:SymmHTBackend",
     "naive": "epmoe.comm.naive:NaiveBackend",
 }
 
@@ -156,6 +158,8 @@ def resolve_backend(
     reasons = {}
     for candidate in _BACKENDS:
         reason = _why_not(candidate, device, group, layout, spec, capturing)
+        if reason is None and not backend_class(candidate).capabilities.auto:
+            reason = "not chosen by 'auto' (name it to use it)"
         if reason is None:
             return backend_class(candidate)
         reasons[candidate] = reason

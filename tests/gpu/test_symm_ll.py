@@ -131,10 +131,11 @@ def _dequant(x):
     return (q.float().unflatten(-1, (-1, 128)) * s.unsqueeze(-1)).flatten(-2)[..., : x.shape[1]]
 
 
-def layer_against_oracle(rank, world):
-    """EPMoE with symm_ll and Triton (and torch) experts against the oracle: bf16 and FP8
-    on the wire, linear / round-robin / balanced placements, uneven and zero token counts,
-    two micro-batches in flight."""
+def layer_against_oracle(rank, world, backend="symm_ll"):
+    """EPMoE with ``backend`` (symm_ll, or symm_ht from its own test module) and Triton
+    (and torch) experts against the oracle: bf16 and FP8 on the wire, linear / round-robin
+    / balanced placements, uneven and zero token counts, chunks above M_max, two
+    micro-batches in flight."""
     dev = torch.device("cuda", torch.cuda.current_device())
     from tests.distributed.cases import full_weights, placements, rank_tokens
 
@@ -145,7 +146,7 @@ def layer_against_oracle(rank, world):
             for experts in ("triton", "torch"):
                 with sweep.case(f"{pname} fp8={fp8} {experts}"):
                     layer = epmoe.EPMoE(
-                        E, K, H, I, placement=placement, backend="symm_ll", experts=experts,
+                        E, K, H, I, placement=placement, backend=backend, experts=experts,
                         max_num_tokens=M, device=dev,
                         dispatch_dtype=FP8_DTYPE if fp8 else None,
                     )  # fmt: skip
@@ -162,7 +163,10 @@ def layer_against_oracle(rank, world):
     # two dispatch results held at once (two micro-batches), combined in order
     with sweep.case("two in flight"):
         placement = epmoe.ExpertPlacement.linear(E, world)
-        comm = create_backend("symm_ll", _spec(placement, dev), None, Layout.EXPERT_BATCHED)
+        from epmoe.comm import backend_class
+
+        layout = next(iter(backend_class(backend).capabilities.layouts))
+        comm = create_backend(backend, _spec(placement, dev), None, layout)
         from epmoe.experts.base import ExpertWeights
         from epmoe.experts.torch_experts import TorchExperts
 
@@ -185,16 +189,17 @@ def layer_against_oracle(rank, world):
     return sweep.passed
 
 
-def graph_replays(rank, world):
-    """A whole EPMoE forward (routing, dispatch, experts, combine) captured once and
-    replayed 100 times with fresh tokens and routing, each equal to the eager forward."""
+def graph_replays(rank, world, backend="symm_ll"):
+    """A whole EPMoE forward (routing, dispatch, experts, combine) with ``backend`` captured
+    once and replayed 100 times with fresh tokens and routing, each equal to the eager
+    forward and to the oracle."""
     dev = torch.device("cuda", torch.cuda.current_device())
     from tests.distributed.cases import full_weights
 
     T = 24
     w13, w2 = full_weights(E, H, I, torch.bfloat16, dev)
     layer = epmoe.EPMoE(
-        E, K, H, I, backend="symm_ll", experts="triton", max_num_tokens=M, device=dev,
+        E, K, H, I, backend=backend, experts="triton", max_num_tokens=M, device=dev,
         load_window=4,
     )  # fmt: skip
     layer.load_experts(w13, w2)

@@ -28,7 +28,7 @@ def main() -> None:
         send = dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", owner_ptr="*i32")
         send.update(local_ptr="*i32", **shared)
         quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
-        _compile(k.ll_dispatch_send_kernel, send, dict(blocks, BLOCK_W=2, **quant))
+        _compile(k.dispatch_send_kernel, send, dict(blocks, BLOCK_W=2, BATCH=4, **quant))
         recv = dict(xo_ptr=wire_ptr, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
         recv.update(recv_t_ptr="*i32", **shared)
         _compile(k.ll_dispatch_recv_kernel, recv, blocks)
@@ -38,9 +38,13 @@ def main() -> None:
     _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
-    _compile(k.ll_combine_recv_kernel, crecv, combine)
+    _compile(k.combine_recv_kernel, crecv, combine)
     _compile(k.ll_combine_kernel, dict(csend, **crecv), dict(combine, BLOCK_E=256))
-    print(f"compiled {compiled + 3} symm_ll kernels for sm_90")
+    ht = dict(ids_out_ptr="*i64", w_out_ptr="*fp32", recv_t_ptr="*i32", **shared)
+    _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8))
+    hsend = dict(y_ptr="*bf16", ids_out_ptr="*i64", recv_t_ptr="*i32", **shared)
+    _compile(k.ht_combine_send_kernel, hsend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=4))
+    print(f"compiled {compiled + 5} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

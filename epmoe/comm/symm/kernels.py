@@ -209,35 +209,51 @@ def _send_step(
 
 
 @triton.jit
-def _dispatch_send(
+def _clear_started(bases_ptr, W, src, off_flags, BLOCK_W: tl.constexpr):
+    """Program 0 of a dispatch's send half, first: clear this parity's ``started`` flags
+    (before this call's ``expect`` goes out: a peer that sees it may raise them)."""
+    rr = tl.arange(0, BLOCK_W)
+    base = tl.load(bases_ptr + src)
+    tl.atomic_xchg(
+        _at(base, off_flags, tl.int32) + W + rr,
+        tl.zeros((BLOCK_W,), tl.int32),
+        mask=rr < W,
+        sem="relaxed",
+        scope="sys",
+    )
+
+
+@triton.jit
+def _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W: tl.constexpr):
+    """Program 0 of a dispatch's send half, last: tell every rank how many tokens came
+    (``expect[src] = T + 1``), after a barrier over the program's own stores and flags."""
+    rr = tl.arange(0, BLOCK_W)
+    bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
+    tl.debug_barrier()
+    for r in range(W):
+        flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
+        tl.atomic_xchg(flags + src, T + 1, sem="release", scope="sys")  # expect[src]
+
+
+@triton.jit
+def _send_token(
     t, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
-    T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
+    T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
 ):  # fmt: skip
-    """Program ``t`` of the dispatch's send half: token ``t``'s row to every rank holding one
-    of its experts, its routing to every rank, then its flags (program 0 also clears this
-    parity's ``started`` flags first and raises ``expect`` last).
+    """Token ``t``'s row to every rank holding one of its experts and its routing to every
+    rank (stores only: its flag follows a barrier, see ``_flag_token``).
 
     Latency is the cost at decode sizes, so every load that does not depend on another is
     issued up front: the peers' buffer addresses, the token's ids and weights and the first
     columns of its row; only the expert → (rank, local slot) lookups wait for the ids."""
-    kk = tl.arange(0, BLOCK_K)
-    k_mask = kk < K
-    rr = tl.arange(0, BLOCK_W)
-    bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)  # [BLOCK_W] each rank's buffer
-    if t == 0:
-        # this parity's "started" flags are cleared before any peer can see this call's
-        # `expect` (released below)
-        tl.atomic_xchg(
-            _at(_pick(bases, rr, src), off_flags, tl.int32) + W + rr,
-            tl.zeros((BLOCK_W,), tl.int32),
-            mask=rr < W,
-            sem="relaxed",
-            scope="sys",
-        )
     if t < T:
+        kk = tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        rr = tl.arange(0, BLOCK_W)
+        bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)  # [BLOCK_W] each rank's buffer
         t64 = tl.cast(t, tl.int64)
         x_first = tl.load(x_ptr + t64 * H + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < H)
         wts = tl.load(w_ptr + t64 * K + kk, mask=k_mask, other=0.0)
@@ -267,16 +283,43 @@ def _dispatch_send(
                 mask=k_mask,
             )
             tl.store(_at(base, off_w, tl.float32) + row * K + kk, wts, mask=k_mask)
-        # every store of this program is issued before its release signals
-        tl.debug_barrier()
+
+
+@triton.jit
+def _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W: tl.constexpr):
+    """Token ``t``'s flag at every rank (release: after its stores, which a barrier in the
+    caller has ordered before it)."""
+    if t < T:
+        rr = tl.arange(0, BLOCK_W)
+        bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
+        row = tl.cast(src, tl.int64) * M + t
         for r in range(W):
             flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
             tl.atomic_xchg(flags + 2 * W + row, 1, sem="release", scope="sys")  # dflag[src, t]
+
+
+@triton.jit
+def _dispatch_send(
+    t, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+    T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+):  # fmt: skip
+    """Program ``t`` of a one-token-per-program send half (``symm_ll``'s fused dispatch):
+    each sends its token and raises its flag; program 0 clears ``started`` first and
+    releases ``expect`` last."""
     if t == 0:
-        tl.debug_barrier()
-        for r in range(W):
-            flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
-            tl.atomic_xchg(flags + src, T + 1, sem="release", scope="sys")  # expect[src]
+        _clear_started(bases_ptr, W, src, off_flags, BLOCK_W)
+    _send_token(
+        t, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+        T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
+        K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+    )  # fmt: skip
+    tl.debug_barrier()  # every store of this program is issued before its release signals
+    _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W)
+    if t == 0:
+        _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W)
 
 
 @triton.jit
@@ -358,7 +401,7 @@ def _dispatch_recv(
 
 
 @triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
-def ll_dispatch_send_kernel(
+def dispatch_send_kernel(
     # pointers
     x_ptr,  # [T, H] hidden states (bf16/fp16/fp32)
     ids_ptr,  # [T, K] int32/int64 physical expert ids, -1: none
@@ -391,13 +434,29 @@ def ll_dispatch_send_kernel(
     FP8_MAX: tl.constexpr,
     INV_FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
+    BATCH: tl.constexpr,  # tokens a program stores before it raises their flags
 ):
-    """The send half alone (split phase): one program per token (one when T = 0)."""
-    _dispatch_send(
-        tl.program_id(0), x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
-        T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
-        K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
-    )  # fmt: skip
+    """The send half alone (split phase; ``symm_ht``'s dispatch). Program p sends tokens
+    p, p + N, ... of T (N programs: one per token for ``symm_ll``, the SM budget for
+    ``symm_ht``), ``BATCH`` tokens per step: their stores all in flight, then one barrier,
+    then their flags (a release waits for the stores before it: one wait per step, not
+    per token)."""
+    pid = tl.program_id(0)
+    N = tl.num_programs(0)
+    if pid == 0:
+        _clear_started(bases_ptr, W, src, off_flags, BLOCK_W)
+    for t0 in range(pid, T, N * BATCH):
+        for j in tl.static_range(BATCH):
+            _send_token(
+                t0 + j * N, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+                T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
+                K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+            )  # fmt: skip
+        tl.debug_barrier()
+        for j in tl.static_range(BATCH):
+            _flag_token(t0 + j * N, bases_ptr, T, M, W, src, off_flags, BLOCK_W)
+    if pid == 0:
+        _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_x", "off_s", "off_ids"])
@@ -590,7 +649,7 @@ def ll_combine_send_kernel(
 
 
 @triton.jit(do_not_specialize=["T", "me", "off_flags", "off_y"])
-def ll_combine_recv_kernel(
+def combine_recv_kernel(
     # pointers
     out_ptr,  # [T, H] combined output in the combine dtype
     ids_ptr,  # [T, K] physical expert ids of this rank's tokens
@@ -614,11 +673,13 @@ def ll_combine_recv_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """The receive half alone (split phase): one program per token (one when T = 0)."""
-    _combine_recv(
-        tl.program_id(0), out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
-        T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-    )  # fmt: skip
+    """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
+    takes tokens p, p + G, ... of ``max(T, 1)``."""
+    for t in range(tl.program_id(0), tl.maximum(T, 1), tl.num_programs(0)):
+        _combine_recv(
+            t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
+            T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+        )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "me", "off_flags", "off_w", "off_y"])
@@ -643,3 +704,132 @@ def ll_combine_kernel(
             pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
         )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ symm_ht
+# The Standard layout reuses the send half of the dispatch and the receive half of the
+# combine above: each token once per destination rank into fixed rows [W, M] of the
+# peer's buffer. The experts read those rows in place (no expansion); the receive half of
+# the dispatch only publishes each row's local expert ids and weights (-1 / 0 on rows no
+# token filled), and the send half of the combine copies each row's partial sum back.
+@triton.jit
+def _ht_dispatch_recv(
+    s, t, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
+    M, W, me, timeout_ns, off_flags, off_ids, off_w,
+    K: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    kk = tl.arange(0, BLOCK_K)
+    k_mask = kk < K
+    base = tl.load(bases_ptr + me)
+    flags = _at(base, off_flags, tl.int32)
+    expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+    T_s = tl.maximum(expect - 1, 0)
+    if t == 0:
+        tl.store(recv_t_ptr + s, T_s)
+    row = tl.cast(s, tl.int64) * M + t
+    ids = tl.full((BLOCK_K,), -1, tl.int32)
+    w = tl.zeros((BLOCK_K,), tl.float32)
+    if t < T_s:
+        _wait_at_least(flags + 2 * W + row, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
+        ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
+        w = tl.load(_at(base, off_w, tl.float32) + row * K + kk, mask=k_mask, other=0.0)
+    tl.store(ids_out_ptr + row * K + kk, ids.to(tl.int64), mask=k_mask)
+    tl.store(w_out_ptr + row * K + kk, tl.where(ids >= 0, w, 0.0), mask=k_mask)
+
+
+@triton.jit(do_not_specialize=["me", "off_flags", "off_ids", "off_w"])
+def ht_dispatch_recv_kernel(
+    bases_ptr,  # [W] int64
+    ids_out_ptr,  # [W·M, K] int64 local expert slot of each received row, -1 (out)
+    w_out_ptr,  # [W·M, K] float32 its router weights, 0 where -1 (out)
+    recv_t_ptr,  # [W] int32 tokens each source dispatched (out)
+    err_addr,
+    M,
+    W,
+    me,
+    timeout_ns,
+    off_flags,
+    off_ids,
+    off_w,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (s, p) publishes rows p, p + G, ... of source s's M rows."""
+    s = tl.program_id(0)
+    for t in range(tl.program_id(1), M, tl.num_programs(1)):
+        _ht_dispatch_recv(
+            s, t, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
+            M, W, me, timeout_ns, off_flags, off_ids, off_w, K, BLOCK_K,
+        )  # fmt: skip
+
+
+@triton.jit
+def _ht_combine_row(
+    s, t, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Row ``t`` from source ``s`` back into s's ``comb_y`` when one of its experts is here;
+    returns whether it was sent (its flag follows a barrier, see ``_ht_combine_flag``)."""
+    kk = tl.arange(0, BLOCK_K)
+    row = tl.cast(s, tl.int64) * M + tl.where(t < T_s, t, 0)  # (a row that exists)
+    ids = tl.load(ids_out_ptr + row * K + kk, mask=kk < K, other=-1)
+    sent = (t < T_s) & (tl.max((ids >= 0).to(tl.int32)) > 0)
+    if sent:
+        out = _at(tl.load(bases_ptr + s), off_y, y_ptr.dtype.element_ty)
+        src_row = tl.cast(me, tl.int64) * M + t  # slot in s's comb_y [W, M, H]
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            c_mask = cols < H
+            y = tl.load(y_ptr + row * H + cols, mask=c_mask)
+            tl.store(out + src_row * H + cols, y, mask=c_mask)
+    return sent
+
+
+@triton.jit
+def _ht_combine_flag(s, t, sent, bases_ptr, M, W, me, off_flags):
+    if sent:
+        flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
+        src_row = tl.cast(me, tl.int64) * M + t
+        tl.atomic_xchg(flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["me", "off_flags", "off_y"])
+def ht_combine_send_kernel(
+    y_ptr,  # [W·M, H] the experts' partial sums per received row, in the combine dtype
+    bases_ptr,  # [W] int64
+    ids_out_ptr,  # [W·M, K] int64 from the dispatch
+    recv_t_ptr,  # [W] int32 from the dispatch
+    H,
+    M,
+    W,
+    me,
+    off_flags,
+    off_y,
+    K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BATCH: tl.constexpr,  # rows a program stores before it raises their flags
+):
+    """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
+    (s, 0) first clears ``expect[s]`` and raises ``started`` at s (as ``_combine_send``)."""
+    s = tl.program_id(0)
+    T_s = tl.load(recv_t_ptr + s)
+    if tl.program_id(1) == 0:
+        base_me = tl.load(bases_ptr + me)
+        tl.atomic_xchg(_at(base_me, off_flags, tl.int32) + s, 0, sem="relaxed", scope="sys")
+        src_flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
+        tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
+    N = tl.num_programs(1)
+    for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
+        sent = tl.zeros((BATCH,), tl.int32)
+        for j in tl.static_range(BATCH):
+            ok = _ht_combine_row(
+                s, t0 + j * N, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y,
+                K, BLOCK_K, BLOCK_H,
+            )  # fmt: skip
+            sent = tl.where(tl.arange(0, BATCH) == j, ok.to(tl.int32), sent)
+        tl.debug_barrier()
+        for j in tl.static_range(BATCH):
+            ok = _pick(sent, tl.arange(0, BATCH), j) > 0
+            _ht_combine_flag(s, t0 + j * N, ok, bases_ptr, M, W, me, off_flags)

@@ -1,0 +1,450 @@
+"""What the backends on torch symmetric memory share: the symmetric buffer and its regions,
+parities, the host-mapped error word, the backend base class and a low-overhead launcher.
+
+Shape legend: T tokens on this rank · H hidden · G = ceil(H/128) · K top-k · W ranks ·
+M = M_max tokens per rank · e local experts (e_max the largest over ranks).
+
+A transport (:class:`SymmTransport` and its subclasses) is the set of buffers for one shape,
+shared by every layer with the same (backend, group, H, K, dtype, wire dtype, M_max, e_max)
+through ``epmoe.comm.transport``; each backend binds its placement and releases its hold in
+``close``. Two parities of buffers let two dispatch results be held at once (two
+micro-batches); a third dispatch before a combine raises.
+
+Errors: every wait in the kernels is bounded (``EPMOE_COMM_TIMEOUT_S``, default 10 s); a
+timeout, a capacity overflow or an expert id out of range writes a code to a host-mapped
+word that the next call (or ``check()``) turns into an error naming the operation and
+the peer. After a timeout the transport's flags are out of step: rebuild the layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import transport
+from epmoe.comm.base import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    AllToAll,
+    CommSpec,
+    check_combine_args,
+    check_dispatch_args,
+)
+
+ALIGN = 256  # bytes between regions (the kernels need 16)
+NUM_PARITIES = 2
+BLOCK_E = 256  # expert counters zeroed per step
+_OPS = {1: "dispatch", 2: "combine"}
+_KINDS = {
+    1: "timed out waiting for rank",
+    2: "overflowed an expert's rows from rank",
+    3: "got an expert id outside [0, P) or -1 on rank",
+}
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get("EPMOE_COMM_TIMEOUT_S", "").strip()
+    try:
+        value = float(raw) if raw else 10.0
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"EPMOE_COMM_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def pow2(n: int) -> int:
+    """The next power of two ≥ ``n`` (1 for 0 and 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Byte offsets of one parity's regions in the symmetric buffer (see kernels.py)."""
+
+    flags: int  # int32 expect [W], started [W], dflag [W, M], cflag [W, M]
+    x: int  # wire [W, M, H]
+    s: int  # float32 [W, M, G] (FP8 only)
+    ids: int  # int32 [W, M, K]
+    w: int  # float32 [W, M, K]
+    y: int  # combine dtype [W, M, H]
+
+
+def layout(W: int, M: int, H: int, K: int, wire: torch.dtype, dtype: torch.dtype, fp8: bool):
+    """Per-parity regions and the total bytes of the symmetric buffer."""
+    G = -(-H // FP8_GROUP)
+    sizes = [
+        ("flags", (2 * W + 2 * W * M) * 4),
+        ("x", W * M * H * wire.itemsize),
+        ("s", W * M * G * 4 if fp8 else 0),
+        ("ids", W * M * K * 4),
+        ("w", W * M * K * 4),
+        ("y", W * M * H * dtype.itemsize),
+    ]
+    regions, offset = [], 0
+    for _ in range(NUM_PARITIES):
+        fields = {}
+        for name, nbytes in sizes:
+            fields[name] = offset
+            offset += -(-nbytes // ALIGN) * ALIGN
+        regions.append(Regions(**fields))
+    return regions, offset
+
+
+class SymmTransport:
+    """The symmetric buffer (``Regions`` per parity; peers write into it), the table of
+    every rank's buffer address, one host-mapped int32 error word and the parities in use.
+    Subclasses add their local buffers. ``name`` names the backend in messages."""
+
+    name = "symm"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        spec: CommSpec,
+        max_local: int,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        W, M, H, K = world_size, spec.max_num_tokens, spec.hidden_size, spec.top_k
+        self.M, self.H, self.K, self.e_max = M, H, K, max_local
+        self.G = -(-H // FP8_GROUP)
+        self.fp8 = spec.fp8_dispatch
+        self.dtype, self.wire = spec.dtype, spec.wire_dtype
+        self.device = dev = spec.device
+        self.regions, nbytes = layout(W, M, H, K, self.wire, self.dtype, self.fp8)
+        if world_size > 1:
+            group = group or dist.group.WORLD
+            os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+            import torch.distributed._symmetric_memory as symm_mem
+
+            self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=dev)
+            self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+            ptrs = list(self._handle.buffer_ptrs)
+        else:  # one rank: the buffer needs no peers
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            self._handle = None
+            ptrs = [self._buffer.data_ptr()]
+        self._buffer.zero_()
+        if any(p % 16 for p in ptrs):  # the kernels assume it (see kernels._at)
+            raise RuntimeError(f"{self.name}: a symmetric buffer is not 16-byte aligned: {ptrs}")
+        self.bases = torch.tensor(ptrs, dtype=torch.int64, device=dev)
+        # the kernels write error codes straight into pinned host memory (mapped, UVA)
+        on_gpu = dev.type == "cuda"  # (the CPU runs these kernels only under the interpreter)
+        self.err_host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
+        self._err_word = self.err_host.numpy()  # read without torch's indexing overhead
+        self.err_addr = self.err_host.data_ptr()
+        self.timeout_ns = int(_timeout_s() * 1e9)
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 4
+        # a whole row (up to 8192 columns) per step of a program
+        self.block_h = min(max(pow2(H), FP8_GROUP), 8192)
+        self.num_warps = 8 if self.block_h >= 4096 else 4
+        self.held = [False] * NUM_PARITIES
+        self.next_parity = 0
+        self.broken: str | None = None
+        self._allocate_local(spec)
+        if on_gpu:
+            torch.cuda.synchronize(dev)
+        if world_size > 1:
+            dist.barrier(group=group)  # every buffer is zeroed before any peer writes
+
+    def _allocate_local(self, spec: CommSpec) -> None:
+        """The subclass's local (not symmetric) buffers."""
+
+    def region(self, parity: int, name: str, dtype: torch.dtype, shape: tuple[int, ...]):
+        """A tensor view of region ``name`` of ``parity`` in this rank's symmetric buffer."""
+        start = getattr(self.regions[parity], name)
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = count * dtype.itemsize
+        return self._buffer[start : start + nbytes].view(dtype).view(shape)
+
+    # ------------------------------------------------------------------ parities
+    def take_parity(self) -> int:
+        for i in range(NUM_PARITIES):
+            p = (self.next_parity + i) % NUM_PARITIES
+            if not self.held[p]:
+                self.held[p] = True
+                self.next_parity = (p + 1) % NUM_PARITIES
+                return p
+        raise RuntimeError(
+            f"{self.name} holds at most {NUM_PARITIES} dispatch results at once (shared by "
+            "all layers of this shape): combine one before the next dispatch"
+        )
+
+    def give_back(self, parity: int) -> None:
+        self.held[parity] = False
+
+    # ------------------------------------------------------------------ errors
+    def check(self, sync: bool = False) -> None:
+        """Raise if a kernel reported an error. ``sync`` waits for the device first (else the
+        error of a kernel still running shows at a later call)."""
+        if sync:
+            torch.cuda.synchronize()
+        if self.broken is None:
+            code = int(self._err_word[0])
+            if code == 0:
+                return
+            kind, op, peer = code >> 24, (code >> 16) & 0xFF, code & 0xFFFF
+            what = _KINDS.get(kind, f"failed (code {code:#x}) with rank")
+            self.broken = f"{self.name} {_OPS.get(op, '?')} on rank {self.rank} {what} {peer}"
+            if kind == 1:
+                self.broken += (
+                    f" for {self.timeout_ns / 1e9:g} s (EPMOE_COMM_TIMEOUT_S): that rank did not "
+                    "enter the same call; the transport is out of step, rebuild the layers"
+                )
+        raise RuntimeError(self.broken)
+
+    def close(self) -> None:
+        self._handle = None
+        self._buffer = None
+
+
+@dataclass(frozen=True)
+class SymmHandle:
+    parity: int
+    ids_TK: torch.Tensor  # physical ids of this rank's tokens (combine recomputes owners)
+    num_tokens: int  # T
+    transport: SymmTransport  # whose parity this result holds
+
+    def __repr__(self) -> str:
+        return f"SymmHandle(parity={self.parity}, num_tokens={self.num_tokens})"
+
+
+class SymmBackend(AllToAll):
+    """What the symmetric-memory backends share: availability, binding a placement to a
+    shared transport (``transport_class``), input checks, parity bookkeeping."""
+
+    transport_class: type[SymmTransport] = SymmTransport
+
+    @classmethod
+    def unavailable_reason(cls, device, group=None) -> str | None:
+        reason = super().unavailable_reason(device, group)
+        if reason is not None:
+            return reason
+        if not torch.cuda.is_available():
+            return "needs CUDA"
+        try:
+            importlib.import_module("triton")
+            importlib.import_module("torch.distributed._symmetric_memory")
+        except ImportError as exc:
+            return f"needs triton and torch symmetric memory ({exc})"
+        if dist.is_available() and dist.is_initialized():
+            if "nccl" not in str(dist.get_backend(group)):
+                return "needs an NCCL process group (symmetric memory is CUDA-only)"
+            W = dist.get_world_size(group)
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            if local is not None and int(local) < W:
+                return f"needs all {W} ranks on one node (NVLink peers); LOCAL_WORLD_SIZE={local}"
+        return None
+
+    def __init__(self, spec, group, layout=None):
+        super().__init__(spec, group, layout)
+        self._key = None
+        self._transport: SymmTransport | None = None
+        self._dispatch_consts: dict | None = None  # the dispatch kernels' meta-parameters
+        self._bind()
+
+    def _bind(self) -> None:
+        spec = self.spec
+        key = (
+            self.name,
+            transport.group_key(self.group),
+            spec.hidden_size,
+            spec.top_k,
+            spec.dtype,
+            spec.wire_dtype,
+            spec.max_num_tokens,
+            spec.device,
+        )
+        e_max = spec.max_local
+        if self._key is None or self._key[:-1] != key or self._key[-1] < e_max:
+            # (re)acquire buffers large enough for the largest local expert count
+            old = self._key
+            self._key = (*key, e_max)
+            make = self.transport_class
+            self._transport = transport.acquire(
+                self._key, lambda: make(self.group, self.rank, self.world_size, spec, e_max)
+            )
+            if old is not None:
+                transport.release(old)
+        dev = spec.device
+        sizes = [spec.num_local(r) for r in range(self.world_size)]
+        self._owner_P = torch.repeat_interleave(
+            torch.arange(self.world_size, dtype=torch.int32), torch.tensor(sizes)
+        ).to(dev)
+        # each physical expert's slot among its rank's experts (one lookup in the kernel)
+        self._local_P = torch.cat([torch.arange(n, dtype=torch.int32) for n in sizes]).to(dev)
+        self._num_local = spec.num_local(self.rank)
+        self._dispatch_consts = None  # (the transport may have changed)
+
+    @property
+    def num_sms(self) -> int:
+        """SMs the kernels may occupy (the device's, unless a backend caps it)."""
+        return self._live().num_sms
+
+    def _live(self) -> SymmTransport:
+        if self._transport is None:
+            raise RuntimeError(f"{self.name} backend is closed")
+        return self._transport
+
+    def check(self, sync: bool = True) -> None:
+        """Raise if a kernel of this transport reported a timeout or bad input."""
+        self._live().check(sync=sync)
+
+    def _dispatch_prologue(self, hidden_TH, topk_ids_TK, topk_weights_TK):
+        """Checks and contiguous inputs; takes a parity: ``(x, ids, w, b, consts)``, the
+        consts being the send half's meta-parameters."""
+        spec, tr = self.spec, self._live()
+        check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
+        tr.check()
+        x = hidden_TH.contiguous()
+        ids = topk_ids_TK.contiguous()
+        w = topk_weights_TK.to(torch.float32).contiguous()
+        consts = self._dispatch_consts
+        if consts is None:
+            from epmoe.reference import FP8_EPS, FP8_MAX
+
+            K = spec.top_k
+            consts = self._dispatch_consts = dict(
+                K=K, BLOCK_K=pow2(K), BLOCK_W=pow2(self.world_size), BLOCK_H=tr.block_h,
+                FP8=tr.fp8, WIRE=TL_DTYPES[tr.wire], FP8_MAX=FP8_MAX,
+                INV_FP8_MAX=INV_FP8_MAX, EPS=FP8_EPS,
+            )  # fmt: skip
+        return x, ids, w, tr.take_parity(), consts
+
+    def _combine_prologue(self, expert_out, result) -> tuple[SymmHandle, torch.Tensor, dict]:
+        spec, tr = self.spec, self._live()
+        check_combine_args(expert_out, result)
+        h: SymmHandle = result.handle
+        if not isinstance(h, SymmHandle):
+            raise TypeError("combine needs the DispatchResult of this backend's dispatch")
+        if h.transport is not tr or not tr.held[h.parity]:
+            # a second combine would raise the peers' flags twice and desynchronise them
+            raise RuntimeError(
+                "this dispatch result was already combined (or the backend was rebound to "
+                "other buffers since): combine each dispatch result exactly once"
+            )
+        if expert_out.dtype != spec.dtype:  # (its shape: check_combine_args)
+            raise TypeError(
+                f"expert_out must be {spec.dtype} (the layer's dtype), got {expert_out.dtype}"
+            )
+        K = spec.top_k
+        c = dict(K=K, BLOCK_K=pow2(K), BLOCK_H=tr.block_h)
+        return h, expert_out.contiguous(), c
+
+    def _combine_done(self, h: SymmHandle) -> None:
+        tr = self._live()
+        tr.give_back(h.parity)
+        # the call is complete on every rank: now report what the kernels flagged (this
+        # call's bad ids or overflow when they have finished, else at the next call)
+        tr.check()
+
+    def close(self) -> None:
+        if self._key is not None:
+            transport.release(self._key)
+        self._key = None
+        self._transport = None
+
+
+INV_FP8_MAX = float(torch.tensor(1.0 / 448.0, dtype=torch.float32))
+
+
+def _tl_dtypes():
+    import triton.language as tl
+
+    return {
+        torch.bfloat16: tl.bfloat16,
+        torch.float16: tl.float16,
+        torch.float32: tl.float32,
+        FP8_DTYPE: tl.float8e4nv,
+    }
+
+
+class _LazyDtypes(dict):
+    def __missing__(self, key):
+        self.update(_tl_dtypes())
+        return dict.__getitem__(self, key)
+
+
+TL_DTYPES = _LazyDtypes()  # torch dtype -> triton dtype, filled on first use
+_LAUNCHERS: dict[object, _Launcher] = {}
+
+
+def launch(fn) -> _Launcher:
+    launcher = _LAUNCHERS.get(fn)
+    if launcher is None:
+        launcher = _LAUNCHERS[fn] = _Launcher(fn)
+    return launcher
+
+
+def _specialization(a):
+    """What Triton compiles ``a`` (a kernel argument) for, beyond constexprs."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if type(a) is int:
+        return a == 1, a & 15 == 0, -(2**31) <= a < 2**31
+    return a
+
+
+def _current_raw_stream() -> int:
+    """The current CUDA stream's handle, as Triton's own launcher reads it (a C call;
+    ``torch.cuda.current_stream()`` costs several µs of Python per launch)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+    except AttributeError:  # another torch: the public path
+        return torch.cuda.current_stream().cuda_stream
+
+
+class _Launcher:
+    """Launch one Triton kernel with little host overhead.
+
+    ``kernel[grid](...)`` re-binds and re-specialises every argument on every call, which
+    costs tens of µs of host time per launch: more than the transfer itself at decode sizes.
+    The first launch for a specialisation (constexprs, pointer alignment, small-int
+    flags) goes through Triton and keeps the compiled kernel; later ones call its launcher
+    directly. Any surprise from the launcher's interface falls back to the plain path.
+    """
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.names = fn.arg_names
+        self.compiled: dict[tuple, object] = {}
+        self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+    def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
+        if not self.direct:
+            self.fn[grid](*args, num_warps=num_warps, **consts)
+            return
+        # what Triton specialises a compiled kernel on: pointer dtype and 16-byte alignment,
+        # int width and the values 1 and multiples of 16 (constexprs by value)
+        key = (num_warps, tuple(consts.values()), *map(_specialization, args))
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, **consts)
+            return
+        try:
+            values = list(args) + [consts[n] for n in self.names[len(args) :]]
+            stream = _current_raw_stream()
+            g = (*grid, 1, 1)
+            kernel.run(
+                g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                None, None, None, *values,
+            )  # fmt: skip
+        except TypeError as exc:  # another Triton launcher interface: keep the plain path
+            self.direct = False
+            warnings.warn(
+                f"symm: launching {getattr(self.fn, '__name__', self.fn)} through Triton's "
+                f"plain path from now on (its direct launcher refused the call: {exc}); eager "
+                "calls get slower",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.fn[grid](*args, num_warps=num_warps, **consts)

@@ -1,0 +1,183 @@
+"""``symm_ht``: high-throughput Standard-layout dispatch/combine on torch symmetric memory.
+
+The prefill sibling of ``symm_ll``, on the same buffers and Triton kernels (``kernels.py``):
+each token is written once per destination rank that holds one of its experts, straight
+into fixed rows ``[W, M, H]`` of that rank's symmetric buffer, with its local expert ids
+(-1 for experts elsewhere) and router weights. The experts read the received rows where
+they landed (``DispatchResult.hidden`` is a view of the buffer, ``[W·M, H]``): nothing is
+expanded or copied on the receiver, and the row count is the worst case ``W·M`` (rows no
+token filled carry ids -1), so no count reaches the host and the calls are graph safe.
+Combine sends each row's partial sum (the experts weight and reduce their top-k outputs
+per row in the Standard layout) back to its source, which adds the W partial sums in
+float32.
+
+``num_sms`` caps the programs of each kernel (persistent loops over tokens): the
+throughput against SMs is what the comm benchmark reports.
+
+Shape legend: T tokens on this rank · H hidden · G = ceil(H/128) · K top-k · W ranks ·
+M = M_max tokens per rank · R = W·M received rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pending
+from epmoe.comm.symm.common import (
+    NUM_PARITIES,
+    SymmBackend,
+    SymmHandle,
+    SymmTransport,
+    launch,
+    pow2,
+)
+
+
+class HTTransport(SymmTransport):
+    """``symm_ht``'s buffers for one shape, shared by layers: the symmetric regions
+    (``common.SymmTransport``; the received rows stay there) and, per parity, the
+    published ``ids_out [R, K]`` int64 and ``w_out [R, K]`` float32 and ``recv_t [W]``."""
+
+    name = "symm_ht"
+
+    def _allocate_local(self, spec: CommSpec) -> None:
+        R, K, dev = self.world_size * self.M, self.K, self.device
+        self.ids_out = [torch.full((R, K), -1, dtype=torch.int64, device=dev) for _ in range(2)]
+        self.w_out = [torch.zeros(R, K, dtype=torch.float32, device=dev) for _ in range(2)]
+        self.recv_t = [
+            torch.zeros(self.world_size, dtype=torch.int32, device=dev) for _ in range(2)
+        ]
+
+    def rows(self, parity: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The received rows ``[R, H]`` (wire dtype) and FP8 scales ``[R, G]`` of ``parity``:
+        views of this rank's symmetric buffer."""
+        R = self.world_size * self.M
+        x = self.region(parity, "x", self.wire, (R, self.H))
+        scale = self.region(parity, "s", torch.float32, (R, self.G)) if self.fp8 else None
+        return x, scale
+
+    def close(self) -> None:
+        super().close()
+        self.ids_out = self.w_out = self.recv_t = []
+
+
+class SymmHTBackend(SymmBackend):
+    """High-throughput Standard-layout backend on torch symmetric memory (one NVLink node).
+
+    ``DispatchResult.hidden [R, H]`` with ``R = W·M`` (FP8 with ``hidden_scale [R, G]``),
+    ``topk_ids [R, K]`` int64 local slots (-1: elsewhere, and on rows no token filled) and
+    ``topk_weights [R, K]``: views into the shared transport, valid until the combine of
+    that result. ``expert_out`` for combine is ``[R, H]``, each row the weighted sum of its
+    local experts' outputs. ``T <= spec.max_num_tokens`` on every call.
+    """
+
+    name = "symm_ht"
+    transport_class = HTTransport
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.STANDARD}),
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        device_types=frozenset({"cuda"}),
+        graph_safe=True,
+        fp8_dispatch=True,
+        max_in_flight=NUM_PARITIES,
+        default_max_tokens=4096,  # prefill chunks; the buffers grow with W·M·H
+        auto=False,  # named only, until the LL/HT crossover is measured
+    )
+
+    def __init__(
+        self,
+        spec,
+        group,
+        layout=None,
+        *,
+        num_sms: int | None = None,
+        tokens_per_flag: int = 1,
+    ):
+        """``num_sms``: programs per kernel (default every SM). ``tokens_per_flag``: rows a
+        program stores before it raises their flags (1, 2, 4 or 8); a release waits for
+        every store before it, so more rows per flag keep more in flight per SM. 1 is the
+        configuration measured on 2×H200 (docs/benchmarks.md)."""
+        super().__init__(spec, group, layout)
+        if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
+            raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
+        if tokens_per_flag not in (1, 2, 4, 8):
+            raise ValueError(f"tokens_per_flag must be 1, 2, 4 or 8, got {tokens_per_flag!r}")
+        self._sms = num_sms
+        self._batch = tokens_per_flag
+
+    @property
+    def num_sms(self) -> int:
+        """Programs per kernel: ``num_sms`` if given, else every SM of the device."""
+        return min(self._sms or self._live().num_sms, self._live().num_sms)
+
+    def _grid(self, n: int) -> int:
+        return max(1, min(n, self.num_sms))
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
+        """The send kernel now, the receive kernel (publishing ids and weights) at ``wait()``."""
+        from epmoe.comm.symm import kernels as k
+
+        x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
+        tr, spec, W, T = self._transport, self.spec, self.world_size, x.shape[0]
+        reg = tr.regions[b]
+        try:
+            launch(k.dispatch_send_kernel)(
+                (self._grid(max(T, 1)),),
+                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
+                T, tr.H, spec.num_physical, tr.M, W, tr.G, self.rank,
+                reg.flags, reg.x, reg.s, reg.ids, reg.w,
+                BATCH=self._batch, num_warps=tr.num_warps, **c,
+            )  # fmt: skip
+        except BaseException:  # nothing was sent: the parity is free again
+            tr.give_back(b)
+            raise
+
+        def receive() -> DispatchResult:
+            launch(k.ht_dispatch_recv_kernel)(
+                (W, self._grid(tr.M)),
+                tr.bases, tr.ids_out[b], tr.w_out[b], tr.recv_t[b], tr.err_addr,
+                tr.M, W, self.rank, tr.timeout_ns, reg.flags, reg.ids, reg.w,
+                K=c["K"], BLOCK_K=c["BLOCK_K"], num_warps=1,
+            )  # fmt: skip
+            rows, scale = tr.rows(b)
+            return DispatchResult(
+                layout=Layout.STANDARD,
+                hidden=rows,
+                topk_ids=tr.ids_out[b],
+                topk_weights=tr.w_out[b],
+                hidden_scale=scale,
+                handle=SymmHandle(b, ids, T, tr),
+            )
+
+        return Pending(receive)
+
+    # ------------------------------------------------------------------ combine
+    def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
+        """The send kernel (one row back per (token, rank)) now, the sum at ``wait()``."""
+        from epmoe.comm.symm import kernels as k
+
+        h, y, c = self._combine_prologue(expert_out, result)
+        tr, spec, W, b = self._transport, self.spec, self.world_size, h.parity
+        reg = tr.regions[b]
+        launch(k.ht_combine_send_kernel)(
+            (W, self._grid(tr.M)),
+            y, tr.bases, tr.ids_out[b], tr.recv_t[b],
+            tr.H, tr.M, W, self.rank, reg.flags, reg.y,
+            BATCH=self._batch, num_warps=tr.num_warps, **c,
+        )  # fmt: skip
+
+        def receive() -> torch.Tensor:
+            T = h.num_tokens
+            out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
+            launch(k.combine_recv_kernel)(
+                (self._grid(max(T, 1)),),
+                out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
+                T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
+                reg.flags, reg.y,
+                BLOCK_W=pow2(W), num_warps=tr.num_warps, **c,
+            )  # fmt: skip
+            self._combine_done(h)
+            return out
+
+        return Pending(receive)

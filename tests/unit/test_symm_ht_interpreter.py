@@ -1,0 +1,152 @@
+"""``symm_ht``'s Triton kernels on one CPU rank under the Triton interpreter.
+
+With W = 1 the "peer" is this rank's own buffer, so the interpreter runs every code path of
+the Standard-layout dispatch (rows stored once per destination rank, FP8 quantization in
+the send kernel, ids and weights published with -1 / 0 on rows no token filled) and of the
+combine (each row's partial sum sent back, the partial rows summed) against the oracle,
+with the SM budget small enough that every kernel loops. Two ranks, graphs and the
+benchmarks run on the GPU machine (``tests/gpu/test_symm_ht.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import epmoe
+from epmoe.comm.base import FP8_DTYPE, Capabilities, CommSpec, Layout
+from epmoe.reference import assert_close, moe, quantize_groups
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs the kernels under TRITON_INTERPRET=1"
+)
+
+
+def _backend(spec, num_sms=None, tokens_per_flag=1):
+    from epmoe.comm.symm.ht import SymmHTBackend
+
+    class OnCPU(SymmHTBackend):  # the same kernels, on CPU tensors through the interpreter
+        capabilities = Capabilities(
+            layouts=frozenset({Layout.STANDARD}),
+            dtypes=frozenset({torch.float32, torch.bfloat16}),
+            device_types=frozenset({"cpu"}),
+            graph_safe=True,
+            fp8_dispatch=True,
+            max_in_flight=2,
+        )
+
+    return OnCPU(spec, None, Layout.STANDARD, num_sms=num_sms, tokens_per_flag=tokens_per_flag)
+
+
+def _experts(result, w13, w2):
+    """Standard-layout experts with the oracle's math: each received row's weighted sum
+    of its local experts' outputs (rows whose ids are all -1 give zeros)."""
+    x = result.hidden.float()
+    if result.hidden_scale is not None:
+        H = x.shape[1]
+        x = x * result.hidden_scale.repeat_interleave(128, -1)[:, :H]
+    out = torch.zeros_like(x)
+    for r in range(x.shape[0]):
+        for k in range(result.topk_ids.shape[1]):
+            e = int(result.topk_ids[r, k])
+            if e >= 0:
+                gate, up = (w13[e] @ x[r]).chunk(2)
+                out[r] += result.topk_weights[r, k] * (
+                    w2[e] @ (torch.nn.functional.silu(gate) * up)
+                )
+    return out
+
+
+@pytest.mark.parametrize("per_flag", [1, 4], ids=["1 row per flag", "4 rows per flag"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 wire", "fp8 wire"])
+@pytest.mark.parametrize(("T", "M", "sms"), [(5, 8, 2), (0, 4, 1), (8, 8, None)],
+                         ids=["T=5 loops", "T=0", "T=M"])  # fmt: skip
+def test_dispatch_delivers_rows_in_place_and_combine_matches_the_oracle(fp8, T, M, sms, per_flag):
+    E, K, H, I = 6, 3, 256, 32
+    placement = epmoe.ExpertPlacement.linear(E, 1)
+    spec = CommSpec(
+        H, K, placement.rank_offsets, M, torch.float32, torch.device("cpu"),
+        dispatch_dtype=FP8_DTYPE if fp8 else None,
+    )  # fmt: skip
+    comm = _backend(spec, num_sms=sms, tokens_per_flag=per_flag)
+    g = torch.Generator().manual_seed(T + M)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    if T:
+        ids[0, 1] = -1  # a token with one slot unused
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+
+    res = comm.dispatch(x, ids, w)
+    assert res.layout is Layout.STANDARD and res.hidden.shape == (M, H)  # R = W·M rows
+    assert res.topk_ids.dtype == torch.int64 and res.topk_ids.shape == (M, K)
+    # rows [0, T) are this rank's tokens in order; the rest carry no expert
+    assert (res.topk_ids[T:] == -1).all() and (res.topk_weights[T:] == 0).all()
+    torch.testing.assert_close(res.topk_ids[:T], ids)
+    torch.testing.assert_close(res.topk_weights[:T], torch.where(ids >= 0, w, 0.0))
+    if fp8:
+        q, s = quantize_groups(x)
+        torch.testing.assert_close(res.hidden_scale[:T], s)
+        # the interpreter's e4m3 cast rounds a few values apart from torch's (the GPU test
+        # checks bit equality): compare as quantized values
+        assert_close(res.hidden[:T].float(), q.float(), 0.1, name="fp8 rows")
+    else:
+        assert res.hidden_scale is None
+        torch.testing.assert_close(res.hidden[:T], x, rtol=0, atol=0)
+
+    out = comm.combine(_experts(res, w13, w2), res)
+    x_sent = x
+    if fp8:
+        q, s = quantize_groups(x)
+        x_sent = q.float() * s.repeat_interleave(128, -1)[:, :H]
+    want = moe(x_sent, w13, w2, w, ids)
+    assert out.shape == (T, H)
+    assert_close(out, want, 0.1 if fp8 else 1e-5, name="combine")
+    comm.close()
+
+
+def test_two_in_flight_a_third_refused_and_each_result_combines_once():
+    E, K, H = 4, 2, 128
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
+    comm = _backend(spec)
+    x = torch.randn(3, H)
+    ids = torch.tensor([[0, 1], [2, 3], [1, -1]])
+    w = torch.full((3, K), 0.5)
+    first = comm.dispatch_async(x, ids, w).wait()
+    second = comm.dispatch_async(2 * x, ids, w).wait()
+    with pytest.raises(RuntimeError, match="at most 2 dispatch results"):
+        comm.dispatch_async(x, ids, w)
+
+    def identity(res):  # Σ_k w_k · row
+        return res.hidden * res.topk_weights.sum(1, keepdim=True)
+
+    want = x * torch.tensor([[1.0], [1.0], [0.5]])
+    torch.testing.assert_close(comm.combine(identity(first), first), want)
+    torch.testing.assert_close(comm.combine_async(identity(second), second).wait(), 2 * want)
+    with pytest.raises(RuntimeError, match="exactly once"):
+        comm.combine(identity(first), first)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        comm.dispatch(torch.randn(5, H), torch.zeros(5, K, dtype=torch.int64), torch.ones(5, K))
+    comm.close()
+
+
+def test_bad_ids_are_reported_after_the_call_completes():
+    E, K, H = 4, 3, 128
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 2, torch.float32, "cpu")
+    comm = _backend(spec)
+    w = torch.full((2, K), 1.0 / K)
+    res = comm.dispatch(torch.randn(2, H), torch.tensor([[0, 1, E], [2, -1, 3]]), w)
+    with pytest.raises(RuntimeError, match="symm_ht dispatch .* expert id outside"):
+        comm.combine(res.hidden.clone(), res)
+    comm.close()
+
+
+def test_num_sms_and_tokens_per_flag_are_checked():
+    spec = CommSpec(128, 2, (0, 4), 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="num_sms must be a positive int"):
+        _backend(spec, num_sms=0)
+    with pytest.raises(ValueError, match="tokens_per_flag must be 1, 2, 4 or 8"):
+        _backend(spec, tokens_per_flag=3)
