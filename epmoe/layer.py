@@ -119,6 +119,12 @@ class EPMoE(nn.Module):
             ids [T, K])`` replacing the built-in routing (see ``select_experts``). Its ids
             must lie in ``[-1, E)`` (``-1``: no expert); ids out of range raise on every
             rank in that forward (checked on the device, read with the agreement).
+        micro_batches: ``1``, or ``2`` to split each chunk into two halves whose
+            communication overlaps the other's experts: both dispatches are started, then
+            each half's receive, experts and combine start in turn, and the combines are
+            finished last (the shared experts run between the sends and the first
+            receive). Outputs equal the plain forward's. Needs a backend that holds two
+            dispatch results at once (``Capabilities.max_in_flight``).
     """
 
     def __init__(
@@ -149,6 +155,7 @@ class EPMoE(nn.Module):
         load_window: int | None = None,
         dispatch_dtype: torch.dtype | None = None,
         custom_routing_function: RoutingFunction | None = None,
+        micro_batches: int = 1,
     ) -> None:
         super().__init__()
         if group is None and dist.is_available() and dist.is_initialized():
@@ -215,6 +222,9 @@ class EPMoE(nn.Module):
             self.params_dtype = params_dtype
             self.prefer_local_replica = prefer_local_replica
             self.shared_experts = shared_experts
+            if type(micro_batches) is not int or micro_batches not in (1, 2):
+                raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
+            self.micro_batches = micro_batches
             if device is not None:
                 self.device = normalize_device(device)
             else:
@@ -251,6 +261,14 @@ class EPMoE(nn.Module):
             decode_plan = None
             if auto is not None:
                 decode_plan = self._plan_decode_comm(auto[1], comm_plan, layout, max_num_tokens)
+            for plan in (comm_plan, decode_plan):
+                in_flight = plan.cls.capabilities.max_in_flight if plan is not None else None
+                if in_flight is not None and in_flight < micro_batches:
+                    raise ValueError(
+                        f"micro_batches={micro_batches} needs {micro_batches} dispatch results "
+                        f"in flight; backend {plan.cls.name!r} holds {in_flight}: use "
+                        "micro_batches=1 or another backend"
+                    )
             self.experts = create_experts(experts, activation, self.device, params_dtype)
 
             if e_score_correction_bias is not None:
@@ -358,6 +376,7 @@ class EPMoE(nn.Module):
             "e_score_correction_bias": "None" if bias is None else repr(bias.tolist()),
             "apply_router_weight_on_input": repr(self.apply_router_weight_on_input),
             "load_window": repr(load_window),
+            "micro_batches": repr(self.micro_batches),
         }
 
     # ---------------------------------------------------------------- backend
@@ -813,9 +832,15 @@ class EPMoE(nn.Module):
         for c in range(num_chunks):
             lo, hi = min(c * M, T), min((c + 1) * M, T)
             chunk = (x_TH[lo:hi], ids_TK[lo:hi], weights_TK[lo:hi])
-            if c == 0 and self.shared_experts is not None:  # split phase: overlap them
+            shared = self.shared_experts if c == 0 else None
+            if self.micro_batches == 2:
+                out_TH, shared_out = self._two_micro_batches(comm, chunk, shared, hidden_states)
+                outs.append(out_TH)
+                shared_TH = shared_out if shared is not None else shared_TH
+                continue
+            if shared is not None:  # split phase: overlap them
                 pending = comm.dispatch_async(*chunk)
-                shared_TH = self.shared_experts(hidden_states)
+                shared_TH = shared(hidden_states)
                 result = pending.wait()
             else:  # nothing to overlap: the blocking call (one launch where a backend fuses)
                 result = comm.dispatch(*chunk)
@@ -825,13 +850,41 @@ class EPMoE(nn.Module):
             out_TH = out_TH + shared_TH.to(out_TH.dtype)
         return out_TH.to(hidden_states.dtype)
 
-    def _experts_and_combine(self, comm: AllToAll, result: DispatchResult) -> torch.Tensor:
-        """The local experts on one dispatch's rows, then the combine: ``[T_chunk, H]`` in
-        ``params_dtype``."""
+    def _two_micro_batches(
+        self,
+        comm: AllToAll,
+        chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        shared: nn.Module | None,
+        hidden_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One chunk as two halves A and B (this rank's tokens split at ``ceil(T / 2)``):
+        send A, send B, [shared experts], receive A, experts A, send A's combine, receive
+        B, experts B, send B's combine, then finish both combines. Each half's transfer is
+        in flight while the other half computes. ``[T_chunk, H]`` and the shared output."""
+        x_TH, ids_TK, weights_TK = chunk
+        half = -(-x_TH.shape[0] // 2)
+        halves = [(x_TH[:half], ids_TK[:half], weights_TK[:half])]
+        halves.append((x_TH[half:], ids_TK[half:], weights_TK[half:]))
+        sends = [comm.dispatch_async(*h) for h in halves]
+        shared_TH = shared(hidden_states) if shared is not None else None
+        combines = []
+        for pending in sends:
+            result = pending.wait()
+            combines.append(comm.combine_async(self._expert_out(result), result))
+        outs = [p.wait() for p in combines]
+        return torch.cat(outs), shared_TH
+
+    def _expert_out(self, result: DispatchResult) -> torch.Tensor:
+        """The local experts on one dispatch's rows, in ``params_dtype``."""
         expert_out = self.experts(result, self.expert_weights())
         if expert_out.dtype != self.params_dtype:  # FP8 rows come out in the experts' dtype
             expert_out = expert_out.to(self.params_dtype)
-        return comm.combine(expert_out, result)
+        return expert_out
+
+    def _experts_and_combine(self, comm: AllToAll, result: DispatchResult) -> torch.Tensor:
+        """The local experts on one dispatch's rows, then the combine: ``[T_chunk, H]`` in
+        ``params_dtype``."""
+        return comm.combine(self._expert_out(result), result)
 
     def _route_and_agree(
         self, hidden_states: torch.Tensor, router_logits: torch.Tensor

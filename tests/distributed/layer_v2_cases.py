@@ -381,6 +381,31 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
             assert calls == want, f"calls {calls}, want {want}"
             assert_close(out, ref, TOLERANCES[dtype], name="with shared experts vs oracle")
 
+        with sweep.case(f"{label}: two micro-batches overlap, equal to the plain forward"):
+            log = []
+            shared = LoggedMLP(H, I, dev, log)
+            kwargs = dict(max_num_tokens=M, shared_experts=shared)
+            plain, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 5, **kwargs)
+            layer, _, _ = _layer(
+                E, K, H, I, dtype, dev, backend, layout, 5, micro_batches=2, **kwargs
+            )
+            log_comm_calls(layer.comm, log)
+            layer.experts = PausedExperts(layer.experts, log=log)
+            x, logits = rank_tokens(rank, T, H, E, dtype, dev, seed=5)
+            out = layer(x, logits)
+            calls = list(log)
+            want_out = plain(x, logits)
+            chunks = max(math.ceil(t / M) for t in tokens)
+            half = ["wait", "experts", "combine"]
+            want = ["dispatch_async", "dispatch_async", "shared", *half, *half]
+            want += ["dispatch_async", "dispatch_async", *half, *half] * (chunks - 1)
+            assert calls == want, f"calls {calls}, want {want}"
+            torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+            with torch.no_grad():
+                ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+                ref = ref + shared(x).to(ref.dtype)
+            assert_close(out, ref, TOLERANCES[dtype], name="two micro-batches vs oracle")
+
         with sweep.case(f"{label}: dispatch_dtype=float8_e4m3fn"):
             if not backend_class(backend).capabilities.fp8_dispatch:
                 pytest.skip(f"backend {backend!r} has no FP8 dispatch yet (fp8_dispatch=False)")

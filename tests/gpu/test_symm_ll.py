@@ -160,6 +160,34 @@ def layer_against_oracle(rank, world, backend="symm_ll"):
                         assert_close(out, ref, tol, name=f"rank {rank} T={T}")
                     layer.comm.check()
                     layer.comm.close()
+    # EPMoE(micro_batches=2): each chunk's two halves overlap; equal to the plain forward
+    with sweep.case("micro_batches=2"):
+        layers = [
+            epmoe.EPMoE(
+                E,
+                K,
+                H,
+                I,
+                backend=backend,
+                experts="triton",
+                max_num_tokens=M,
+                device=dev,
+                micro_batches=mb,
+            )  # fmt: skip
+            for mb in (1, 2)
+        ]
+        for layer in layers:
+            layer.load_experts(w13, w2)
+        for T in ([5, 0][rank % 2], M, 2 * M + 3):
+            x, logits = rank_tokens(rank, T, H, E, torch.bfloat16, dev, seed=T)
+            plain, overlapped = (layer(x, logits) for layer in layers)
+            assert_close(overlapped, plain, 1e-2, name=f"rank {rank} T={T} vs plain")
+            w, ids = epmoe.select_experts(logits, K)
+            ref = epmoe.reference.moe(x, w13, w2, w, ids)
+            assert_close(overlapped, ref, TOLERANCES[torch.bfloat16], name=f"rank {rank} T={T}")
+        for layer in layers:
+            layer.comm.check()
+            layer.comm.close()
     # two dispatch results held at once (two micro-batches), combined in order
     with sweep.case("two in flight"):
         placement = epmoe.ExpertPlacement.linear(E, world)

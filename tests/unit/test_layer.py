@@ -71,9 +71,12 @@ def test_a_hint_below_this_ranks_tokens_is_refused():
         (dict(activation="relu"), ValueError, "activation"),
         (dict(placement="random"), ValueError, "placement"),
         (dict(params_dtype=torch.int32), TypeError, "params_dtype"),
+        (dict(micro_batches=3), ValueError, "micro_batches must be 1 or 2"),
+        (dict(micro_batches=True), ValueError, "micro_batches must be 1 or 2"),
     ],
     ids=["fractional M_max", "unknown scoring", "unknown layout", "unknown activation",
-         "unknown placement", "integer params_dtype"],
+         "unknown placement", "integer params_dtype", "three micro-batches",
+         "bool micro-batches"],
 )  # fmt: skip
 def test_construction_rejects_bad_options(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -177,6 +180,19 @@ def test_fp8_dispatch_needs_a_backend_that_offers_it(monkeypatch):
             layer_and_weights(backend="naive", dispatch_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="dispatch_dtype"):
         layer_and_weights(dispatch_dtype=torch.float16)
+
+
+class _OneInFlightBackend(NaiveBackend):
+    name = "one_in_flight"
+    capabilities = dataclasses.replace(NaiveBackend.capabilities, max_in_flight=1)
+
+
+def test_two_micro_batches_need_two_results_in_flight(monkeypatch):
+    monkeypatch.setitem(epmoe.comm._BACKENDS, "one_in_flight", f"{__name__}:_OneInFlightBackend")
+    with pytest.raises(ValueError, match="micro_batches=2 needs 2 dispatch results in flight"):
+        layer_and_weights(backend="one_in_flight", micro_batches=2)
+    layer, *_ = layer_and_weights(backend="one_in_flight")  # one micro-batch: fine
+    assert layer.micro_batches == 1
 
 
 def test_fp8_dispatch_with_auto_picks_a_backend_that_offers_it():
