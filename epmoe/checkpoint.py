@@ -65,6 +65,7 @@ RECORD_KEYS = (
 )
 
 _FULL_KEYS = ("w13", "w2")
+_SCALE_KEYS = ("w13_scale", "w2_scale")  # with FP8 weights
 _BIAS = "e_score_correction_bias"
 
 
@@ -198,9 +199,10 @@ def _short(experts: list[int]) -> str:
 def gather_full_experts(layer: EPMoE, dst: int | None = None) -> dict[str, torch.Tensor] | None:
     """The layer's full logical experts, gathered from every rank's shard.
 
-    Returns ``{"w13": [E, 2I, H], "w2": [E, H, I]}`` in ``params_dtype`` on the layer's
-    device, plus ``"e_score_correction_bias": [E]`` float32 when the layer has one (it
-    routes with it; every rank holds the same). Each logical expert comes from its first
+    Returns ``{"w13": [E, 2I, H], "w2": [E, H, I]}`` in the layer's weight dtype on its
+    device (with FP8 weights also ``"w13_scale"``, ``"w2_scale"`` ``[E, ...]``), plus
+    ``"e_score_correction_bias": [E]`` float32 when the layer has one (it routes with it;
+    every rank holds the same). Each logical expert comes from its first
     replica (the lowest physical slot holding it), so placements with redundant replicas
     give one copy per expert. The result loads into any placement of the same E, I, H
     with :func:`load_full_experts`.
@@ -257,7 +259,9 @@ def gather_full_experts(layer: EPMoE, dst: int | None = None) -> dict[str, torch
 def load_full_experts(layer: EPMoE, state: Mapping[str, torch.Tensor]) -> None:
     """Load full logical experts (as :func:`gather_full_experts` returns them) into
     ``layer``, whatever its placement: ``state["w13"] [E, 2I, H]``, ``state["w2"]
-    [E, H, I]`` (= ``layer.load_experts``; each rank keeps its own slots) and, when the
+    [E, H, I]`` with ``"w13_scale"`` / ``"w2_scale"`` for FP8 weights (=
+    ``layer.load_experts``; each rank keeps its own slots; an FP8 layer quantizes
+    full-precision weights, a full-precision layer dequantizes FP8 ones) and, when the
     layer routes with one, ``state["e_score_correction_bias"] [E]``. Not collective."""
     if not isinstance(state, Mapping):
         raise TypeError(
@@ -265,7 +269,7 @@ def load_full_experts(layer: EPMoE, state: Mapping[str, torch.Tensor]) -> None:
             f"{type(state).__name__}"
         )
     bias = getattr(layer, _BIAS, None)
-    allowed = set(_FULL_KEYS) | ({_BIAS} if bias is not None else set())
+    allowed = set(_FULL_KEYS) | set(_SCALE_KEYS) | ({_BIAS} if bias is not None else set())
     missing = [k for k in _FULL_KEYS if k not in state]
     unknown = sorted(set(state) - allowed)
     if missing or unknown:
@@ -283,7 +287,8 @@ def load_full_experts(layer: EPMoE, state: Mapping[str, torch.Tensor]) -> None:
         if not isinstance(new_bias, torch.Tensor) or tuple(new_bias.shape) != tuple(bias.shape):
             shape = tuple(new_bias.shape) if isinstance(new_bias, torch.Tensor) else new_bias
             raise ValueError(f"{_BIAS} must be [E={layer.num_experts}], got {shape}")
-    layer.load_experts(state["w13"], state["w2"])
+    scales = {k: state[k] for k in _SCALE_KEYS if k in state}  # FP8 weights' scales
+    layer.load_experts(state["w13"], state["w2"], **scales)
     if _BIAS in state:
         bias.copy_(state[_BIAS])
 

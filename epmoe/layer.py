@@ -32,12 +32,13 @@ from epmoe.comm import (
     resolve_backend,
 )
 from epmoe.comm._collectives import world_of
-from epmoe.comm.base import FP8_DTYPE, AllToAll, CommSpec, DispatchResult, Layout
+from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, AllToAll, CommSpec, DispatchResult, Layout
 from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb.recorder import LoadRecorder
 from epmoe.experts import ExpertWeights, create_experts
 from epmoe.experts.base import check_activation
 from epmoe.placement import ExpertPlacement
+from epmoe.reference import dequantize_block, quantize_block
 from epmoe.routing import RoutingFunction, select_experts
 from epmoe.step_context import StepContext, current_step, group_ranks
 
@@ -125,6 +126,15 @@ class EPMoE(nn.Module):
             finished last (the shared experts run between the sends and the first
             receive). Outputs equal the plain forward's. Needs a backend that holds two
             dispatch results at once (``Capabilities.max_in_flight``).
+        weight_dtype: ``None`` (expert weights in ``params_dtype``) or
+            ``torch.float8_e4m3fn``: the layer holds FP8 expert weights with float32
+            scales (``w13_scale``, ``w2_scale``) and the experts run them (Triton: W8A8
+            kernels; torch: dequantised per call). ``load_experts`` / ``load_expert`` take
+            FP8 weights with their scales (a DeepSeek-V3 checkpoint's ``weight_scale_inv``)
+            or full-precision ones, which they quantize.
+        weight_scale: FP8 scales per ``"block"`` of 128×128 (DeepSeek-V3's format:
+            ``w13_scale [e, ceil(2I/128), ceil(H/128)]``, ``w2_scale [e, ceil(H/128),
+            ceil(I/128)]``) or ``"per_expert"`` (``[e]``).
     """
 
     def __init__(
@@ -156,6 +166,8 @@ class EPMoE(nn.Module):
         dispatch_dtype: torch.dtype | None = None,
         custom_routing_function: RoutingFunction | None = None,
         micro_batches: int = 1,
+        weight_dtype: torch.dtype | None = None,
+        weight_scale: str = "block",
     ) -> None:
         super().__init__()
         if group is None and dist.is_available() and dist.is_initialized():
@@ -225,6 +237,17 @@ class EPMoE(nn.Module):
             if type(micro_batches) is not int or micro_batches not in (1, 2):
                 raise ValueError(f"micro_batches must be 1 or 2, got {micro_batches!r}")
             self.micro_batches = micro_batches
+            if weight_dtype not in (None, params_dtype, FP8_DTYPE):
+                raise ValueError(
+                    f"weight_dtype must be None (params_dtype) or torch.float8_e4m3fn, got "
+                    f"{weight_dtype!r}"
+                )
+            self.weight_dtype = params_dtype if weight_dtype is None else weight_dtype
+            if weight_scale not in ("block", "per_expert"):
+                raise ValueError(
+                    f"weight_scale must be 'block' (128×128) or 'per_expert', got {weight_scale!r}"
+                )
+            self.weight_scale = weight_scale if self.fp8_weights else None
             if device is not None:
                 self.device = normalize_device(device)
             else:
@@ -322,13 +345,19 @@ class EPMoE(nn.Module):
             self.decode_comm = decode_plan.build(group)
             self.decode_max_tokens = decode_plan.spec.max_num_tokens
         e = placement.num_local(self.rank)
-        factory = dict(dtype=params_dtype, device=self.device)
+        factory = dict(dtype=self.weight_dtype, device=self.device)
         self.w13 = nn.Parameter(
             torch.empty(e, 2 * intermediate_size, hidden_size, **factory), requires_grad=False
         )
         self.w2 = nn.Parameter(
             torch.empty(e, hidden_size, intermediate_size, **factory), requires_grad=False
         )
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
+        if self.fp8_weights:
+            f32 = dict(dtype=torch.float32, device=self.device)
+            for name, shape in self._scale_shapes().items():
+                setattr(self, name, nn.Parameter(torch.ones(e, *shape, **f32), requires_grad=False))
         self._loaded = [False] * e  # per local slot; host bookkeeping, never on the device
         self._group_ranks = group_ranks(group)  # compared with an epmoe.step's group
         # the key of this layer in epmoe::moe_forward's registry (torch.compile)
@@ -377,6 +406,8 @@ class EPMoE(nn.Module):
             "apply_router_weight_on_input": repr(self.apply_router_weight_on_input),
             "load_window": repr(load_window),
             "micro_batches": repr(self.micro_batches),
+            "weight_dtype": str(self.weight_dtype),
+            "weight_scale": repr(self.weight_scale),
         }
 
     # ---------------------------------------------------------------- backend
@@ -631,10 +662,76 @@ class EPMoE(nn.Module):
         """Logical id of each local slot, in slot order."""
         return self.placement.local_experts(self.rank)
 
+    @property
+    def fp8_weights(self) -> bool:
+        """Whether the layer holds FP8 expert weights (``weight_dtype``)."""
+        return self.weight_dtype == FP8_DTYPE
+
+    def _scale_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-slot shape of each FP8 scale tensor (``weight_scale``)."""
+        if self.weight_scale == "per_expert":
+            return {"w13_scale": (), "w2_scale": ()}
+        I, H, b = self.intermediate_size, self.hidden_size, FP8_GROUP
+        return {
+            "w13_scale": (-(-2 * I // b), -(-H // b)),
+            "w2_scale": (-(-H // b), -(-I // b)),
+        }
+
+    def _stored(self, where, w13, w2, w13_scale, w2_scale, lead):
+        """``(w13, w2, w13_scale, w2_scale)`` as this layer stores them, from weights of
+        leading shape ``lead`` (``(n,)`` experts, or ``()`` for one): FP8 weights come with
+        their scales; full-precision ones are quantized for an FP8 layer; FP8 weights given
+        to a full-precision layer are dequantized. Scales are ``None`` for such a layer."""
+        _check_weights(where, w13=w13, w2=w2)
+        given = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        fp8_in = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
+        if fp8_in and (w13_scale is None or w2_scale is None):
+            raise ValueError(
+                f"{where}: FP8 weights need their scales: pass w13_scale= and w2_scale= (a "
+                "checkpoint's weight_scale_inv)"
+            )
+        if not fp8_in and (w13_scale is not None or w2_scale is not None):
+            raise ValueError(f"{where}: scales belong to FP8 weights; {w13.dtype} weights got them")
+        if fp8_in:
+            for name, scale in given.items():
+                if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+                    raise TypeError(f"{where}: {name} must be a float tensor, got {scale!r}")
+        if not self.fp8_weights:
+            if fp8_in:  # dequantize into the layer's dtype, whatever scale format came
+                w13 = dequantize_block(_lead(w13, lead), _lead(w13_scale, lead))
+                w2 = dequantize_block(_lead(w2, lead), _lead(w2_scale, lead))
+                if not lead:
+                    w13, w2 = w13[0], w2[0]
+            return w13, w2, None, None
+        want = {n: (*lead, *shape) for n, shape in self._scale_shapes().items()}
+        if fp8_in:
+            for name, scale in given.items():
+                if tuple(scale.shape) != want[name]:
+                    raise ValueError(
+                        f"{where}: {name} must be {list(want[name])} for weight_scale="
+                        f"{self.weight_scale!r}, got {list(scale.shape)}"
+                    )
+            return w13, w2, w13_scale, w2_scale
+        per = self.weight_scale == "per_expert"
+        q13, s13 = quantize_block(_lead(w13, lead), per_matrix=per)
+        q2, s2 = quantize_block(_lead(w2, lead), per_matrix=per)
+        if not lead:  # one expert: drop the leading 1
+            q13, s13, q2, s2 = q13[0], s13[0], q2[0], s2[0]
+        return q13, q2, s13, s2
+
     @torch.no_grad()
-    def load_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def load_experts(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+    ) -> None:
         """Take the full logical weights (``w13 [E, 2I, H]``, ``w2 [E, H, I]``, on any
-        device) and keep this rank's shard, replicas included. Not collective."""
+        device) and keep this rank's shard, replicas included. FP8 weights come with their
+        scales (``[E, ...]`` in the layer's ``weight_scale`` format; a full-precision layer
+        dequantizes them); an FP8 layer quantizes full-precision ones. Not collective."""
         E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
         _check_weights("load_experts", w13=w13, w2=w2)
         if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
@@ -643,14 +740,28 @@ class EPMoE(nn.Module):
                 f"{[E, H, I]}, got {list(w13.shape)} and {list(w2.shape)}"
             )
         local = torch.tensor(self.local_experts, dtype=torch.int64, device=w13.device)
-        self.w13.copy_(w13[local])
-        self.w2.copy_(w2[local])
+        pick = [
+            None if t is None else t[local.to(t.device)] for t in (w13, w2, w13_scale, w2_scale)
+        ]
+        stored = self._stored("load_experts", *pick, lead=(len(self.local_experts),))
+        for name, t in zip(SLOT_TENSORS, stored):
+            if t is not None:
+                getattr(self, name).copy_(t)
         self._loaded = [True] * len(self._loaded)
 
     @torch.no_grad()
-    def load_expert(self, expert_id: int, w13_e: torch.Tensor, w2_e: torch.Tensor) -> bool:
-        """Load one logical expert (``w13_e [2I, H]``, ``w2_e [H, I]``) into every local slot
-        that holds it; returns whether this rank holds it. For checkpoints stored per expert."""
+    def load_expert(
+        self,
+        expert_id: int,
+        w13_e: torch.Tensor,
+        w2_e: torch.Tensor,
+        *,
+        w13_scale: torch.Tensor | None = None,
+        w2_scale: torch.Tensor | None = None,
+    ) -> bool:
+        """Load one logical expert (``w13_e [2I, H]``, ``w2_e [H, I]``; FP8 ones with their
+        scales, as for :meth:`load_experts`) into every local slot that holds it; returns
+        whether this rank holds it. For checkpoints stored per expert."""
         if isinstance(expert_id, bool) or not isinstance(expert_id, int):
             raise TypeError(f"expert_id must be an int, got {expert_id!r}")
         if not 0 <= expert_id < self.num_experts:
@@ -664,11 +775,15 @@ class EPMoE(nn.Module):
                 f"{list(self.w2.shape[1:])}, got {list(w13_e.shape)} and {list(w2_e.shape)}"
             )
         slots = [s for s, x in enumerate(self.local_experts) if x == expert_id]
+        if not slots:
+            return False
+        stored = self._stored("load_expert", w13_e, w2_e, w13_scale, w2_scale, lead=())
         for s in slots:
-            self.w13[s].copy_(w13_e)
-            self.w2[s].copy_(w2_e)
+            for name, t in zip(SLOT_TENSORS, stored):
+                if t is not None:
+                    getattr(self, name)[s].copy_(t)
             self._loaded[s] = True
-        return bool(slots)
+        return True
 
     def rebalance(self, placement: ExpertPlacement):
         """Switch to ``placement`` while serving (an EPLB re-plan): move only the expert
@@ -694,7 +809,7 @@ class EPMoE(nn.Module):
         return rebalance_layer(self, placement)
 
     def expert_weights(self) -> ExpertWeights:
-        return ExpertWeights(self.w13, self.w2)
+        return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale)
 
     # ------------------------------------------------------------------ checkpoints
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -998,7 +1113,15 @@ class EPMoE(nn.Module):
                 f"EPMoE lives on {self.device} in {self.params_dtype} and cannot be moved to "
                 f"{probe.device} / {probe.dtype}: build it with device= and params_dtype="
             )
-        return super()._apply(fn, recurse)
+        # the conversion changes neither device nor params_dtype, but model.to(dtype) would
+        # still cast every floating tensor: FP8 weights, their float32 scales and the
+        # float32 router bias keep their dtype
+        keep = {id(t) for t in (self.w13_scale, self.w2_scale) if t is not None}
+        if self.fp8_weights:
+            keep |= {id(self.w13), id(self.w2)}
+        if self.e_score_correction_bias is not None:
+            keep.add(id(self.e_score_correction_bias))
+        return super()._apply(lambda t: t if id(t) in keep else fn(t), recurse)
 
     def extra_repr(self) -> str:
         return (
@@ -1013,6 +1136,11 @@ class EPMoE(nn.Module):
                 else ""
             )
         )
+
+
+def _lead(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
+    """``t`` with a leading expert dimension (``lead == ()``: one expert, add it)."""
+    return t if lead else t.unsqueeze(0)
 
 
 def _check_weights(where: str, **weights: object) -> None:

@@ -311,10 +311,10 @@ def _execute(
     ops = []
     for old_slot, dst in mine.send:
         peer = _global_rank(group, dst)
-        ops += [dist.P2POp(dist.isend, t[old_slot], peer, group) for t in tensors]
+        ops += [dist.P2POp(dist.isend, _wire(t[old_slot]), peer, group) for t in tensors]
     for new_slot, src in mine.recv:
         peer = _global_rank(group, src)
-        ops += [dist.P2POp(dist.irecv, target(new_slot), peer, group) for target in targets]
+        ops += [dist.P2POp(dist.irecv, _wire(target(new_slot)), peer, group) for target in targets]
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
@@ -432,3 +432,9 @@ def _agree(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the collectives can move it: FP8 weights travel as their bytes (gloo has no
+    float8 type); a view, so a receive lands in ``t``."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

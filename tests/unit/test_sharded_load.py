@@ -17,12 +17,14 @@ pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from epmoe.integrations.huggingface import (  # noqa: E402
+    EPMoEBlock,
     _parameters_on_meta,
     from_pretrained_sharded,
     load_sharded,
     replace_moe_blocks,
 )
 from epmoe.integrations.safetensors_loader import dequantize_fp8  # noqa: E402
+from epmoe.reference import assert_close  # noqa: E402
 from tests.distributed.hf_cases import COMMON, FAMILIES, tiny_model  # noqa: E402
 
 IDS = torch.randint(3, COMMON["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(5))
@@ -109,6 +111,31 @@ def test_fp8_checkpoint_is_dequantised(tmp_path):
     torch.testing.assert_close(_logits(loaded), _logits(expected), rtol=1e-5, atol=1e-5)
     fp8_reads = loaded.shard_load_report.tensors_read
     assert fp8_reads == len(out), (fp8_reads, len(out))
+
+
+def test_fp8_checkpoint_into_fp8_layers(tmp_path):
+    """weight_dtype=FP8: the layers hold FP8 expert weights (re-quantized per 128×128 block
+    from the checkpoint's; exact where the blocks align, here they do not: I < 128) and
+    give the dequantised model's logits to FP8 accuracy."""
+    model = tiny_model("deepseek_v3")
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    out = {}
+    for key, t in state.items():
+        if ".experts." in key and key.endswith("proj.weight"):
+            out[key], out[key + "_scale_inv"] = _quantize_fp8(t)
+        else:
+            out[key] = t
+    safetensors_torch.save_file(out, path)
+    fp8 = from_pretrained_sharded(
+        tmp_path, experts="torch", dtype=torch.float32, weight_dtype=torch.float8_e4m3fn
+    )
+    plain = from_pretrained_sharded(tmp_path, experts="torch", dtype=torch.float32)
+    blocks = [m for m in fp8.modules() if isinstance(m, EPMoEBlock)]
+    assert blocks and all(b.moe.w13.dtype == torch.float8_e4m3fn for b in blocks)
+    assert all(b.moe.w13_scale is not None for b in blocks)
+    assert_close(_logits(fp8), _logits(plain), 6e-2, name="FP8 layers vs dequantised")
 
 
 def _checkpoint_without(tmp_path, family: str, key: str) -> None:

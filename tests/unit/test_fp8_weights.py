@@ -1,0 +1,141 @@
+"""EPMoE holding FP8 expert weights (``weight_dtype=torch.float8_e4m3fn``) in one process:
+DeepSeek-V3's 128×128 block scales and per-expert scales, loaded as FP8 with their
+scales or quantized on load, against the oracle on the dequantised weights; the checks
+of what ``load_experts`` / ``load_expert`` accept; state dicts; ``model.to(dtype)``.
+
+Shape legend: E experts · K top-k · H hidden · I intermediate · T tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import epmoe
+from epmoe.reference import TOLERANCES, assert_close, dequantize_block, moe, quantize_block
+
+FP8 = torch.float8_e4m3fn
+E, K, H, I = 6, 2, 160, 136  # partial 128-blocks in both dimensions of both weights
+
+
+def _weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * I, H, generator=g) / H**0.5, torch.randn(
+        E, H, I, generator=g
+    ) / I**0.5
+
+
+def _layer(scale="block", **kwargs):
+    return epmoe.EPMoE(
+        E, K, H, I, params_dtype=torch.float32, device="cpu", experts="torch",
+        weight_dtype=FP8, weight_scale=scale, **kwargs,
+    )  # fmt: skip
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _tokens(T=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(T, H, generator=g), torch.randn(T, E, generator=g)
+
+
+@pytest.mark.parametrize("scale", ["block", "per_expert"])
+def test_quantized_on_load_matches_the_oracle_on_the_dequantised_weights(scale):
+    w13, w2 = _weights()
+    layer = _layer(scale)
+    layer.load_experts(w13, w2)
+    assert layer.w13.dtype == layer.w2.dtype == FP8
+    want_shape = (E, 3, 2) if scale == "block" else (E,)  # ceil(272/128), ceil(160/128)
+    assert tuple(layer.w13_scale.shape) == want_shape
+    per = scale == "per_expert"
+    q13, s13 = quantize_block(w13, per_matrix=per)
+    q2, s2 = quantize_block(w2, per_matrix=per)
+    assert torch.equal(layer.w13.view(torch.uint8), q13.view(torch.uint8))
+    assert torch.equal(layer.w2_scale, s2)
+    x, logits = _tokens()
+    out = layer(x, logits)
+    w, ids = epmoe.select_experts(logits, K)
+    exact = moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2)
+    assert_close(out, exact, 1e-5, name="against the dequantised oracle")
+    assert_close(out, moe(x, w13, w2, w, ids), TOLERANCES[FP8], name="against full precision")
+
+
+def test_fp8_with_scales_load_as_given_per_expert_too():
+    w13, w2 = _weights()
+    q13, s13 = quantize_block(w13)
+    q2, s2 = quantize_block(w2)
+    whole, per_expert = _layer(), _layer()
+    whole.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)
+    for e in range(E):
+        assert per_expert.load_expert(e, q13[e], q2[e], w13_scale=s13[e], w2_scale=s2[e])
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        assert torch.equal(_bits(getattr(whole, name)), _bits(getattr(per_expert, name))), name
+    x, logits = _tokens()
+    torch.testing.assert_close(whole(x, logits), per_expert(x, logits), rtol=0, atol=0)
+    # one full-precision expert is quantized alone, like the whole tensor
+    single = _layer()
+    single.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)
+    single.load_expert(3, w13[3], w2[3])
+    assert torch.equal(single.w13_scale[3], s13[3])
+
+
+def test_a_full_precision_layer_dequantizes_fp8_weights():
+    w13, w2 = _weights()
+    q13, s13 = quantize_block(w13, per_matrix=True)
+    q2, s2 = quantize_block(w2, per_matrix=True)
+    layer = epmoe.EPMoE(E, K, H, I, params_dtype=torch.float32, device="cpu")
+    layer.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)
+    assert layer.w13.dtype == torch.float32 and layer.w13_scale is None
+    torch.testing.assert_close(layer.w13, dequantize_block(q13, s13), rtol=0, atol=0)
+    q13b, s13b = quantize_block(w13)  # block scales this time, one expert
+    q2b, s2b = quantize_block(w2)
+    assert layer.load_expert(2, q13b[2], q2b[2], w13_scale=s13b[2], w2_scale=s2b[2])
+    torch.testing.assert_close(layer.w13[2], dequantize_block(q13b[2], s13b[2]), rtol=0, atol=0)
+    torch.testing.assert_close(layer.w2[2], dequantize_block(q2b[2], s2b[2]), rtol=0, atol=0)
+
+
+def test_what_loading_refuses():
+    w13, w2 = _weights()
+    q13, s13 = quantize_block(w13)
+    q2, s2 = quantize_block(w2)
+    layer = _layer()
+    with pytest.raises(ValueError, match="FP8 weights need their scales"):
+        layer.load_experts(q13, q2)
+    with pytest.raises(ValueError, match="scales belong to FP8 weights"):
+        layer.load_experts(w13, w2, w13_scale=s13, w2_scale=s2)
+    with pytest.raises(ValueError, match=r"w13_scale must be \[6, 3, 2\] for weight_scale='block'"):
+        layer.load_experts(q13, q2, w13_scale=s13[:, :1], w2_scale=s2)
+    with pytest.raises(TypeError, match="w2_scale must be a float tensor"):
+        layer.load_expert(0, q13[0], q2[0], w13_scale=s13[0], w2_scale=1.0)
+    assert not layer.weights_loaded  # nothing was half loaded
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(weight_dtype=torch.float16), "weight_dtype must be None"),
+        (dict(weight_dtype=FP8, weight_scale="tensor"), "weight_scale must be 'block'"),
+    ],
+)
+def test_construction_refuses_other_weight_formats(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        epmoe.EPMoE(E, K, H, I, params_dtype=torch.float32, device="cpu", **kwargs)
+
+
+def test_state_dict_round_trip_and_dtype_conversions_keep_fp8():
+    w13, w2 = _weights()
+    layer = _layer()
+    layer.load_experts(w13, w2)
+    state = layer.state_dict()
+    assert {"w13", "w2", "w13_scale", "w2_scale"} <= set(state)
+    fresh = _layer()
+    fresh.load_state_dict(state)
+    x, logits = _tokens()
+    torch.testing.assert_close(fresh(x, logits), layer(x, logits), rtol=0, atol=0)
+    # model.to(dtype) casts every floating tensor; the FP8 weights and their float32
+    # scales must come through as they are (the layer's own dtype is float32 here)
+    torch.nn.ModuleList([fresh]).to(torch.float32).float()
+    assert fresh.w13.dtype == fresh.w2.dtype == FP8
+    assert fresh.w13_scale.dtype == fresh.w2_scale.dtype == torch.float32
+    torch.testing.assert_close(fresh(x, logits), layer(x, logits), rtol=0, atol=0)
