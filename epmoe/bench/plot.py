@@ -1,6 +1,7 @@
 """Plots of benchmark JSON files (``--out`` of ``python -m epmoe.bench …``).
 
     python -m epmoe.bench.plot eplb results/eplb.json docs/eplb_balancedness.png
+    python -m epmoe.bench.plot comm docs/comm_latency.png results/comm.json [more.json ...]
 
 Needs matplotlib (``pip install "epmoe[bench]"``).
 """
@@ -49,16 +50,121 @@ def plot_eplb(records: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# what each comm line shows: graph-safe backends as replayed back to back in a CUDA graph
+# (the GPU's time), the others as called back to back from Python
+_COMM_MODES = ("graph_b2b", "eager_b2b")
+
+
+def comm_series(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+    """``(wire, phase, label) -> [(T, µs)]`` of comm and ceiling records: per backend (and
+    SM budget) its ``graph_b2b`` time where it has one, else ``eager_b2b``; the peer-store
+    ceiling (once per destination rank, ``graph_b2b``) under dispatch; NCCL's
+    ``all_to_all_single`` of the same rows (``a2a_us``) under both phases."""
+    out: dict[tuple[str, str, str], dict[int, float]] = {}
+    comm = [r for r in records if r.get("kind") == "comm" and "dispatch_us" in r]
+    graph_safe = {(r["backend"], r.get("sms")) for r in comm if r["mode"] == "graph_b2b"}
+    for r in comm:
+        key = (r["backend"], r.get("sms"))
+        mode = "graph_b2b" if key in graph_safe else "eager_b2b"
+        if r["mode"] != mode:
+            continue
+        sms = f", {r['sms']} SMs" if r.get("sms") else ""
+        label = f"{r['backend']} ({r['layout']}{sms}; {mode.replace('_b2b', '')})"
+        for phase in ("dispatch", "combine"):
+            out.setdefault((r["wire"], phase, label), {})[r["T"]] = r[f"{phase}_us"]
+    for r in comm:
+        if r["mode"] == "eager" and r.get("a2a_us"):
+            for phase in ("dispatch", "combine"):
+                out.setdefault((r["wire"], phase, "NCCL all_to_all_single"), {})[r["T"]] = r[
+                    "a2a_us"
+                ]
+    for r in records:
+        ceiling = r.get("kind") == "ceiling" and r.get("mode") == "graph_b2b" and "us" in r
+        if ceiling and r["pattern"] == "per_rank":
+            out.setdefault((r["wire"], "dispatch", "peer-store ceiling"), {})[r["T"]] = r["us"]
+    return {k: sorted(v.items()) for k, v in out.items()}
+
+
+def plot_comm(records: list[dict], path: str, title: str) -> None:
+    """Latency against tokens per rank: rows = wire dtypes, columns = dispatch / combine,
+    one line per backend, the ceiling and NCCL baselines dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = comm_series(records)
+    wires = sorted({w for w, _, _ in series})
+    if not series:
+        raise ValueError("no comm or ceiling records with timings to plot")
+    fig, axes = plt.subplots(
+        len(wires), 2, figsize=(11, 3.8 * len(wires)), squeeze=False, sharex=True
+    )
+    for i, wire in enumerate(wires):
+        for j, phase in enumerate(("dispatch", "combine")):
+            ax = axes[i][j]
+            for (w, ph, label), points in sorted(series.items()):
+                if (w, ph) != (wire, phase):
+                    continue
+                baseline = label in ("peer-store ceiling", "NCCL all_to_all_single")
+                ax.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    marker="o" if not baseline else None,
+                    linestyle="--" if baseline else "-",
+                    color="gray" if label == "NCCL all_to_all_single" else None,
+                    label=label,
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{phase}, {wire} on the wire", fontsize=10)
+            ax.set_ylabel("µs per call (median)")
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+        for ax in axes[-1]:
+            ax.set_xlabel("tokens per rank")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _load(paths: list[str]) -> tuple[list[dict], dict]:
+    records, machine = [], {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        records += data["records"]
+        machine = machine or data.get("machine", {})
+    return records, machine
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.plot", description=__doc__)
-    p.add_argument("kind", choices=["eplb"])
-    p.add_argument("json")
-    p.add_argument("png")
+    p.add_argument("kind", choices=["eplb", "comm"])
+    p.add_argument("paths", nargs="+", help="eplb: JSON PNG; comm: PNG JSON [JSON ...]")
     args = p.parse_args(argv)
-    with open(args.json) as f:
-        data = json.load(f)
-    date = data.get("machine", {}).get("date", "")
-    plot_eplb(data["records"], args.png, f"EPLB placements, 256 experts, top-8 ({date})")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        p.error('plots need matplotlib: pip install "epmoe[bench]" (or pip install matplotlib)')
+    if args.kind == "eplb":
+        if len(args.paths) != 2:
+            p.error("eplb takes JSON PNG")
+        records, machine = _load(args.paths[:1])
+        date = machine.get("date", "")
+        plot_eplb(records, args.paths[1], f"EPLB placements, 256 experts, top-8 ({date})")
+        return
+    if len(args.paths) < 2:
+        p.error("comm takes PNG JSON [JSON ...]")
+    records, machine = _load(args.paths[1:])
+    shape = next((r for r in records if r.get("kind") == "comm"), {})
+    title = (
+        f"dispatch and combine, EP{shape.get('W', '?')}, H={shape.get('H', '?')}, "
+        f"top-{shape.get('K', '?')} of {shape.get('E', '?')} — {machine.get('num_gpus', '?')}× "
+        f"{machine.get('gpu', '?')}, {machine.get('date', '')[:16]}"
+    )
+    plot_comm(records, args.paths[0], title)
 
 
 if __name__ == "__main__":

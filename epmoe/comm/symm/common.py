@@ -146,6 +146,7 @@ class SymmTransport:
         self.block_h = min(max(pow2(H), FP8_GROUP), 8192)
         self.num_warps = 8 if self.block_h >= 4096 else 4
         self.held = [False] * NUM_PARITIES
+        self.generation = [0] * NUM_PARITIES  # dispatches taken on each parity so far
         self.next_parity = 0
         self.broken: str | None = None
         self._allocate_local(spec)
@@ -172,6 +173,7 @@ class SymmTransport:
             p = (self.next_parity + i) % NUM_PARITIES
             if not self.held[p]:
                 self.held[p] = True
+                self.generation[p] += 1
                 self.next_parity = (p + 1) % NUM_PARITIES
                 return p
         raise RuntimeError(
@@ -194,12 +196,16 @@ class SymmTransport:
                 return
             kind, op, peer = code >> 24, (code >> 16) & 0xFF, code & 0xFFFF
             what = _KINDS.get(kind, f"failed (code {code:#x}) with rank")
-            self.broken = f"{self.name} {_OPS.get(op, '?')} on rank {self.rank} {what} {peer}"
-            if kind == 1:
-                self.broken += (
-                    f" for {self.timeout_ns / 1e9:g} s (EPMOE_COMM_TIMEOUT_S): that rank did not "
-                    "enter the same call; the transport is out of step, rebuild the layers"
-                )
+            message = f"{self.name} {_OPS.get(op, '?')} on rank {self.rank} {what} {peer}"
+            if kind != 1:
+                # bad ids or an overflow: the call completed in step on every rank (those
+                # rows were dropped), so this rank reports it once and the transport goes on
+                self._err_word[0] = 0
+                raise RuntimeError(message)
+            self.broken = message + (
+                f" for {self.timeout_ns / 1e9:g} s (EPMOE_COMM_TIMEOUT_S): that rank did not "
+                "enter the same call; the transport is out of step, rebuild the layers"
+            )
         raise RuntimeError(self.broken)
 
     def close(self) -> None:
@@ -213,6 +219,7 @@ class SymmHandle:
     ids_TK: torch.Tensor  # physical ids of this rank's tokens (combine recomputes owners)
     num_tokens: int  # T
     transport: SymmTransport  # whose parity this result holds
+    generation: int  # the parity's dispatch count when this result took it
 
     def __repr__(self) -> str:
         return f"SymmHandle(parity={self.parity}, num_tokens={self.num_tokens})"
@@ -320,13 +327,18 @@ class SymmBackend(AllToAll):
             )  # fmt: skip
         return x, ids, w, tr.take_parity(), consts
 
+    def _handle(self, parity: int, ids_TK: torch.Tensor, T: int) -> SymmHandle:
+        tr = self._live()
+        return SymmHandle(parity, ids_TK, T, tr, tr.generation[parity])
+
     def _combine_prologue(self, expert_out, result) -> tuple[SymmHandle, torch.Tensor, dict]:
         spec, tr = self.spec, self._live()
         check_combine_args(expert_out, result)
         h: SymmHandle = result.handle
         if not isinstance(h, SymmHandle):
             raise TypeError("combine needs the DispatchResult of this backend's dispatch")
-        if h.transport is not tr or not tr.held[h.parity]:
+        current = tr.held[h.parity] and tr.generation[h.parity] == h.generation
+        if h.transport is not tr or not current:
             # a second combine would raise the peers' flags twice and desynchronise them
             raise RuntimeError(
                 "this dispatch result was already combined (or the backend was rebound to "
@@ -394,6 +406,13 @@ def _specialization(a):
     return a
 
 
+def _device_index() -> int:
+    try:
+        return torch._C._cuda_getDevice()
+    except (AttributeError, RuntimeError):  # no CUDA (the interpreter)
+        return -1
+
+
 def _current_raw_stream() -> int:
     """The current CUDA stream's handle, as Triton's own launcher reads it (a C call;
     ``torch.cuda.current_stream()`` costs several µs of Python per launch)."""
@@ -425,7 +444,8 @@ class _Launcher:
             return
         # what Triton specialises a compiled kernel on: pointer dtype and 16-byte alignment,
         # int width and the values 1 and multiples of 16 (constexprs by value)
-        key = (num_warps, tuple(consts.values()), *map(_specialization, args))
+        # (and the device: a compiled kernel is loaded per device)
+        key = (_device_index(), num_warps, tuple(consts.items()), *map(_specialization, args))
         kernel = self.compiled.get(key)
         if kernel is None:
             self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, **consts)

@@ -26,7 +26,6 @@ from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pend
 from epmoe.comm.symm.common import (
     NUM_PARITIES,
     SymmBackend,
-    SymmHandle,
     SymmTransport,
     launch,
     pow2,
@@ -97,13 +96,14 @@ class SymmHTBackend(SymmBackend):
         program stores before it raises their flags (1, 2, 4 or 8); a release waits for
         every store before it, so more rows per flag keep more in flight per SM. 1 is the
         configuration measured on 2×H200 (docs/benchmarks.md)."""
-        super().__init__(spec, group, layout)
-        if num_sms is not None and (not isinstance(num_sms, int) or num_sms < 1):
+        # checked before the transport is taken (nothing to release on a refusal)
+        if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
-        if tokens_per_flag not in (1, 2, 4, 8):
+        if tokens_per_flag not in (1, 2, 4, 8) or type(tokens_per_flag) is not int:
             raise ValueError(f"tokens_per_flag must be 1, 2, 4 or 8, got {tokens_per_flag!r}")
         self._sms = num_sms
         self._batch = tokens_per_flag
+        super().__init__(spec, group, layout)
 
     @property
     def num_sms(self) -> int:
@@ -147,7 +147,7 @@ class SymmHTBackend(SymmBackend):
                 topk_ids=tr.ids_out[b],
                 topk_weights=tr.w_out[b],
                 hidden_scale=scale,
-                handle=SymmHandle(b, ids, T, tr),
+                handle=self._handle(b, ids, T),
             )
 
         return Pending(receive)

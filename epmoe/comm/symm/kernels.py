@@ -57,6 +57,7 @@ POLL_PAUSE_NS = int(os.environ.get("EPMOE_POLL_PAUSE_NS", "100"))  # see _pause
 _PAUSE_ASM = tl.constexpr(f"nanosleep.u32 {POLL_PAUSE_NS}; mov.u32 $0, 0;")
 
 # error codes written to the host word: (kind << 24) | (op << 16) | peer
+GIVE_UP_AFTER_NS = tl.constexpr(1_000_000)  # see _wait_at_least
 ERR_TIMEOUT = tl.constexpr(1)
 ERR_CAPACITY = tl.constexpr(2)
 ERR_EXPERT_ID = tl.constexpr(3)
@@ -119,15 +120,24 @@ def _report(err_addr, kind, op, peer):
 @triton.jit
 def _wait_at_least(flag_ptr, target, timeout_ns, err_addr, op, peer):
     """Spin until ``*flag_ptr >= target`` (acquire, system scope); returns the value seen.
-    Past ``timeout_ns`` it reports ``ERR_TIMEOUT`` naming ``peer`` and gives up."""
+    Past ``timeout_ns`` it reports ``ERR_TIMEOUT`` naming ``peer`` and gives up; past
+    ``GIVE_UP_AFTER_NS`` it also gives up once any wait of this rank has timed out (read
+    from the error word only then: the fast path never touches host memory)."""
     value = _load_acquire(flag_ptr)
     start = _now_ns()
     timed_out = tl.full((), 0, tl.int32)
     while (value < target) & (timed_out == 0):
-        if _now_ns() - start > timeout_ns:
+        waited = _now_ns() - start
+        if waited > timeout_ns:
             timed_out = tl.full((), 1, tl.int32)
             _report(err_addr, ERR_TIMEOUT, op, peer)
         else:
+            if waited > GIVE_UP_AFTER_NS:
+                # another wait of this rank has timed out already: the call is lost, and a
+                # program that waits for many flags must not pay the timeout for each
+                err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
+                if (tl.load(err_ptr, volatile=True) >> 24) == ERR_TIMEOUT:
+                    timed_out = tl.full((), 1, tl.int32)
             _pause()
             value = _load_acquire(flag_ptr)
     # Every thread polls on its own and may leave the loop at another moment: none goes on
@@ -255,7 +265,9 @@ def _send_token(
         rr = tl.arange(0, BLOCK_W)
         bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)  # [BLOCK_W] each rank's buffer
         t64 = tl.cast(t, tl.int64)
-        x_first = tl.load(x_ptr + t64 * H + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < H)
+        # masked lanes read 0: a partial last FP8 group takes its amax over real columns
+        first = tl.arange(0, BLOCK_H)
+        x_first = tl.load(x_ptr + t64 * H + first, mask=first < H, other=0.0)
         wts = tl.load(w_ptr + t64 * K + kk, mask=k_mask, other=0.0)
         ids, valid, bad, owner, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
         local = tl.load(local_ptr + tl.where(valid, ids, 0), mask=valid, other=-1)
@@ -268,9 +280,7 @@ def _send_token(
             BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
         )  # fmt: skip
         for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
-            x = tl.load(
-                x_ptr + t64 * H + h0 + tl.arange(0, BLOCK_H), mask=h0 + tl.arange(0, BLOCK_H) < H
-            )
+            x = tl.load(x_ptr + t64 * H + h0 + first, mask=h0 + first < H, other=0.0)
             _send_step(
                 x, h0, row, bases, rr, has_W, H, G, W, off_x, off_s,
                 BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,

@@ -22,7 +22,6 @@ from epmoe.comm.symm.common import (
     BLOCK_E,
     NUM_PARITIES,
     SymmBackend,
-    SymmHandle,
     SymmTransport,
     launch,
     pow2,
@@ -91,7 +90,7 @@ class SymmLLBackend(SymmBackend):
             hidden=tr.x_out[b][:e],
             counts=tr.counts[b][:e],
             hidden_scale=tr.s_out[b][:e] if tr.fp8 else None,
-            handle=SymmHandle(b, ids, T, tr),
+            handle=self._handle(b, ids, T),
         )
 
     def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
