@@ -294,3 +294,35 @@ def test_layer_cli_tiny_on_one_cpu_process(tmp_path):
     assert eager["experts_us"] > 0 and "kernels" not in eager and "goal" not in eager
     assert graph["mode"] == "graph" and graph["note"] == "n/a: CUDA graphs need CUDA"
     assert symm["backend"] == "symm_ll" and symm["note"].startswith("skipped: ")
+
+
+def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
+    """Graph-safe backends are drawn from their graph_b2b records, the others from
+    eager_b2b; the ceiling (per rank) goes under dispatch, NCCL under both phases."""
+    from epmoe.bench import plot
+
+    base = dict(kind="comm", wire="bfloat16", T=128, W=2, H=7168, K=8, E=256)
+    records = [
+        dict(base, backend="symm_ll", layout="expert_batched", sms=132, mode="graph_b2b",
+             dispatch_us=25.0, combine_us=19.7),
+        dict(base, backend="symm_ll", layout="expert_batched", sms=132, mode="eager",
+             dispatch_us=160.0, combine_us=126.0, a2a_us=90.0),
+        dict(base, backend="all_to_all", layout="standard", sms=None, mode="eager_b2b",
+             dispatch_us=1800.0, combine_us=380.0),
+        dict(kind="ceiling", wire="bfloat16", T=128, pattern="per_rank", mode="graph_b2b",
+             us=10.9),
+        dict(kind="ceiling", wire="bfloat16", T=128, pattern="per_expert", mode="graph_b2b",
+             us=26.1),
+    ]  # fmt: skip
+    series = plot.comm_series(records)
+    assert series[("bfloat16", "dispatch", "symm_ll (expert_batched, 132 SMs; graph)")] == [
+        (128, 25.0)
+    ]
+    assert series[("bfloat16", "combine", "all_to_all (standard; eager)")] == [(128, 380.0)]
+    assert series[("bfloat16", "dispatch", "peer-store ceiling")] == [(128, 10.9)]
+    assert series[("bfloat16", "combine", "NCCL all_to_all_single")] == [(128, 90.0)]
+    assert not any("ceiling" in label for _, phase, label in series if phase == "combine")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "comm.png"
+    plot.plot_comm(records, str(png), "test")
+    assert png.stat().st_size > 10_000
