@@ -1,6 +1,7 @@
-"""Rank bodies of the comm contract v2 tests (``test_comm_v2.py``): the portable backends
-(``naive``, ``all_to_all`` in both layouts) against the oracle, split phase with several
-operations in flight, FP8 on the wire, and ``rebind``.
+"""Rank bodies of the comm conformance suite (``test_comm_v2.py``): one registered backend
+per call, in every layout it declares, against the oracle; split phase with several
+operations in flight; FP8 on the wire where it offers it; ``rebind``. Nothing here names a
+backend: what each one must do follows from its layout and its declared capabilities.
 
 Each body runs on every rank of an initialised process group (see ``tests/harness.py``)
 and sweeps many cases in it. Every rank's inputs come from a seed of (case, rank), so each
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
 
 import epmoe
-from epmoe.comm import create_backend
+from epmoe.comm import backend_class, create_backend
 from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, CommSpec, DispatchResult, Layout
 from epmoe.experts.base import ExpertWeights
 from epmoe.experts.torch_experts import TorchExperts
@@ -35,11 +37,11 @@ H = 160  # two FP8 groups, the second one partial (128 + 32 columns)
 H_TORCH_EXPERTS = 256  # whole FP8 groups (test_reference covers a partial last group)
 DROP = 0.2  # share of (token, k) entries routed to no expert (-1)
 
-BACKENDS = [
-    ("naive", Layout.STANDARD),
-    ("all_to_all", Layout.STANDARD),
-    ("all_to_all", Layout.EXPERT_BATCHED),
-]
+
+def layouts_of(backend: str) -> list[Layout]:
+    """Every layout ``backend`` offers (from its declared capabilities), in a fixed order."""
+    caps = backend_class(backend).capabilities
+    return [layout for layout in Layout if layout in caps.layouts]
 
 
 def _label(backend: str, layout: Layout) -> str:
@@ -172,17 +174,18 @@ def float64_experts(res: DispatchResult, w13_e, w2_e, out_dtype) -> torch.Tensor
 def expected_delivery(phys: Physical, rank: int, backend: str, layout: Layout, inputs):
     """What ``rank`` must receive, from every rank's inputs ``[(x, ids, w), …]``.
 
-    Standard: ``(rows [R, H], local ids [R, K], weights [R, K])`` ordered by source rank,
-    then token (naive: every token; all_to_all: tokens with an expert here).
+    Standard: ``(rows [R, H], local ids [R, K], weights [R, K])`` of the tokens with an
+    expert here (a backend may deliver more rows, whose ids are all -1: every token, or
+    the unused rows of fixed buffers; and in any order).
     ExpertBatched: per local slot, the rows of the tokens that chose it, by source and
     token (the order of the rows inside a slot is the backend's choice: checked sorted).
     """
     lo, hi = phys.rank_offsets[rank], phys.rank_offsets[rank + 1]
-    if layout is Layout.STANDARD:
+    if layout is Layout.STANDARD:  # the tokens with an expert here (any order)
         rows, ids, weights = [], [], []
         for x, ids_TK, w in inputs:
             here_TK = (ids_TK >= lo) & (ids_TK < hi)
-            keep = torch.ones_like(here_TK[:, 0]) if backend == "naive" else here_TK.any(1)
+            keep = here_TK.any(1)
             rows.append(x[keep])
             ids.append(torch.where(here_TK, ids_TK - lo, -1)[keep])
             weights.append(w[keep])
@@ -197,6 +200,22 @@ def _row_bytes(hidden: torch.Tensor, scale: torch.Tensor | None) -> list[bytes]:
     if scale is not None:
         b = torch.cat([b, scale.contiguous().view(torch.uint8).reshape(N, 4 * scale.shape[1])], 1)
     return [bytes(row) for row in b.cpu().tolist()]
+
+
+def snapshot(res: DispatchResult) -> DispatchResult:
+    """A copy of what ``res`` delivered (its tensors cloned), to check after the combine."""
+
+    def copy(t):
+        return None if t is None else t.clone()
+
+    return DispatchResult(
+        layout=res.layout,
+        hidden=res.hidden.clone(),
+        topk_ids=copy(res.topk_ids),
+        topk_weights=copy(res.topk_weights),
+        counts=copy(res.counts),
+        hidden_scale=copy(res.hidden_scale),
+    )
 
 
 def check_delivery(res: DispatchResult, want, spec: CommSpec) -> None:
@@ -222,12 +241,20 @@ def check_delivery(res: DispatchResult, want, spec: CommSpec) -> None:
     def wire_rows(rows: torch.Tensor) -> list[bytes]:  # what the source rows look like sent
         return _row_bytes(*quantize_groups(rows)) if fp8 else _row_bytes(rows, None)
 
-    if layout is Layout.STANDARD:  # ordered by source rank, then token
+    if layout is Layout.STANDARD:  # rows with a local expert, as (row, ids, weights)
         rows, ids, weights = want
-        got = _row_bytes(res.hidden, res.hidden_scale)
-        assert got == wire_rows(rows), f"received {len(got)} rows, not the {len(rows)} expected"
-        assert torch.equal(res.topk_ids, ids), "local top-k ids differ"
-        assert torch.equal(res.topk_weights, weights), "router weights differ"
+        keep = (res.topk_ids >= 0).any(1)
+        scale = res.hidden_scale[keep] if fp8 else None
+
+        def entries(row_bytes, ids_RK, w_RK):
+            w_RK = torch.where(ids_RK >= 0, w_RK.float(), 0.0)  # weights of -1 entries: free
+            return sorted(zip(row_bytes, map(tuple, ids_RK.tolist()), map(tuple, w_RK.tolist())))
+
+        got = entries(_row_bytes(res.hidden[keep], scale), res.topk_ids[keep].cpu(),
+                      res.topk_weights[keep].cpu())  # fmt: skip
+        expect = entries(wire_rows(rows), ids.cpu(), weights.cpu())
+        assert len(got) == len(expect), f"{len(got)} rows with a local expert, {len(expect)} due"
+        assert got == expect, "rows, local top-k ids or router weights differ"
         return
     counts = res.counts.tolist()
     assert counts == [r.shape[0] for r in want], (
@@ -242,16 +269,22 @@ def check_delivery(res: DispatchResult, want, spec: CommSpec) -> None:
 # ----------------------------------------------------------------------- rank bodies
 
 
-def check_oracle_and_fp8(rank, world, device="cpu", dtype_name="float32"):
-    """Every backend × layout × placement, with and without FP8 dispatch, on the blocking
-    and the split path: exact delivery, then the combined output against the oracle (on
-    the dequantized input exactly, and on the original input with the FP8 tolerance)."""
+def _wires(backend: str) -> tuple[bool, ...]:
+    """FP8 on the wire too where the backend offers it."""
+    return (False, True) if backend_class(backend).capabilities.fp8_dispatch else (False,)
+
+
+def check_oracle_and_fp8(rank, world, backend, device="cpu", dtype_name="float32"):
+    """``backend`` in each layout × placement, with and without FP8 dispatch, on the
+    blocking and the split path: exact delivery, then the combined output against the
+    oracle (on the dequantized input exactly, and on the original input with the FP8
+    tolerance)."""
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
     w13, w2 = full_weights(dtype, dev)
     T_W = tokens_per_rank(world)
     sweep = Sweep()
-    cases = itertools.product(BACKENDS, physical_layouts(world), (False, True))
-    for seed, ((backend, layout), phys, fp8) in enumerate(cases):
+    cases = itertools.product(layouts_of(backend), physical_layouts(world), _wires(backend))
+    for seed, (layout, phys, fp8) in enumerate(cases):
         case = f"W={world} {_label(backend, layout)} {phys.name}{' fp8' if fp8 else ''}"
         with sweep.case(case):
             spec = make_spec(phys, dtype, dev, fp8)
@@ -260,10 +293,15 @@ def check_oracle_and_fp8(rank, world, device="cpu", dtype_name="float32"):
             inputs = [rank_inputs(s, T_W[s], P, dtype, dev, seed) for s in range(world)]
             x, ids, w = inputs[rank]
             # the split path for FP8, the blocking one otherwise (it calls the split path)
-            res = comm.dispatch_async(x, ids, w).wait() if fp8 else comm.dispatch(x, ids, w)
-            y = float64_experts(res, *local_weights(phys, rank, w13, w2), dtype)
-            out = comm.combine_async(y, res).wait() if fp8 else comm.combine(y, res)
-            check_delivery(res, expected_delivery(phys, rank, backend, layout, inputs), spec)
+            with closing(comm):
+                res = comm.dispatch_async(x, ids, w).wait() if fp8 else comm.dispatch(x, ids, w)
+                y = float64_experts(res, *local_weights(phys, rank, w13, w2), dtype)
+                # fixed-buffer backends own what they delivered until the combine: keep a
+                # copy, combine on every rank, then check (a failing check must not leave
+                # one rank's dispatch uncombined)
+                delivered = snapshot(res)
+                out = comm.combine_async(y, res).wait() if fp8 else comm.combine(y, res)
+            check_delivery(delivered, expected_delivery(phys, rank, backend, layout, inputs), spec)
             lids = logical_ids(ids, phys)
             assert out.shape == x.shape and out.dtype == dtype, (out.shape, out.dtype)
             x_wire = fake_quantized(x) if fp8 else x
@@ -276,7 +314,7 @@ def check_oracle_and_fp8(rank, world, device="cpu", dtype_name="float32"):
     return sweep.passed
 
 
-def check_fp8_with_torch_experts(rank, world, device="cpu", dtype_name="float32"):
+def check_fp8_with_torch_experts(rank, world, backend, device="cpu", dtype_name="float32"):
     """FP8 dispatch into ``TorchExperts`` (which consume ``hidden_scale`` and return
     bfloat16): the layer's dtype comes back, within the FP8 tolerance of the oracle."""
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
@@ -284,16 +322,17 @@ def check_fp8_with_torch_experts(rank, world, device="cpu", dtype_name="float32"
     T_W = tokens_per_rank(world)
     experts = TorchExperts("silu")
     sweep = Sweep()
-    for (backend, layout), phys in itertools.product(BACKENDS, physical_layouts(world)[:2]):
+    for layout, phys in itertools.product(layouts_of(backend), physical_layouts(world)[:2]):
         with sweep.case(f"W={world} {_label(backend, layout)} {phys.name} torch experts fp8"):
             spec = make_spec(phys, dtype, dev, fp8=True, hidden=H_TORCH_EXPERTS)
             comm = create_backend(backend, spec, None, layout)
             x, ids, w = rank_inputs(
                 rank, T_W[rank], phys.num_physical, dtype, dev, seed=11, hidden=H_TORCH_EXPERTS
             )
-            res = comm.dispatch(x, ids, w)
-            y = experts(res, ExpertWeights(*local_weights(phys, rank, w13, w2)))
-            out = comm.combine(y, res)
+            with closing(comm):
+                res = comm.dispatch(x, ids, w)
+                y = experts(res, ExpertWeights(*local_weights(phys, rank, w13, w2)))
+                out = comm.combine(y, res)
             assert out.dtype == dtype, f"combine returned {out.dtype}, expected {dtype}"
             ref = epmoe.reference.moe(x, w13, w2, w, logical_ids(ids, phys))
             assert_close(out, ref, TOLERANCES[FP8_DTYPE], name=f"rank {rank}")
@@ -311,20 +350,22 @@ SCHEDULES = {
 }
 
 
-def check_in_flight(rank, world, device="cpu", dtype_name="float32"):
+def check_in_flight(rank, world, backend, device="cpu", dtype_name="float32"):
     """Two micro-batches with several operations in flight, in the orders of
-    ``SCHEDULES``, each output against the oracle (FP8 too, for one placement)."""
+    ``SCHEDULES``, each output against the oracle (FP8 too, for one placement). Needs a
+    backend that holds two dispatch results (``max_in_flight`` None or ≥ 2)."""
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
     w13, w2 = full_weights(dtype, dev, seed=2)
     phys_all = physical_layouts(world)
     sweep = Sweep()
-    for (backend, layout), (sname, schedule), fp8 in itertools.product(
-        BACKENDS, SCHEDULES.items(), (False, True)
+    for layout, (sname, schedule), fp8 in itertools.product(
+        layouts_of(backend), SCHEDULES.items(), _wires(backend)
     ):
         phys = phys_all[-1] if fp8 else phys_all[0]
         with sweep.case(f"W={world} {_label(backend, layout)} {sname}{' fp8' if fp8 else ''}"):
             comm = create_backend(backend, make_spec(phys, dtype, dev, fp8), None, layout)
-            assert comm.capabilities.max_in_flight is None, "allocates per call: no limit"
+            in_flight = comm.capabilities.max_in_flight
+            assert in_flight is None or in_flight >= 2, f"holds {in_flight}"
             w13_e, w2_e = local_weights(phys, rank, w13, w2)
             mb = [
                 rank_inputs(rank, tokens_per_rank(world, m)[rank], phys.num_physical, dtype,
@@ -332,17 +373,18 @@ def check_in_flight(rank, world, device="cpu", dtype_name="float32"):
                 for m in range(2)
             ]  # fmt: skip
             pending, results, outs = {}, {}, {}
-            for op in schedule.split():
-                m = int(op[1])
-                if op[0] == "D":
-                    pending[m] = comm.dispatch_async(*mb[m])
-                elif op[0] == "d":
-                    results[m] = pending.pop(m).wait()
-                elif op[0] == "C":
-                    y = float64_experts(results[m], w13_e, w2_e, dtype)
-                    pending[m] = comm.combine_async(y, results[m])
-                else:
-                    outs[m] = pending.pop(m).wait()
+            with closing(comm):
+                for op in schedule.split():
+                    m = int(op[1])
+                    if op[0] == "D":
+                        pending[m] = comm.dispatch_async(*mb[m])
+                    elif op[0] == "d":
+                        results[m] = pending.pop(m).wait()
+                    elif op[0] == "C":
+                        y = float64_experts(results[m], w13_e, w2_e, dtype)
+                        pending[m] = comm.combine_async(y, results[m])
+                    else:
+                        outs[m] = pending.pop(m).wait()
             for m, (x, ids, w) in enumerate(mb):
                 x_wire = fake_quantized(x) if fp8 else x
                 ref = epmoe.reference.moe(x_wire, w13, w2, w, logical_ids(ids, phys))
@@ -351,7 +393,7 @@ def check_in_flight(rank, world, device="cpu", dtype_name="float32"):
     return sweep.passed
 
 
-def check_rebind(rank, world, device="cpu", dtype_name="float32"):
+def check_rebind(rank, world, backend, device="cpu", dtype_name="float32"):
     """A backend built for one placement and rebound to each other one (same ranks, P may
     change) gives the oracle's results for the placement it is bound to."""
     import pytest
@@ -361,7 +403,7 @@ def check_rebind(rank, world, device="cpu", dtype_name="float32"):
     T_W = tokens_per_rank(world)
     phys_all = physical_layouts(world)
     sweep = Sweep()
-    for backend, layout in BACKENDS:
+    for layout in layouts_of(backend):
         with sweep.case(f"W={world} {_label(backend, layout)} rebind"):
             comm = create_backend(backend, make_spec(phys_all[0], dtype, dev, False), None, layout)
             for step, phys in enumerate([*phys_all[1:], phys_all[0]]):
@@ -375,5 +417,6 @@ def check_rebind(rank, world, device="cpu", dtype_name="float32"):
                 assert_close(out, ref, TOLERANCES[dtype], name=f"rank {rank} after {phys.name}")
             with pytest.raises(ValueError, match="rank_offsets must have"):
                 comm.rebind((0, *phys_all[0].rank_offsets))  # one rank too many
+            comm.close()
     sweep.check()
     return sweep.passed

@@ -1,47 +1,79 @@
-"""Comm contract v2 on the portable backends, W = 1, 2, 3 ranks (gloo on CPU; NCCL with
-EPMOE_TEST_DEVICE=cuda): exact delivery and oracle results with and without FP8 dispatch,
-split phase with two micro-batches in flight, and ``rebind``.
+"""The comm conformance suite, generated from the backend registry: every registered
+backend (``epmoe.comm.backend_names()``, no hand-kept list) in every layout it declares,
+on W = 1, 2, 3 ranks (gloo on CPU; NCCL and CUDA tensors with EPMOE_TEST_DEVICE=cuda):
+exact delivery for its layout (tokens rebuilt from every rank's seed; FP8 bit for bit),
+the combined output against the oracle with and without FP8 dispatch (where the backend
+offers it) on the blocking and the split path, four two-micro-batch schedules, FP8 into
+the torch experts, and ``rebind``. A backend that cannot run here is skipped with the
+reason ``epmoe.available_backends`` gives (``symm_ll``, ``symm_ht``: CUDA; adapters: their
+package).
 
-Each test is one task per world size in the harness's reused rank pool; the rank bodies
-(``tests/distributed/comm_cases.py``) sweep their cases and list every failing one.
+Each test is one task per (backend, world size) in the harness's reused rank pool; the
+rank bodies (``tests/distributed/comm_cases.py``) sweep their cases and list every
+failing one.
 """
 
 from __future__ import annotations
 
 import pytest
 
+import epmoe
+from epmoe.comm import backend_names
+from epmoe.distributed import normalize_device
 from tests.distributed import comm_cases
 from tests.harness import requires_world, run_on_ranks
 from tests.harness import test_device as device_under_test
 
 WORLDS = [1, 2, 3]
-IDS = [f"W={w}" for w in WORLDS]
+BACKENDS = backend_names()  # the registry: a new backend joins the suite by registering
 
 
 def _dtype() -> str:
     return "bfloat16" if device_under_test() == "cuda" else "float32"
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=IDS)
-def test_delivery_and_oracle_with_and_without_fp8(world):
+def _usable(backend: str, world: int) -> None:
+    """Skip (with its reason) a backend that cannot run on the device under test."""
     requires_world(world)
-    passed = run_on_ranks(comm_cases.check_oracle_and_fp8, world, device_under_test(), _dtype())
+    device = "cuda:0" if device_under_test() == "cuda" else "cpu"
+    why = epmoe.available_backends(normalize_device(device))[backend]
+    if why is not None:
+        pytest.skip(f"{backend}: {why}")
+
+
+def _run(body, backend, world):
+    _usable(backend, world)
+    return run_on_ranks(body, world, backend, device_under_test(), _dtype())
+
+
+parametrize = pytest.mark.parametrize(
+    ("backend", "world"),
+    [(b, w) for b in BACKENDS for w in WORLDS],
+    ids=[f"{b}-W={w}" for b in BACKENDS for w in WORLDS],
+)
+
+
+@parametrize
+def test_delivery_and_oracle_with_and_without_fp8(backend, world):
+    passed = _run(comm_cases.check_oracle_and_fp8, backend, world)
     assert passed[0] > 0
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=IDS)
-def test_fp8_dispatch_into_torch_experts(world):
-    requires_world(world)
-    run_on_ranks(comm_cases.check_fp8_with_torch_experts, world, device_under_test(), _dtype())
+@parametrize
+def test_fp8_dispatch_into_torch_experts(backend, world):
+    if not epmoe.comm.backend_class(backend).capabilities.fp8_dispatch:
+        pytest.skip(f"{backend} offers no FP8 dispatch")
+    _run(comm_cases.check_fp8_with_torch_experts, backend, world)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=IDS)
-def test_two_micro_batches_in_flight(world):
-    requires_world(world)
-    run_on_ranks(comm_cases.check_in_flight, world, device_under_test(), _dtype())
+@parametrize
+def test_two_micro_batches_in_flight(backend, world):
+    in_flight = epmoe.comm.backend_class(backend).capabilities.max_in_flight
+    if in_flight is not None and in_flight < 2:
+        pytest.skip(f"{backend} holds {in_flight} dispatch result at a time")
+    _run(comm_cases.check_in_flight, backend, world)
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=IDS)
-def test_rebind_serves_the_new_placement(world):
-    requires_world(world)
-    run_on_ranks(comm_cases.check_rebind, world, device_under_test(), _dtype())
+@parametrize
+def test_rebind_serves_the_new_placement(backend, world):
+    _run(comm_cases.check_rebind, backend, world)
