@@ -215,9 +215,10 @@ def moe(
             (the weight scales the input, as Llama-4 does); else
             ``out[t] = Σ_k w[t, k] · expert_k(x[t])``.
         compute_dtype: precision of every product and of the accumulation.
-        w13_scale, w2_scale: dequantization scales (see ``dequantize_block``): block
-            ``[E, ceil(2I/128), ceil(H/128)]`` / ``[E, ceil(H/128), ceil(I/128)]`` or
-            per-expert ``[E]``; ``None`` means unit scale.
+        w13_scale: dequantization scales of ``w13`` (see ``dequantize_block``): block
+            ``[E, ceil(2I/128), ceil(H/128)]`` or per-expert ``[E]``; ``None`` means unit
+            scale.
+        w2_scale: those of ``w2``: block ``[E, ceil(H/128), ceil(I/128)]`` or ``[E]``.
 
     Returns:
         ``[T, H]`` in ``hidden_states.dtype`` on its device (rows without any expert are 0).

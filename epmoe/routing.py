@@ -74,9 +74,10 @@ def select_experts(
         top_k: K, ``1 <= K <= E`` (with grouping, ``K <= topk_group * E / num_expert_group``).
         renormalize: divide the K chosen weights by their sum (a ``bool``).
         scoring_func: ``"softmax"`` (over E) or ``"sigmoid"`` (per expert).
-        num_expert_group, topk_group: grouped top-k (DeepSeek-V2/V3): the E experts form
+        num_expert_group: grouped top-k (DeepSeek-V2/V3): the E experts form
             ``num_expert_group`` contiguous groups of ``E / num_expert_group``; only
             experts of the ``topk_group`` best groups are eligible. Give both or neither.
+        topk_group: how many groups are eligible (with ``num_expert_group``).
         e_score_correction_bias: ``[E]`` floating, added to the scores to choose experts
             (and rank groups) but not to the weights. A NaN in it is refused when the bias
             is on the CPU (on GPU that check would need a host synchronisation; ``EPMoE``

@@ -8,6 +8,7 @@ import sys
 
 from epmoe.bench.common import write_json
 
+PLOTS = ("comm", "eplb")  # benchmarks that --plot draws (epmoe.bench.plot)
 BENCHMARKS = {
     "comm": "dispatch and combine of each all-to-all backend against NCCL all_to_all_single",
     "experts": "batched-expert kernels against dense matmul, torch._grouped_mm and cuBLAS",
@@ -30,11 +31,24 @@ def main(argv: list[str] | None = None) -> None:
         prog=f"python -m epmoe.bench {name}", description=module.__doc__
     )
     parser.add_argument("--out", default=None, help="write the records as JSON to this path")
+    if name in PLOTS:
+        parser.add_argument(
+            "--plot", default=None, help='draw the records as PNG here (pip install "epmoe[bench]")'
+        )
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    if getattr(args, "plot", None):  # refuse before the run, not after it
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            parser.error('--plot needs matplotlib: pip install "epmoe[bench]"')
     records = module.main(args)
     if args.out and records is not None:
         write_json(records, args.out, benchmark=name, argv=argv)
+    if getattr(args, "plot", None) and records is not None:  # (rank 0 only gets records)
+        from epmoe.bench import plot
+
+        plot.draw(name, records, args.plot)
 
 
 if __name__ == "__main__":

@@ -129,6 +129,32 @@ def plot_comm(records: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def draw(name: str, records: list[dict], path: str) -> None:
+    """``--plot`` of ``python -m epmoe.bench NAME``: this run's records as a PNG."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            'plots need matplotlib: pip install "epmoe[bench]" (or pip install matplotlib)'
+        ) from exc
+    from epmoe.bench.common import machine_info
+
+    machine = machine_info()
+    if name == "eplb":
+        plot_eplb(records, path, f"EPLB placements ({machine.get('date', '')[:16]})")
+    else:
+        plot_comm(records, path, _comm_title(records, machine))
+
+
+def _comm_title(records: list[dict], machine: dict) -> str:
+    shape = next((r for r in records if r.get("kind") == "comm"), {})
+    return (
+        f"dispatch and combine, EP{shape.get('W', '?')}, H={shape.get('H', '?')}, "
+        f"top-{shape.get('K', '?')} of {shape.get('E', '?')} — {machine.get('num_gpus', '?')}× "
+        f"{machine.get('gpu', '?')}, {machine.get('date', '')[:16]}"
+    )
+
+
 def _load(paths: list[str]) -> tuple[list[dict], dict]:
     records, machine = [], {}
     for path in paths:
@@ -158,13 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(args.paths) < 2:
         p.error("comm takes PNG JSON [JSON ...]")
     records, machine = _load(args.paths[1:])
-    shape = next((r for r in records if r.get("kind") == "comm"), {})
-    title = (
-        f"dispatch and combine, EP{shape.get('W', '?')}, H={shape.get('H', '?')}, "
-        f"top-{shape.get('K', '?')} of {shape.get('E', '?')} — {machine.get('num_gpus', '?')}× "
-        f"{machine.get('gpu', '?')}, {machine.get('date', '')[:16]}"
-    )
-    plot_comm(records, args.paths[0], title)
+    plot_comm(records, args.paths[0], _comm_title(records, machine))
 
 
 if __name__ == "__main__":

@@ -108,8 +108,9 @@ class EPLBManager:
             ``EPMoE(..., load_window=N)`` so that it records its load.
         num_redundant: extra replica slots per layer (``E + num_redundant`` must be a
             multiple of W; E/8 is a common choice).
-        num_groups, num_nodes: the hierarchical policy of DeepSeek's EPLB (expert groups
+        num_groups: expert groups of the hierarchical policy of DeepSeek's EPLB (groups
             kept within one node); ``num_groups % num_nodes != 0`` falls back to global.
+        num_nodes: nodes of that policy.
         rebalance_interval: :meth:`step` re-plans every this many steps.
         tolerance: balancedness margin within which a layer keeps its current placement
             (no migration): kept when its expected balancedness under the measured load is

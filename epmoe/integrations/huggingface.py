@@ -55,6 +55,7 @@ import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -551,8 +552,8 @@ def replace_moe_blocks(
     placement: PlacementArg = "linear",
     backend: str = "auto",
     experts: str = "auto",
-    config=None,
-    **moe_kwargs,
+    config: Any = None,
+    **moe_kwargs: Any,
 ) -> int:
     """Swap every supported MoE block of ``model`` for an ``EPMoEBlock``, in place.
 
@@ -563,11 +564,15 @@ def replace_moe_blocks(
 
     Args:
         model: a transformers model (or any module containing supported blocks).
-        group, backend, experts, **moe_kwargs: as for ``EPMoEBlock``.
+        group: the EP process group (``None``: WORLD when initialised).
+        backend: the all-to-all backend of every layer, as for ``EPMoE``.
+        experts: the expert kernels of every layer, as for ``EPMoE``.
         placement: ``"linear"``, ``"round_robin"``, an ``ExpertPlacement`` used for every
             layer, or a function ``qualified_block_name -> placement`` (per-layer EPLB
             placements, e.g. ``"model.layers.3.mlp"``).
         config: defaults to ``model.config`` (its text config for composite configs).
+        **moe_kwargs: the other ``EPMoE`` options (``max_num_tokens``, ``dispatch_dtype``,
+            ``weight_dtype``, ``micro_batches``, ...).
 
     Returns:
         How many blocks were replaced (at least 1).
@@ -1075,15 +1080,15 @@ def _config_dtype(config) -> torch.dtype:
 def from_pretrained_sharded(
     pretrained: str | os.PathLike,
     *,
-    model_class=None,
-    config=None,
+    model_class: Any = None,
+    config: Any = None,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
     placement: PlacementArg = "linear",
     backend: str = "auto",
     experts: str = "auto",
-    **moe_kwargs,
+    **moe_kwargs: Any,
 ) -> nn.Module:
     """Build a Hugging Face model converted by ``replace_moe_blocks`` and load it from a
     local safetensors checkpoint by shard: each rank reads its own experts only.
@@ -1116,7 +1121,11 @@ def from_pretrained_sharded(
             DeepSeek-V3 / GLM-4-MoE router ``gate.weight``) stay in float32.
         device: where the model runs; default :func:`epmoe.distributed.default_device`
             of ``group`` (CPU with gloo, this rank's current GPU with NCCL).
-        group, placement, backend, experts, **moe_kwargs: as for ``replace_moe_blocks``.
+        group: as for ``replace_moe_blocks``.
+        placement: as for ``replace_moe_blocks``.
+        backend: as for ``replace_moe_blocks``.
+        experts: as for ``replace_moe_blocks``.
+        **moe_kwargs: as for ``replace_moe_blocks``.
 
     Returns:
         The model in eval mode; ``model.shard_load_report`` is this rank's
