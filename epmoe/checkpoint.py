@@ -137,7 +137,7 @@ def load_shard(
     return complete and len(error_msgs) == errors_before
 
 
-def describe_placement(placement: ExpertPlacement) -> str:
+def placement_summary(placement: ExpertPlacement) -> str:
     """``"linear"``, ``"round_robin"`` or ``"custom"`` with its slot count, and E and W."""
     E, W, P = placement.num_experts, placement.ep_size, placement.num_physical
     kind = f"custom placement with {P} slots"
@@ -175,8 +175,8 @@ def _record_error(layer: EPMoE, record: dict[str, Any], prefix: str) -> str | No
         return None
     return (
         f"EPMoE at {_where(prefix)}: this shard was saved by rank {rank} of a "
-        f"{describe_placement(saved)}, whose slots hold experts {_short(saved_local)}; this "
-        f"layer is rank {layer.rank} of a {describe_placement(layer.placement)}, whose slots "
+        f"{placement_summary(saved)}, whose slots hold experts {_short(saved_local)}; this "
+        f"layer is rank {layer.rank} of a {placement_summary(layer.placement)}, whose slots "
         f"hold experts {_short(layer.local_experts)}. Load each rank's own shard (the one "
         f"rank {layer.rank} saved under this placement), or, to change placement or world "
         "size, save full experts with epmoe.checkpoint.gather_full_experts and load them "

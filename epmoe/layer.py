@@ -802,11 +802,17 @@ class EPMoE(nn.Module):
         error = None
         try:
             self.check_placement(placement)
-        except (TypeError, ValueError) as exc:
+            if not self.weights_loaded:
+                raise RuntimeError(
+                    "expert weights are not loaded on this rank: call load_experts(w13, w2) "
+                    "on every rank before rebalancing"
+                )
+        except (TypeError, ValueError, RuntimeError) as exc:
             error = exc
         fields = None if error else {"placement": describe_placement(placement)}
         self._agreement.rebalance(fields, error, self.device)
-        return rebalance_layer(self, placement)
+        # checked and agreed on every rank: the migration needs no second agreement
+        return rebalance_layer(self, placement, agreed=True)
 
     def expert_weights(self) -> ExpertWeights:
         return ExpertWeights(self.w13, self.w2, self.w13_scale, self.w2_scale)

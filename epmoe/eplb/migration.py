@@ -236,7 +236,9 @@ def migrate_slots(
 
 
 @torch.no_grad()
-def rebalance_layer(layer: EPMoE, new_placement: ExpertPlacement) -> MigrationStats:
+def rebalance_layer(
+    layer: EPMoE, new_placement: ExpertPlacement, *, agreed: bool = False
+) -> MigrationStats:
     """Switch ``layer`` to ``new_placement`` while serving (collective over ``layer.group``).
 
     This module moves the weights, the layer installs them: first every rank checks that
@@ -249,7 +251,9 @@ def rebalance_layer(layer: EPMoE, new_placement: ExpertPlacement) -> MigrationSt
 
     Every rank must pass the same placement; this is checked with one small all-reduce
     (ranks that computed different plans get a ``RuntimeError`` on every rank). A placement
-    equal to the current one changes nothing (the recorder keeps counting).
+    equal to the current one changes nothing (the recorder keeps counting). ``agreed``:
+    the caller has checked the placement and agreed on it and on loaded weights already
+    (:meth:`EPMoE.rebalance`, through the layer's agreement): no second check.
     """
     start = time.perf_counter()
     if not isinstance(new_placement, ExpertPlacement):
@@ -257,12 +261,14 @@ def rebalance_layer(layer: EPMoE, new_placement: ExpertPlacement) -> MigrationSt
             f"new_placement must be an ExpertPlacement, got {type(new_placement).__name__}; "
             "build one with ExpertPlacement.balanced(...)"
         )
-    layer.check_placement(new_placement)  # the same outcome on every rank: no hang
     old = layer.placement
     slot_tensors = layer.slot_tensors()  # name -> [e_old, *X]
     tensors = list(slot_tensors.values())
     rank, group = layer.rank, layer.group
-    _agree(group, layer.device, _fingerprint(old, new_placement, tensors), ok=layer.weights_loaded)
+    if not agreed:
+        layer.check_placement(new_placement)  # the same outcome on every rank: no hang
+        fingerprint = _fingerprint(old, new_placement, tensors)
+        _agree(group, layer.device, fingerprint, ok=layer.weights_loaded)
     if new_placement == old:
         return MigrationStats(0, 0, 0, 0, 0, 0, time.perf_counter() - start)
 

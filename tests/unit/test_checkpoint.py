@@ -14,10 +14,10 @@ import torch
 import epmoe
 from epmoe.checkpoint import (
     RECORD_KEYS,
-    describe_placement,
     gather_full_experts,
     load_full_experts,
     placement_record,
+    placement_summary,
 )
 from epmoe.reference import assert_close
 
@@ -185,10 +185,10 @@ def test_a_malformed_record_is_refused():
     assert "placement.rank_offsets" in load_error(make_layer(load=False)[0], state)
 
 
-def test_describe_placement():
-    assert describe_placement(epmoe.ExpertPlacement.linear(8, 2)) == "'linear' placement (E=8, W=2)"
-    assert "round_robin" in describe_placement(epmoe.ExpertPlacement.round_robin(8, 3))
-    assert "custom placement with 10 slots" in describe_placement(balanced())
+def test_placement_summary():
+    assert placement_summary(epmoe.ExpertPlacement.linear(8, 2)) == "'linear' placement (E=8, W=2)"
+    assert "round_robin" in placement_summary(epmoe.ExpertPlacement.round_robin(8, 3))
+    assert "custom placement with 10 slots" in placement_summary(balanced())
 
 
 def test_placement_record_checks_its_arguments():
