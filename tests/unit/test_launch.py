@@ -42,6 +42,26 @@ def test_demo_serves_on_two_gloo_ranks_and_matches_the_oracle():
     assert len(loads) == 2 and all(n > 0 for n in loads), out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
+def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model():
+    """examples/serving.py, shortened: per-rank queues, chunked prefill, batched decode,
+    one step context per forward, an EPLB re-plan while serving, and greedy outputs equal
+    to the unconverted model's."""
+    pytest.importorskip("transformers")
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", "2",
+           os.path.join(ROOT, "examples", "serving.py"), "--requests", "6", "--max-batch", "4",
+           "--max-new-tokens", "6", "--rebalance-every", "8", "--log-every", "8",
+           "--check", "2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert re.search(r"served \d+ requests, \d+ tokens .* on 2 rank\(s\) \(cpu\)", out), out
+    assert "time to first token: p50" in out and "inter-token latency: p50" in out, out
+    assert "EPLB step 8:" in out, out  # re-planned while serving
+    assert "outputs of 4 requests against the unconverted model" in out, out
+    assert "4 identical, 0 differ" in out, out
+
+
 def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
     """``launch/kernel_resources.py`` compiles the shipped H200 prefill tilings for sm_90a
     offline (Triton's bundled ptxas; no GPU): shared memory within 227 KiB, no stack frame

@@ -1,0 +1,345 @@
+"""DP/EP serving of a Hugging Face MoE model with epmoe: attention data-parallel (each rank
+serves its own request queue), MoE layers expert-parallel.
+
+    python launch/run.py examples/serving.py                    # 2 gloo ranks on CPU
+    python launch/run.py --nproc 2 examples/serving.py --requests 64 --max-batch 16
+
+Each rank takes batches of up to ``--max-batch`` requests from its queue, prefills their
+prompts in chunks of ``--prefill-chunk`` positions, then decodes them greedily, one token
+per request and step, until each has its ``max_new_tokens``; then the next batch. Every
+model forward is one DP step (``epmoe.step``): the ranks agree once on the step's largest
+token count and every MoE layer uses it, with no collective of its own; a rank with nothing
+to do runs the MoE layers with zero tokens (the others need it in their collectives), and
+the loop ends at the first step in which no rank has tokens. The layers record their
+expert load, and ``epmoe.EPLBManager`` re-plans the placement every ``--rebalance-every``
+steps while serving, moving only the experts whose slots change.
+
+Rank 0 prints a line every ``--log-every`` steps (tokens/s of the group, steps, the
+balancedness of the experts' load over the ranks) and, at the end, throughput and
+time-to-first-token / inter-token-latency percentiles of every request of every rank.
+On GPUs the same loop runs with ``--device cuda`` (NCCL); CUDA-graph decode buckets
+(``StepContext.decode`` / ``bucket``) need a graph-capturable attention cache and are not
+in this example yet. Needs ``pip install "epmoe[hf]"``.
+
+Shape legend: B requests in a batch · S positions in a forward · H hidden · E experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import epmoe
+from epmoe.integrations.huggingface import EPMoEBlock, replace_moe_blocks
+
+
+@dataclass
+class Request:
+    """One request: its prompt, how many tokens to generate, and when each one came."""
+
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float = 0.0
+    output: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+def build_model(args: argparse.Namespace, device: torch.device):
+    """A small Mixtral with random weights, the same on every rank (a shared seed)."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden_size,
+        intermediate_size=2 * args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=args.num_experts,
+        num_experts_per_tok=args.top_k,
+        max_position_embeddings=1024,
+        initializer_range=0.1,  # larger than a trained model's: decisive routing
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device, torch.float32).eval()
+
+
+def make_requests(rank: int, args: argparse.Namespace) -> list[Request]:
+    """This rank's queue: random prompt lengths and output lengths (a per-rank seed, so
+    ranks are unevenly loaded and finish at different steps)."""
+    rng = random.Random(1000 + rank)
+    n = args.requests + rng.randint(-args.requests // 4, args.requests // 4)
+    return [
+        Request(
+            rid=f"r{rank}-{i}",
+            prompt=[rng.randint(3, args.vocab - 1) for _ in range(rng.randint(4, args.max_prompt))],
+            max_new_tokens=rng.randint(2, args.max_new_tokens),
+        )
+        for i in range(max(n, 1))
+    ]
+
+
+class Engine:
+    """One rank's scheduler: static batches of requests, chunked prefill, batched decode.
+    ``next_forward()`` gives the next model call of this rank (or ``None`` when idle)."""
+
+    def __init__(self, model, queue: list[Request], args: argparse.Namespace, device):
+        self.model, self.queue, self.args, self.device = model, list(queue), args, device
+        self.batch: list[Request] = []
+        self.plan: list[tuple[int, int]] = []  # prefill chunks (start, end) still to run
+        self.cache = None
+
+    def _start_batch(self) -> None:
+        from transformers import DynamicCache
+
+        self.batch, self.queue = (
+            self.queue[: self.args.max_batch],
+            self.queue[self.args.max_batch :],
+        )
+        B, L = len(self.batch), max(len(r.prompt) for r in self.batch)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for b, r in enumerate(self.batch):  # left padding: every prompt ends at column L
+            ids[b, L - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[b, L - len(r.prompt) :] = 1
+        self.ids, self.mask = ids.to(self.device), mask.to(self.device)
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        c = self.args.prefill_chunk
+        self.plan = [(s, min(s + c, L)) for s in range(0, L, c)]
+        self.cache = DynamicCache()
+
+    def next_forward(self) -> dict | None:
+        """The inputs of this rank's next forward, or ``None`` when it has nothing to do."""
+        if not self.batch or all(r.done for r in self.batch):
+            if not self.queue:
+                return None
+            self._start_batch()
+        if self.plan:  # prefill: the next chunk of every prompt
+            s, e = self.plan.pop(0)
+            return dict(
+                input_ids=self.ids[:, s:e],
+                attention_mask=self.mask[:, :e],
+                position_ids=self.positions[:, s:e],
+                kind="prefill",
+            )
+        last = torch.tensor([[r.output[-1]] for r in self.batch], device=self.device)
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
+        self.positions = torch.cat([self.positions, self.positions[:, -1:] + 1], 1)
+        return dict(
+            input_ids=last,
+            attention_mask=self.mask,
+            position_ids=self.positions[:, -1:],
+            kind="decode",
+        )
+
+    def run(self, inputs: dict) -> int:
+        """Run one forward (inside the caller's step); returns the tokens it emitted."""
+        kind = inputs.pop("kind")
+        with torch.no_grad():
+            out = self.model(**inputs, **{_CACHE_ARG: self.cache}, use_cache=True)
+        if kind == "prefill" and self.plan:
+            return 0  # more prompt to read before the first token
+        now = time.perf_counter()
+        emitted = 0
+        for b, token in enumerate(out.logits[:, -1].argmax(-1).tolist()):
+            r = self.batch[b]
+            if not r.done:  # finished requests ride along until the batch ends
+                r.output.append(token)
+                r.token_times.append(now)
+                emitted += 1
+        return emitted
+
+
+def _cache_argument() -> str:
+    """The KV-cache keyword of this transformers' forward (``cache`` from 5.2x on)."""
+    import inspect
+
+    from transformers import MixtralForCausalLM
+
+    return (
+        "cache"
+        if "cache" in inspect.signature(MixtralForCausalLM.forward).parameters
+        else ("past_key_values")
+    )
+
+
+_CACHE_ARG = "past_key_values"  # set in main()
+
+
+def reference_tokens(model, prompt: list[int], n: int, device) -> list[int]:
+    """Greedy tokens of one request from the unconverted model (all experts, one process)."""
+    ids = torch.tensor([prompt], device=device)
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]], device=device)], 1)
+    return out
+
+
+def idle_forward(blocks: list[EPMoEBlock], hidden_size: int, device) -> None:
+    """A rank with nothing to serve still runs every MoE layer of the step, with 0 tokens."""
+    empty = torch.empty(0, hidden_size, device=device)
+    with torch.no_grad():
+        for block in blocks:
+            block(empty)
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    v = sorted(values)
+    pick = {q: v[min(len(v) - 1, int(q / 100 * len(v)))] for q in (50, 90, 99)}
+    return ", ".join(f"p{q} {x * 1e3:.1f} ms" for q, x in pick.items())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--requests", type=int, default=24, help="requests per rank (±25%%)")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
+    p.add_argument("--prefill-chunk", type=int, default=16, help="prompt positions per step")
+    p.add_argument("--max-prompt", type=int, default=40, help="longest prompt (tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="longest output (tokens)")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--backend", default="auto", help="epmoe all-to-all backend")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the group's)")
+    p.add_argument("--rebalance-every", type=int, default=20, help="EPLB re-plan interval")
+    p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    p.add_argument(
+        "--check", type=int, default=3, help="requests per rank compared with the unconverted model"
+    )
+    args = p.parse_args(argv)
+
+    group = epmoe.init_distributed()
+    rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+    device = torch.device(args.device) if args.device else epmoe.distributed.default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    global _CACHE_ARG
+    _CACHE_ARG = _cache_argument()
+    model = build_model(args, device)
+    reference = copy.deepcopy(model) if args.check else None
+    E = args.num_experts
+    replace_moe_blocks(
+        model, group=group, backend=args.backend, experts="auto", load_window=args.rebalance_every
+    )
+    blocks = [m for m in model.modules() if isinstance(m, EPMoEBlock)]
+    manager = epmoe.EPLBManager(
+        [b.moe for b in blocks],
+        num_redundant=(-E) % W + (W if E >= W else 0),  # a spare slot per rank
+        rebalance_interval=args.rebalance_every,
+    )
+    engine = Engine(model, make_requests(rank, args), args, device)
+    requests = list(engine.queue)
+    start = time.perf_counter()
+    steps = tokens = 0
+    last_log, last_tokens = start, 0
+    while True:
+        inputs = engine.next_forward()
+        T = 0 if inputs is None else int(inputs["input_ids"].numel())
+        with epmoe.step(group, num_tokens=T) as s:
+            if s.max_tokens == 0:  # no rank has tokens: every queue is empty
+                break
+            if inputs is None:
+                idle_forward(blocks, args.hidden_size, device)
+            else:
+                tokens += engine.run(inputs)
+        steps += 1
+        if steps % args.log_every == 0:  # (before a re-plan resets the load window)
+            total = _sum(tokens, device, group)
+            balance = _balancedness(blocks, group)  # collective: every rank
+            if rank == 0:
+                now = time.perf_counter()
+                rate = (total - last_tokens) / (now - last_log)
+                print(
+                    f"[step {steps}] {total} tokens generated, {rate:.0f} tokens/s over "
+                    f"{W} rank(s), expert load balancedness {balance:.2f}",
+                    flush=True,
+                )
+                last_log, last_tokens = now, total
+        report = manager.step()  # collective: every rank, every step
+        if rank == 0 and report is not None:
+            print(f"[step {steps}] {report.summary()}", flush=True)
+    elapsed = time.perf_counter() - start
+
+    # every request of every rank: time to first token and inter-token latencies
+    mine = [(r.token_times[0] - start, _gaps(r.token_times)) for r in requests if r.token_times]
+    checked = mismatched = 0
+    for r in requests[: args.check]:  # greedy outputs against the unconverted model
+        checked += 1
+        mismatched += reference_tokens(reference, r.prompt, len(r.output), device) != r.output
+    everyone = [None] * W
+    if group is not None:
+        dist.all_gather_object(everyone, (mine, tokens, checked, mismatched))
+    else:
+        everyone = [(mine, tokens, checked, mismatched)]
+    if rank == 0:
+        ttft = [t for m, *_ in everyone for t, _ in m]
+        itl = [g for m, *_ in everyone for _, gaps in m for g in gaps]
+        total = sum(e[1] for e in everyone)
+        print(
+            f"served {len(ttft)} requests, {total} tokens in {elapsed:.2f} s over {steps} "
+            f"steps on {W} rank(s) ({device.type}): {total / elapsed:.0f} tokens/s",
+            flush=True,
+        )
+        print(f"time to first token: {percentiles(ttft)}", flush=True)
+        print(f"inter-token latency: {percentiles(itl)}", flush=True)
+        if args.check:
+            n, bad = sum(e[2] for e in everyone), sum(e[3] for e in everyone)
+            print(
+                f"outputs of {n} requests against the unconverted model (greedy, one process): "
+                f"{n - bad} identical, {bad} differ",
+                flush=True,
+            )
+        placement = blocks[0].moe.placement
+        slots = [placement.num_local(r) for r in range(W)]
+        print(f"layer 0 now: {placement.num_physical} expert slots, per rank {slots}", flush=True)
+    if group is not None:
+        dist.destroy_process_group()
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def _sum(value: int, device, group) -> int:
+    if group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, group=group)
+    return int(t.item())
+
+
+def _balancedness(blocks: list[EPMoEBlock], group) -> float:
+    """Mean over max of the ranks' recorded expert load (1.0: perfectly even), layer 0.
+    Collective."""
+    layer = blocks[0].moe
+    load = layer.load_recorder.window_load().to(torch.float64)  # [P] this rank's tokens
+    if group is not None:
+        dist.all_reduce(load, group=group)
+    offsets = layer.placement.rank_offsets
+    per_rank = torch.stack([load[a:b].sum() for a, b in zip(offsets, offsets[1:])])
+    return float(per_rank.mean() / per_rank.max()) if per_rank.max() > 0 else float("nan")
+
+
+if __name__ == "__main__":
+    main()
