@@ -123,6 +123,20 @@ def _set_checking(model: nn.Sequential, on: bool) -> None:
         block.moe.load_recorder.enabled = not on
 
 
+HELP = {
+    "num_layers": "MoE blocks in the model",
+    "num_experts": "experts per MoE layer (E)",
+    "top_k": "experts per token (K)",
+    "hidden_size": "hidden size (H)",
+    "intermediate_size": "each expert's intermediate size (I)",
+    "steps": "serving steps (one batch per rank each)",
+    "max_batch": "most tokens a rank serves in one step",
+    "placement": "expert placement: linear or round_robin",
+    "backend": "all-to-all backend (auto, all_to_all, naive, symm_ll, symm_ht)",
+    "experts": "expert kernels: auto, torch or triton",
+}
+
+
 def batch_sizes(cfg: DemoConfig, rank: int) -> list[int]:
     """Tokens this rank serves at each step: uneven across ranks, sometimes none."""
     g = torch.Generator().manual_seed(rank)
@@ -137,7 +151,12 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     for name, value in vars(defaults).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=type(value),
+            default=value,
+            help=f"{HELP[name]} (default: {value})",
+        )
     cfg = DemoConfig(**vars(p.parse_args(argv)))
 
     group = epmoe.init_distributed()

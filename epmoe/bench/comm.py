@@ -53,6 +53,7 @@ Shape legend: T tokens per rank · H hidden · K top-k · E experts · W ranks.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -140,6 +141,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table per backend (rank 0)"
+    )
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="a quick check (seconds on CPU): H=256, 16 experts, top-4, 1/16/64 tokens, 5 iters",
     )
 
 
@@ -729,8 +735,21 @@ def goal_summary(records: list[dict], backend: str = GOAL_BACKEND) -> list[str]:
     return lines
 
 
+SMALL = dict(hidden=256, num_experts=16, top_k=4, tokens=[1, 16, 64], iters=5, warmup=2)
+
+
 def main(args) -> list[dict] | None:
+    if args.small:
+        for name, value in SMALL.items():
+            setattr(args, name, value)
     group, rank, W, device = distributed_setup()
+    if device.type == "cpu" and args.hidden * max(args.tokens) > 2**20 and rank == 0:
+        print(
+            f"note: H={args.hidden} at {max(args.tokens)} tokens on CPU (gloo) takes minutes; "
+            "--small checks the benchmark in seconds",
+            file=sys.stderr,
+            flush=True,
+        )
     dtype = getattr(torch, args.dtype)
     wires = _wire_dtypes(args, dtype)
     H, E, K = args.hidden, args.num_experts, args.top_k

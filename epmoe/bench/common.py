@@ -119,11 +119,20 @@ def machine_info() -> dict[str, Any]:
 
 
 def progress(items: Iterable[T], desc: str, total: int | None = None) -> Iterator[T]:
-    """A dependency-free progress line on stderr (silent when stderr is not a terminal
-    or on ranks other than 0)."""
+    """A progress bar on stderr for a sweep, on rank 0 only: ``tqdm`` when installed
+    (``pip install "epmoe[bench]"``), else a plain line (silent when stderr is not a
+    terminal)."""
     items = list(items)
     total = len(items) if total is None else total
-    show = sys.stderr.isatty() and os.environ.get("RANK", "0") == "0"
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(items, desc=desc, total=total, disable=not rank0, leave=False)
+        return
+    show = sys.stderr.isatty() and rank0
     for i, item in enumerate(items):
         if show:
             width = 30
@@ -143,11 +152,14 @@ def write_json(records: list[dict[str, Any]], path: str, **meta: Any) -> None:
 
 
 def format_table(records: list[dict[str, Any]], columns: list[str]) -> str:
-    """A plain-text table of ``columns`` (floats to 3 significant digits)."""
+    """A plain-text table of ``columns``: floats of 100 and more as whole numbers, smaller
+    ones to 3 significant digits (never an exponent for large values)."""
 
     def fmt(v: Any) -> str:
         if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+            if v != v:  # NaN
+                return "nan"
+            return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
         return str(v)
 
     rows = [[fmt(r.get(c, "")) for c in columns] for r in records]

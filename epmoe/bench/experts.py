@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from typing import Any
 
@@ -567,11 +566,12 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("the experts benchmark needs a CUDA GPU (or --device cpu)", file=sys.stderr)
-        return []
+        raise SystemExit(
+            "the experts benchmark needs a CUDA GPU; on CPU: TRITON_INTERPRET=1 python -m "
+            "epmoe.bench experts --device cpu (tiny shapes, the Triton interpreter)"
+        )
     if device.type == "cpu" and not ops.interpreted():
-        print("--device cpu needs TRITON_INTERPRET=1 (tiny shapes only)", file=sys.stderr)
-        return []
+        raise SystemExit("--device cpu needs TRITON_INTERPRET=1 (tiny shapes only)")
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in dtypes:
         if d not in ("bf16", "fp16", "fp8"):

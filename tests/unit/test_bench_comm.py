@@ -326,3 +326,22 @@ def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
     png = tmp_path / "comm.png"
     plot.plot_comm(records, str(png), "test")
     assert png.stat().st_size > 10_000
+
+
+def test_table_numbers_have_one_format_per_magnitude():
+    from epmoe.bench.common import format_table
+
+    table = format_table(
+        [dict(a=5022.4), dict(a=25.04), dict(a=0.919), dict(a=float("nan"))], ["a"]
+    )
+    assert [line.strip() for line in table.split("\n")[1:]] == ["5022", "25", "0.919", "nan"]
+    assert "e+" not in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_experts_bench_without_a_gpu_exits_with_an_error_and_the_cpu_command():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "epmoe.bench", "experts"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "TRITON_INTERPRET=1 python -m epmoe.bench experts --device cpu" in done.stderr
