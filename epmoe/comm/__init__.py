@@ -41,6 +41,8 @@ _BACKENDS: dict[str, str] = {
     "symm_ll": "epmoe.comm.symm.ll:SymmLLBackend",
     "all_to_all": "epmoe.comm.all_to_all:AllToAllBackend",
     "symm_ht": "epmoe.comm.symm.ht:SymmHTBackend",
+    "deepep_ht": "epmoe.comm.deepep_ht:DeepEPHTBackend",
+    "deepep_ll": "epmoe.comm.deepep_ll:DeepEPLLBackend",
     "naive": "epmoe.comm.naive:NaiveBackend",
 }
 

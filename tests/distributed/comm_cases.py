@@ -269,6 +269,25 @@ def check_delivery(res: DispatchResult, want, spec: CommSpec) -> None:
 # ----------------------------------------------------------------------- rank bodies
 
 
+def hidden_for(backend: str, dtype, dev, world: int, sizes=(H, H_TORCH_EXPERTS, 2048)) -> int:
+    """The first hidden size of ``sizes`` that ``backend`` serves (DeepEP's low-latency
+    kernels take a few fixed ones): the suite runs every backend at a size it supports."""
+    phys = physical_layouts(world)[0]
+    for hidden in sizes:
+        if backend_class(backend).supports(make_spec(phys, dtype, dev, False, hidden)) is None:
+            return hidden
+    return sizes[0]  # none: the cases skip with the backend's reason
+
+
+def skip_unless_supported(backend: str, spec: CommSpec) -> None:
+    """Skip a case whose spec the backend refuses (placement, hidden, dtype), with why."""
+    import pytest
+
+    reason = backend_class(backend).supports(spec)
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+
+
 def _wires(backend: str) -> tuple[bool, ...]:
     """FP8 on the wire too where the backend offers it."""
     return (False, True) if backend_class(backend).capabilities.fp8_dispatch else (False,)
@@ -280,17 +299,21 @@ def check_oracle_and_fp8(rank, world, backend, device="cpu", dtype_name="float32
     oracle (on the dequantized input exactly, and on the original input with the FP8
     tolerance)."""
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
-    w13, w2 = full_weights(dtype, dev)
+    hidden = hidden_for(backend, dtype, dev, world)
+    w13, w2 = full_weights(dtype, dev, hidden=hidden)
     T_W = tokens_per_rank(world)
     sweep = Sweep()
     cases = itertools.product(layouts_of(backend), physical_layouts(world), _wires(backend))
     for seed, (layout, phys, fp8) in enumerate(cases):
         case = f"W={world} {_label(backend, layout)} {phys.name}{' fp8' if fp8 else ''}"
         with sweep.case(case):
-            spec = make_spec(phys, dtype, dev, fp8)
+            spec = make_spec(phys, dtype, dev, fp8, hidden)
+            skip_unless_supported(backend, spec)
             comm = create_backend(backend, spec, None, layout)
             P = phys.num_physical
-            inputs = [rank_inputs(s, T_W[s], P, dtype, dev, seed) for s in range(world)]
+            inputs = [
+                rank_inputs(s, T_W[s], P, dtype, dev, seed, hidden=hidden) for s in range(world)
+            ]
             x, ids, w = inputs[rank]
             # the split path for FP8, the blocking one otherwise (it calls the split path)
             with closing(comm):
@@ -318,16 +341,18 @@ def check_fp8_with_torch_experts(rank, world, backend, device="cpu", dtype_name=
     """FP8 dispatch into ``TorchExperts`` (which consume ``hidden_scale`` and return
     bfloat16): the layer's dtype comes back, within the FP8 tolerance of the oracle."""
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
-    w13, w2 = full_weights(dtype, dev, hidden=H_TORCH_EXPERTS, seed=1)
+    hidden = hidden_for(backend, dtype, dev, world, sizes=(H_TORCH_EXPERTS, 2048))
+    w13, w2 = full_weights(dtype, dev, hidden=hidden, seed=1)
     T_W = tokens_per_rank(world)
     experts = TorchExperts("silu")
     sweep = Sweep()
     for layout, phys in itertools.product(layouts_of(backend), physical_layouts(world)[:2]):
         with sweep.case(f"W={world} {_label(backend, layout)} {phys.name} torch experts fp8"):
-            spec = make_spec(phys, dtype, dev, fp8=True, hidden=H_TORCH_EXPERTS)
+            spec = make_spec(phys, dtype, dev, fp8=True, hidden=hidden)
+            skip_unless_supported(backend, spec)
             comm = create_backend(backend, spec, None, layout)
             x, ids, w = rank_inputs(
-                rank, T_W[rank], phys.num_physical, dtype, dev, seed=11, hidden=H_TORCH_EXPERTS
+                rank, T_W[rank], phys.num_physical, dtype, dev, seed=11, hidden=hidden
             )
             with closing(comm):
                 res = comm.dispatch(x, ids, w)
@@ -355,7 +380,8 @@ def check_in_flight(rank, world, backend, device="cpu", dtype_name="float32"):
     ``SCHEDULES``, each output against the oracle (FP8 too, for one placement). Needs a
     backend that holds two dispatch results (``max_in_flight`` None or ≥ 2)."""
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
-    w13, w2 = full_weights(dtype, dev, seed=2)
+    hidden = hidden_for(backend, dtype, dev, world)
+    w13, w2 = full_weights(dtype, dev, hidden=hidden, seed=2)
     phys_all = physical_layouts(world)
     sweep = Sweep()
     for layout, (sname, schedule), fp8 in itertools.product(
@@ -363,13 +389,15 @@ def check_in_flight(rank, world, backend, device="cpu", dtype_name="float32"):
     ):
         phys = phys_all[-1] if fp8 else phys_all[0]
         with sweep.case(f"W={world} {_label(backend, layout)} {sname}{' fp8' if fp8 else ''}"):
-            comm = create_backend(backend, make_spec(phys, dtype, dev, fp8), None, layout)
+            spec = make_spec(phys, dtype, dev, fp8, hidden)
+            skip_unless_supported(backend, spec)
+            comm = create_backend(backend, spec, None, layout)
             in_flight = comm.capabilities.max_in_flight
             assert in_flight is None or in_flight >= 2, f"holds {in_flight}"
             w13_e, w2_e = local_weights(phys, rank, w13, w2)
             mb = [
                 rank_inputs(rank, tokens_per_rank(world, m)[rank], phys.num_physical, dtype,
-                            dev, seed=20 + m)
+                            dev, seed=20 + m, hidden=hidden)
                 for m in range(2)
             ]  # fmt: skip
             pending, results, outs = {}, {}, {}
@@ -399,17 +427,24 @@ def check_rebind(rank, world, backend, device="cpu", dtype_name="float32"):
     import pytest
 
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
-    w13, w2 = full_weights(dtype, dev, seed=3)
+    hidden = hidden_for(backend, dtype, dev, world)
+    w13, w2 = full_weights(dtype, dev, hidden=hidden, seed=3)
     T_W = tokens_per_rank(world)
     phys_all = physical_layouts(world)
     sweep = Sweep()
     for layout in layouts_of(backend):
         with sweep.case(f"W={world} {_label(backend, layout)} rebind"):
-            comm = create_backend(backend, make_spec(phys_all[0], dtype, dev, False), None, layout)
+            spec = make_spec(phys_all[0], dtype, dev, False, hidden)
+            skip_unless_supported(backend, spec)
+            comm = create_backend(backend, spec, None, layout)
             for step, phys in enumerate([*phys_all[1:], phys_all[0]]):
+                if backend_class(backend).supports(spec.with_offsets(phys.rank_offsets)):
+                    continue  # a placement this backend cannot serve (DeepEP: uneven)
                 comm.rebind(phys.rank_offsets)
                 assert comm.spec.rank_offsets == phys.rank_offsets
-                x, ids, w = rank_inputs(rank, T_W[rank], phys.num_physical, dtype, dev, 30 + step)
+                x, ids, w = rank_inputs(
+                    rank, T_W[rank], phys.num_physical, dtype, dev, 30 + step, hidden=hidden
+                )
                 res = comm.dispatch(x, ids, w)
                 y = float64_experts(res, *local_weights(phys, rank, w13, w2), dtype)
                 out = comm.combine(y, res)

@@ -1,0 +1,106 @@
+"""What the DeepEP adapters (``deepep_ht.py``, ``deepep_ll.py``) share: the lazy import,
+the availability checks, and one ``deep_ep.Buffer`` per (EP group, mode) shared by every
+layer, destroyed explicitly when the last layer lets go.
+
+DeepEP (github.com/deepseek-ai/DeepEP) is not on the package index: build it from its
+repository (``pip install .`` in a checkout, with CUDA and, for the low-latency mode,
+NVSHMEM). epmoe imports it only when one of its backends is chosen. The adapters use the
+classic ``deep_ep.Buffer`` API (DeepEP V1; V2 ships it as its legacy buffer), which vLLM,
+SGLang and Megatron wrap.
+
+DeepEP partitions the experts evenly and contiguously over the ranks (rank r holds
+``[r·P/W, (r+1)·P/W)``): placements with another layout are refused by ``supports``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import transport
+from epmoe.comm.base import CommSpec
+
+INSTALL_HINT = (
+    "DeepEP is not installed: build it from https://github.com/deepseek-ai/DeepEP "
+    "(pip install . in its checkout; the low-latency mode needs NVSHMEM)"
+)
+
+
+def import_deep_ep() -> Any:
+    """The ``deep_ep`` module, or an ``ImportError`` that says how to install it."""
+    try:
+        return importlib.import_module("deep_ep")
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+
+
+def unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
+    """Why the DeepEP backends cannot run here (``None`` when they can)."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if importlib.util.find_spec("deep_ep") is None:
+        return INSTALL_HINT
+    if dist.is_available() and dist.is_initialized():
+        if "nccl" not in str(dist.get_backend(group)):
+            return "needs an NCCL process group"
+        W = dist.get_world_size(group)
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is not None and int(local) < W:
+            return f"these adapters serve one node (NVLink); LOCAL_WORLD_SIZE={local} < {W} ranks"
+        if W not in (2, 4, 8):
+            return f"DeepEP's intranode kernels take 2, 4 or 8 ranks, not {W}"
+    return None
+
+
+def even_partition_reason(spec: CommSpec) -> str | None:
+    """DeepEP's expert layout: every rank holds P/W experts, in rank order."""
+    W, P = spec.world_size, spec.num_physical
+    if P % W or any(spec.num_local(r) != P // W for r in range(W)):
+        sizes = [spec.num_local(r) for r in range(W)]
+        return (
+            f"DeepEP needs the same number of expert slots on every rank (P/W); this "
+            f"placement has {sizes}: use linear placement, or EPLB with num_redundant making "
+            "E + R a multiple of W"
+        )
+    return None
+
+
+class SharedBuffer:
+    """One ``deep_ep.Buffer`` of a group and mode, held by every layer that uses it (through
+    ``epmoe.comm.transport``), destroyed when the last one closes. ``sizes``: what it was
+    allocated for, checked against each new holder's needs."""
+
+    def __init__(self, buffer: Any, sizes: dict[str, int]) -> None:
+        self.buffer = buffer
+        self.sizes = sizes
+
+    def close(self) -> None:
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
+
+
+def acquire_buffer(
+    group: dist.ProcessGroup | None, mode: str, sizes: dict[str, int], create
+) -> tuple[tuple, SharedBuffer]:
+    """The group's shared buffer of ``mode`` (``"ht"`` or ``"ll"``), created by ``create()``
+    for the first holder. A later holder that needs more than it was sized for gets a
+    clear error (a second NVSHMEM-backed buffer in one process would fail inside
+    NVSHMEM): build every layer of a group with the same sizes."""
+    key = ("deep_ep", mode, transport.group_key(group))
+    shared = transport.acquire(key, lambda: SharedBuffer(create(), dict(sizes)))
+    small = {k: (v, shared.sizes.get(k, 0)) for k, v in sizes.items() if v > shared.sizes.get(k, 0)}
+    if small:
+        transport.release(key)
+        raise ValueError(
+            f"the {mode} DeepEP buffer of this group was allocated for "
+            f"{ {k: have for k, (_, have) in small.items()} } and this layer needs "
+            f"{ {k: want for k, (want, _) in small.items()} }: build every layer of the group "
+            "with the same hidden size, top-k and max_num_tokens (one buffer serves them all)"
+        )
+    return key, shared

@@ -1,0 +1,138 @@
+"""``deepep_ht``: the Standard layout over DeepEP's high-throughput (normal) mode.
+
+``get_dispatch_layout`` then ``Buffer.dispatch`` send each token once per destination rank
+over NVLink; the receiver gets rows ``[R, H]`` (FP8 with ``[R, H/128]`` scales when asked)
+with the top-k ids remapped to local slots (-1 elsewhere) and the router weights, which is
+epmoe's Standard layout as it is. DeepEP's combine is an unweighted sum of the rows sent
+back, which is what the Standard experts return (each row's weighted sum over its local
+experts). The received counts reach the host (DeepEP's CPU sync), so the calls are not
+graph safe. bf16 only (DeepEP's kernels); FP8 rows are quantized here, per token and
+128-column group, before the send.
+
+Shape legend: T tokens on this rank · H hidden · K top-k · W ranks · P physical experts ·
+R received rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.comm import _deepep
+from epmoe.comm.base import (
+    FP8_GROUP,
+    AllToAll,
+    Capabilities,
+    CommSpec,
+    DispatchResult,
+    Layout,
+    Pending,
+    check_combine_args,
+    check_dispatch_args,
+)
+
+NVL_BYTES_FLOOR = 1 << 28  # at least 256 MiB of NVLink buffer, as DeepEP's tests use more
+
+
+class DeepEPHTBackend(AllToAll):
+    """Standard-layout dispatch/combine over ``deep_ep.Buffer`` (normal mode, one node).
+
+    Experts must be partitioned evenly (P/W per rank, linear order): see ``supports``.
+    """
+
+    name = "deepep_ht"
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.STANDARD}),
+        dtypes=frozenset({torch.bfloat16}),
+        device_types=frozenset({"cuda"}),
+        graph_safe=False,  # the received counts reach the host
+        fp8_dispatch=True,
+        auto=False,  # named only
+    )
+
+    @classmethod
+    def unavailable_reason(cls, device, group=None) -> str | None:
+        return super().unavailable_reason(device, group) or _deepep.unavailable_reason(group)
+
+    @classmethod
+    def supports(cls, spec: CommSpec) -> str | None:
+        reason = super().supports(spec)
+        if reason is not None:
+            return reason
+        if spec.top_k > 32:
+            return f"DeepEP's normal mode takes top-k <= 32, not {spec.top_k}"
+        if spec.fp8_dispatch and spec.hidden_size % FP8_GROUP:
+            return f"DeepEP's FP8 rows need H divisible by 128, not {spec.hidden_size}"
+        return _deepep.even_partition_reason(spec)
+
+    def __init__(self, spec, group, layout=None):
+        super().__init__(spec, group, layout)
+        self._deep_ep = _deepep.import_deep_ep()
+        W, H = self.world_size, spec.hidden_size
+        Buffer = self._deep_ep.Buffer
+        hint = max(
+            Buffer.get_dispatch_config(W).get_nvl_buffer_size_hint(H * 2, W),
+            Buffer.get_combine_config(W).get_nvl_buffer_size_hint(H * 2, W),
+        )
+        nvl_bytes = max(hint, NVL_BYTES_FLOOR)
+        self._key, self._shared = _deepep.acquire_buffer(
+            self.group,
+            "ht",
+            {"nvl_bytes": nvl_bytes},
+            lambda: Buffer(self.group, nvl_bytes, 0, explicitly_destroy=True),
+        )
+
+    def _buffer(self):
+        if self._shared is None or self._shared.buffer is None:
+            raise RuntimeError("deepep_ht backend is closed")
+        return self._shared.buffer
+
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
+        """DeepEP dispatches on the current stream and returns when the rows are known on
+        the host: the result is ready (a finished ``Pending``)."""
+        spec, buffer = self.spec, self._buffer()
+        check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
+        ids = topk_ids_TK.to(torch.int64).contiguous()
+        weights = topk_weights_TK.to(torch.float32).contiguous()
+        x = hidden_TH.contiguous()
+        if spec.fp8_dispatch:
+            from epmoe.kernels.ops import per_token_group_quant_fp8
+
+            x = per_token_group_quant_fp8(x)  # (e4m3 [T, H], float32 [T, H/128])
+        per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+            ids, spec.num_physical
+        )
+        recv_x, recv_ids, recv_weights, _, handle, _ = buffer.dispatch(
+            x,
+            topk_idx=ids,
+            topk_weights=weights,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+        )
+        hidden, scale = recv_x if spec.fp8_dispatch else (recv_x, None)
+        return Pending.done(
+            DispatchResult(
+                layout=Layout.STANDARD,
+                hidden=hidden,
+                topk_ids=recv_ids,
+                topk_weights=recv_weights,
+                hidden_scale=scale,
+                handle=handle,
+            )
+        )
+
+    def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
+        """The rows' partial sums back to their sources, summed there (DeepEP adds them)."""
+        check_combine_args(expert_out, result)
+        if expert_out.dtype != torch.bfloat16:
+            raise TypeError(f"deepep_ht combines bf16 rows, got {expert_out.dtype}")
+        combined, _, _ = self._buffer().combine(expert_out.contiguous(), result.handle)
+        return Pending.done(combined)
+
+    def close(self) -> None:
+        if self._shared is not None:
+            from epmoe.comm import transport
+
+            transport.release(self._key)
+        self._shared = None

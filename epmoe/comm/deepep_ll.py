@@ -1,0 +1,170 @@
+"""``deepep_ll``: the ExpertBatched layout over DeepEP's low-latency mode.
+
+``low_latency_dispatch`` writes each (token, expert) pair into fixed rows ``[e, W·M, H]``
+of the expert's rank (FP8 with per-token 128-column scales made in the kernel when asked)
+with per-expert counts; ``low_latency_combine`` sends the experts' unweighted outputs back
+and reduces them with the router weights in the kernel. No host synchronisation: graph
+safe. The split phase maps onto DeepEP's receive hook: ``dispatch_async`` / ``combine_async``
+launch the send half only (``return_recv_hook=True``, no SMs held), ``wait()`` calls the
+hook. DeepEP keeps two buffers, so at most two dispatch results may be held at once.
+
+Limits (DeepEP's, refused by ``supports`` with the reason): H in {2048, 2560, 3072, 4096,
+5120, 6144, 7168, 8192}, top-k ≤ 11, bf16, experts partitioned evenly, and every rank of
+the group with the same ``max_num_tokens`` (a mismatch hangs inside DeepEP: the layer's
+construction agreement checks it first). Needs NVSHMEM (DeepEP initialises it: one
+low-latency buffer per process, shared by every layer of the group).
+
+Shape legend: T tokens on this rank · H hidden · K top-k · W ranks · M = M_max · e local
+experts · P physical experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.comm import _deepep
+from epmoe.comm.base import (
+    AllToAll,
+    Capabilities,
+    CommSpec,
+    DispatchResult,
+    Layout,
+    Pending,
+    check_combine_args,
+    check_dispatch_args,
+)
+
+SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+MAX_TOP_K = 11
+NUM_BUFFERS = 2
+
+
+class DeepEPLLBackend(AllToAll):
+    """ExpertBatched dispatch/combine over DeepEP's low-latency kernels (graph safe)."""
+
+    name = "deepep_ll"
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.EXPERT_BATCHED}),
+        dtypes=frozenset({torch.bfloat16}),
+        device_types=frozenset({"cuda"}),
+        graph_safe=True,
+        fp8_dispatch=True,
+        max_in_flight=NUM_BUFFERS,
+        default_max_tokens=128,
+        auto=False,  # named only
+    )
+
+    @classmethod
+    def unavailable_reason(cls, device, group=None) -> str | None:
+        return super().unavailable_reason(device, group) or _deepep.unavailable_reason(group)
+
+    @classmethod
+    def supports(cls, spec: CommSpec) -> str | None:
+        reason = super().supports(spec)
+        if reason is not None:
+            return reason
+        if spec.hidden_size not in SUPPORTED_HIDDEN:
+            return (
+                f"DeepEP's low-latency kernels take H in {SUPPORTED_HIDDEN}, not {spec.hidden_size}"
+            )
+        if spec.top_k > MAX_TOP_K:
+            return f"DeepEP's low-latency kernels take top-k <= {MAX_TOP_K}, not {spec.top_k}"
+        return _deepep.even_partition_reason(spec)
+
+    def __init__(self, spec, group, layout=None):
+        super().__init__(spec, group, layout)
+        self._deep_ep = _deepep.import_deep_ep()
+        W, P, M, H = self.world_size, spec.num_physical, spec.max_num_tokens, spec.hidden_size
+        Buffer = self._deep_ep.Buffer
+        rdma_bytes = Buffer.get_low_latency_rdma_size_hint(M, H, W, P)
+        self._key, self._shared = _deepep.acquire_buffer(
+            self.group,
+            "ll",
+            {"rdma_bytes": rdma_bytes, "max_num_tokens": M, "num_experts": P},
+            lambda: Buffer(
+                self.group,
+                num_rdma_bytes=rdma_bytes,
+                low_latency_mode=True,
+                num_qps_per_rank=P // W,
+                explicitly_destroy=True,
+            ),
+        )
+        self._held = 0  # dispatch results not yet combined (DeepEP has two buffers)
+
+    def _buffer(self):
+        if self._shared is None or self._shared.buffer is None:
+            raise RuntimeError("deepep_ll backend is closed")
+        return self._shared.buffer
+
+    def _bind(self) -> None:
+        """A re-plan keeps the buffer only with the same slot count: DeepEP's low-latency
+        buffer is built for P experts (P/W queue pairs per rank)."""
+        allocated = self._shared.sizes["num_experts"] if self._shared is not None else None
+        if allocated is not None and self.spec.num_physical != allocated:
+            raise ValueError(
+                f"deepep_ll's buffer serves P={allocated} expert slots, the new placement has "
+                f"{self.spec.num_physical}: build the layers with the re-plans' slot count from "
+                "the start (EPLBManager with a fixed num_redundant keeps it)"
+            )
+
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
+        """The send half now; ``wait()`` calls DeepEP's receive hook."""
+        spec, buffer = self.spec, self._buffer()
+        check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
+        if self._held >= NUM_BUFFERS:
+            raise RuntimeError(
+                f"deepep_ll holds at most {NUM_BUFFERS} dispatch results at once (DeepEP's two "
+                "buffers): combine one before the next dispatch"
+            )
+        ids = topk_ids_TK.to(torch.int64).contiguous()
+        weights = topk_weights_TK.to(torch.float32).contiguous()
+        recv, counts, handle, _, hook = buffer.low_latency_dispatch(
+            hidden_TH.contiguous(),
+            ids,
+            spec.max_num_tokens,
+            spec.num_physical,
+            use_fp8=spec.fp8_dispatch,
+            return_recv_hook=True,
+        )
+        self._held += 1
+
+        def receive() -> DispatchResult:
+            hook()
+            if spec.fp8_dispatch:
+                hidden, scale = recv
+                scale = scale.contiguous()  # DeepEP keeps its last two dims column-major
+            else:
+                hidden, scale = recv, None
+            return DispatchResult(
+                layout=Layout.EXPERT_BATCHED,
+                hidden=hidden,
+                counts=counts,
+                hidden_scale=scale,
+                handle=(handle, ids, weights),
+            )
+
+        return Pending(receive)
+
+    def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
+        """The send half of the weighted combine now; ``wait()`` calls the receive hook."""
+        check_combine_args(expert_out, result)
+        if expert_out.dtype != torch.bfloat16:
+            raise TypeError(f"deepep_ll combines bf16 rows, got {expert_out.dtype}")
+        handle, ids, weights = result.handle
+        combined, _, hook = self._buffer().low_latency_combine(
+            expert_out.contiguous(), ids, weights, handle, return_recv_hook=True
+        )
+
+        def receive() -> torch.Tensor:
+            hook()
+            self._held = max(self._held - 1, 0)
+            return combined
+
+        return Pending(receive)
+
+    def close(self) -> None:
+        if self._shared is not None:
+            from epmoe.comm import transport
+
+            transport.release(self._key)
+        self._shared = None

@@ -1,0 +1,242 @@
+"""The DeepEP adapters' plumbing on one CPU process, against a stand-in ``deep_ep`` module
+that implements the calls they make with DeepEP's documented semantics for one rank
+(``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine``; ``low_latency_dispatch`` /
+``low_latency_combine`` with receive hooks). What it checks: the arguments they pass
+(int64 ids, float32 weights, FP8 rows as (e4m3, scales)), the layouts they hand to the
+experts, the oracle's output through them, the two-buffer limit, one shared buffer per
+group and its explicit destroy, the refusals of ``supports``, and the ImportError that
+says how to install DeepEP. The real library runs in the GPU tier (the conformance suite,
+``tests/distributed/test_comm_v2.py``, parametrised over the registry).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+import epmoe
+from epmoe.comm import transport
+from epmoe.comm.base import FP8_DTYPE, CommSpec, Layout
+from epmoe.reference import assert_close, expert_mlp, quantize_groups
+
+E, K, H, I, T = 8, 3, 2048, 32, 5  # H: one of DeepEP LL's hidden sizes
+
+
+class _FakeBuffer:
+    """DeepEP's Buffer for W = 1 (every expert local), in torch, on CPU tensors."""
+
+    destroyed = 0
+    created = 0
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, explicitly_destroy=False):  # fmt: skip
+        assert explicitly_destroy, "the adapters destroy their buffers explicitly"
+        self.low_latency_mode = low_latency_mode
+        self.calls: list[str] = []
+        _FakeBuffer.created += 1
+
+    class _Config:
+        def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+            return 1 << 20
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return _FakeBuffer._Config()
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return _FakeBuffer._Config()
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(M, hidden, num_ranks, num_experts):
+        return 1 << 20
+
+    def destroy(self):
+        _FakeBuffer.destroyed += 1
+
+    # normal mode
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        assert topk_idx.dtype == torch.int64
+        per_expert = torch.bincount(topk_idx[topk_idx >= 0], minlength=num_experts).int()
+        in_rank = (topk_idx >= 0).any(1, keepdim=True)
+        return torch.tensor([int(in_rank.sum())]).int(), None, per_expert, in_rank, None
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
+                 num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None):  # fmt: skip
+        assert topk_weights.dtype == torch.float32
+        keep = is_token_in_rank[:, 0]
+        rows = (x[0][keep], x[1][keep]) if isinstance(x, tuple) else x[keep]
+        return rows, topk_idx[keep], topk_weights[keep], [], keep, None
+
+    def combine(self, x, handle):
+        out = torch.zeros(handle.shape[0], x.shape[1], dtype=x.dtype)
+        out[handle] = x  # unweighted: one rank sends one row per token
+        return out, None, None
+
+    # low-latency mode
+    def low_latency_dispatch(self, x, topk_idx, M, num_experts, use_fp8=True,
+                             return_recv_hook=False):  # fmt: skip
+        assert x.dtype == torch.bfloat16 and topk_idx.dtype == torch.int64 and return_recv_hook
+        self.calls.append("dispatch")
+        recv = torch.zeros(num_experts, M, x.shape[1], dtype=torch.bfloat16)
+        counts = torch.zeros(num_experts, dtype=torch.int32)
+        where = []
+        for t in range(x.shape[0]):
+            for k in range(topk_idx.shape[1]):
+                e = int(topk_idx[t, k])
+                if e >= 0:
+                    recv[e, counts[e]] = x[t]
+                    where.append((t, k, e, int(counts[e])))
+                    counts[e] += 1
+        if use_fp8:
+            q, s = quantize_groups(recv.float())
+            recv = (q, s.transpose(-1, -2).contiguous().transpose(-1, -2))  # column-major
+        return recv, counts, (where, x.shape[0]), None, lambda: self.calls.append("recv hook")
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False):
+        assert return_recv_hook
+        self.calls.append("combine")
+        where, T_ = handle
+        out = torch.zeros(T_, x.shape[-1], dtype=torch.float32)
+        for t, k, e, row in where:
+            out[t] += topk_weights[t, k] * x[e, row].float()
+        return out.to(torch.bfloat16), None, lambda: self.calls.append("combine hook")
+
+
+@pytest.fixture
+def fake_deep_ep(monkeypatch):
+    module = types.ModuleType("deep_ep")
+    module.Buffer = _FakeBuffer
+    monkeypatch.setitem(sys.modules, "deep_ep", module)
+    _FakeBuffer.created = _FakeBuffer.destroyed = 0
+    yield module
+    transport.close_all()
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    ids[0, 1] = -1
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H**0.5
+    w2 = torch.randn(E, H, I, generator=g) / I**0.5
+    return x, ids, w, w13, w2
+
+
+def _spec(fp8=False, M=8):
+    return CommSpec(H, K, (0, E), M, torch.bfloat16, torch.device("cpu"),
+                    dispatch_dtype=FP8_DTYPE if fp8 else None)  # fmt: skip
+
+
+def _backend(cls_name, spec, layout):
+    from epmoe.comm import backend_class
+
+    cls = backend_class(cls_name)
+
+    class OnCPU(cls):  # the adapter's code, on CPU tensors
+        capabilities = cls.capabilities.__class__(
+            **{**cls.capabilities.__dict__, "device_types": frozenset({"cpu"})}
+        )
+
+    return OnCPU(spec, None, layout)
+
+
+def _rows(hidden, scale):
+    x = hidden.float()
+    if scale is not None:
+        x = x * scale.repeat_interleave(128, -1)[..., : x.shape[-1]]
+    return x
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_ht_delivers_the_standard_layout_and_combines_to_the_oracle(fake_deep_ep, fp8):
+    x, ids, w, w13, w2 = _inputs()
+    comm = _backend("deepep_ht", _spec(fp8), Layout.STANDARD)
+    res = comm.dispatch(x, ids, w)
+    assert res.layout is Layout.STANDARD and res.topk_ids.dtype == torch.int64
+    assert (res.hidden_scale is not None) == fp8
+    rows = _rows(res.hidden, res.hidden_scale)
+    y = torch.zeros_like(rows)
+    for r in range(rows.shape[0]):  # Standard experts: each row's weighted sum
+        for k in range(K):
+            e = int(res.topk_ids[r, k])
+            if e >= 0:
+                y[r] += res.topk_weights[r, k] * expert_mlp(rows[r : r + 1], w13[e], w2[e])[0]
+    out = comm.combine(y.to(torch.bfloat16), res)
+    # every token has an expert here (W = 1), delivered in order: the rows as sent (FP8:
+    # quantized by the Triton kernel, whose interpreter rounds e4m3 a little apart from
+    # torch; the GPU tests check the kernel bit for bit)
+    assert rows.shape[0] == T
+    assert_close(out, epmoe.reference.moe(rows, w13, w2, w, ids), 2e-2, name="deepep_ht")
+    comm.close()
+    assert _FakeBuffer.destroyed == 1
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_ll_split_phase_maps_to_the_receive_hooks(fake_deep_ep, fp8):
+    x, ids, w, w13, w2 = _inputs(1)
+    comm = _backend("deepep_ll", _spec(fp8), Layout.EXPERT_BATCHED)
+    first = comm.dispatch_async(x, ids, w)
+    second = comm.dispatch_async(x, ids, w)
+    with pytest.raises(RuntimeError, match="at most 2 dispatch results"):
+        comm.dispatch_async(x, ids, w)
+    buffer = comm._buffer()
+    assert buffer.calls == ["dispatch", "dispatch"]  # the send halves only
+    res = first.wait()
+    assert buffer.calls[-1] == "recv hook"
+    assert res.hidden_scale is None or res.hidden_scale.is_contiguous()
+    rows = _rows(res.hidden, res.hidden_scale)
+    y = torch.zeros_like(rows)
+    for e, n in enumerate(res.counts.tolist()):
+        y[e, :n] = expert_mlp(rows[e, :n], w13[e], w2[e])
+    pending = comm.combine_async(y.to(torch.bfloat16), res)
+    assert buffer.calls[-1] == "combine"
+    out = pending.wait()
+    assert buffer.calls[-1] == "combine hook"
+    sent = _rows(*quantize_groups(x.float())) if fp8 else x.float()
+    tol = 6e-2 if fp8 else 2e-2
+    assert_close(out, epmoe.reference.moe(sent, w13, w2, w, ids), tol, name="deepep_ll")
+    comm.combine(torch.zeros_like(second.wait().hidden, dtype=torch.bfloat16), second.wait())
+    comm.dispatch_async(x, ids, w).wait()  # a buffer is free again
+    comm.close()
+
+
+def test_one_buffer_per_group_and_sizes_checked(fake_deep_ep):
+    a = _backend("deepep_ll", _spec(M=8), Layout.EXPERT_BATCHED)
+    b = _backend("deepep_ll", _spec(M=8), Layout.EXPERT_BATCHED)
+    assert a._buffer() is b._buffer() and _FakeBuffer.created == 1
+    with pytest.raises(ValueError, match="build every layer of the group with the same"):
+        _backend("deepep_ll", _spec(M=16), Layout.EXPERT_BATCHED)
+    a.close()
+    assert _FakeBuffer.destroyed == 0  # b still holds it
+    b.close()
+    assert _FakeBuffer.destroyed == 1
+
+
+def test_supports_refuses_what_deepep_cannot_do():
+    from epmoe.comm.deepep_ht import DeepEPHTBackend
+    from epmoe.comm.deepep_ll import DeepEPLLBackend
+
+    cuda = torch.device("cuda")
+    spec = CommSpec(7168, 8, (0, 128, 256), 128, torch.bfloat16, cuda)
+    assert DeepEPLLBackend.supports(spec) is None and DeepEPHTBackend.supports(spec) is None
+    assert "H in" in DeepEPLLBackend.supports(CommSpec(7000, 8, (0, 8), 128, torch.bfloat16, cuda))
+    assert "top-k <= 11" in DeepEPLLBackend.supports(
+        CommSpec(7168, 12, (0, 16), 64, torch.bfloat16, cuda)
+    )
+    uneven = CommSpec(7168, 8, (0, 100, 256), 128, torch.bfloat16, cuda)
+    assert "same number of expert slots" in DeepEPHTBackend.supports(uneven)
+    assert "moves" in DeepEPHTBackend.supports(CommSpec(7168, 8, (0, 8), 8, torch.float32, cuda))
+
+
+def test_without_deep_ep_the_error_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deep_ep", None)  # import fails
+    from epmoe.comm import _deepep
+
+    with pytest.raises(ImportError, match="github.com/deepseek-ai/DeepEP"):
+        _deepep.import_deep_ep()
