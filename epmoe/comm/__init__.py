@@ -43,6 +43,7 @@ _BACKENDS: dict[str, str] = {
     "symm_ht": "epmoe.comm.symm.ht:SymmHTBackend",
     "deepep_ht": "epmoe.comm.deepep_ht:DeepEPHTBackend",
     "deepep_ll": "epmoe.comm.deepep_ll:DeepEPLLBackend",
+    "pplx": "epmoe.comm.pplx:PPLXBackend",
     "naive": "epmoe.comm.naive:NaiveBackend",
 }
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from epmoe.comm import _deepep
+from epmoe.comm import _deepep, transport
 from epmoe.comm.base import (
     AllToAll,
     Capabilities,
@@ -77,6 +77,7 @@ class DeepEPLLBackend(AllToAll):
         W, P, M, H = self.world_size, spec.num_physical, spec.max_num_tokens, spec.hidden_size
         Buffer = self._deep_ep.Buffer
         rdma_bytes = Buffer.get_low_latency_rdma_size_hint(M, H, W, P)
+        transport.claim_nvshmem("deep_ep")  # its low-latency buffer initialises NVSHMEM
         self._key, self._shared = _deepep.acquire_buffer(
             self.group,
             "ll",
@@ -164,7 +165,5 @@ class DeepEPLLBackend(AllToAll):
 
     def close(self) -> None:
         if self._shared is not None:
-            from epmoe.comm import transport
-
             transport.release(self._key)
         self._shared = None

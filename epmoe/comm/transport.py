@@ -63,6 +63,22 @@ def holders(key: Hashable) -> int:
     return 0 if entry is None else entry[1]
 
 
+# who initialised NVSHMEM in this process (one library may: a second would fail inside it)
+_nvshmem_owner: str | None = None
+
+
+def claim_nvshmem(owner: str) -> None:
+    """Record that ``owner`` (a backend family) initialises NVSHMEM in this process; a
+    second, different owner gets a clear error instead of a crash inside NVSHMEM."""
+    global _nvshmem_owner
+    if _nvshmem_owner not in (None, owner):
+        raise RuntimeError(
+            f"NVSHMEM in this process belongs to {_nvshmem_owner!r}; {owner!r} cannot initialise "
+            "it again: use backends of one family per process (e.g. deepep_ll or pplx)"
+        )
+    _nvshmem_owner = owner
+
+
 def close_all() -> None:
     """Close every shared transport (e.g. before ``destroy_process_group``)."""
     entries = list(_SHARED.values())

@@ -1,5 +1,6 @@
-"""The DeepEP adapters' plumbing on one CPU process, against a stand-in ``deep_ep`` module
-that implements the calls they make with DeepEP's documented semantics for one rank
+"""The DeepEP and pplx-kernels adapters' plumbing on one CPU process, against stand-in
+``deep_ep`` / ``pplx_kernels`` modules that implement the calls they make with the
+libraries' documented semantics for one rank
 (``Buffer.get_dispatch_layout`` / ``dispatch`` / ``combine``; ``low_latency_dispatch`` /
 ``low_latency_combine`` with receive hooks). What it checks: the arguments they pass
 (int64 ids, float32 weights, FP8 rows as (e4m3, scales)), the layouts they hand to the
@@ -112,6 +113,7 @@ def fake_deep_ep(monkeypatch):
     module = types.ModuleType("deep_ep")
     module.Buffer = _FakeBuffer
     monkeypatch.setitem(sys.modules, "deep_ep", module)
+    monkeypatch.setattr(transport, "_nvshmem_owner", None)
     _FakeBuffer.created = _FakeBuffer.destroyed = 0
     yield module
     transport.close_all()
@@ -240,3 +242,102 @@ def test_without_deep_ep_the_error_says_how_to_install(monkeypatch):
 
     with pytest.raises(ImportError, match="github.com/deepseek-ai/DeepEP"):
         _deepep.import_deep_ep()
+
+
+class _FakeATA:
+    """pplx_kernels.AllToAll for one rank: the documented dispatch/combine semantics."""
+
+    created = destroyed = 0
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[tuple[str, bool, bool]] = []
+        _FakeATA.created += 1
+
+    @classmethod
+    def intranode(cls, **kwargs):
+        assert kwargs["dp_size"] == 1 and kwargs["world_size"] == 1
+        return cls(**kwargs)
+
+    def destroy(self):
+        _FakeATA.destroyed += 1
+
+    def dispatch(self, out_counts, out_x, out_scale, x, x_scale, indices, bound_m,
+                 do_send=True, do_recv=True):  # fmt: skip
+        assert indices.dtype == torch.uint32 and bound_m.dtype == torch.uint32
+        self.calls.append(("dispatch", do_send, do_recv))
+        if not do_recv:
+            return
+        out_counts.zero_()
+        for t in range(int(bound_m[0])):
+            for k in range(indices.shape[1]):
+                e = int(indices[t, k])
+                row = int(out_counts[e])
+                out_x[e, row] = x[t]
+                if x_scale is not None:
+                    out_scale[e, row] = x_scale[t]
+                out_counts[e] += 1
+
+    def combine(self, out, indices, weights, expert_y, bound_m, do_send=True, do_recv=True):
+        self.calls.append(("combine", do_send, do_recv))
+        if not do_recv:
+            return
+        seen = torch.zeros(expert_y.shape[0], dtype=torch.int64)
+        acc = torch.zeros(out.shape, dtype=torch.float32)
+        for t in range(int(bound_m[0])):
+            for k in range(indices.shape[1]):
+                e = int(indices[t, k])
+                acc[t] += weights[t, k] * expert_y[e, seen[e]].float()
+                seen[e] += 1
+        out.copy_(acc)
+
+
+@pytest.fixture
+def fake_pplx(monkeypatch):
+    pplx = types.ModuleType("pplx_kernels")
+    pplx.AllToAll = _FakeATA
+    nvshmem = types.ModuleType("nvshmem")
+    core = types.ModuleType("nvshmem.core")
+    core.get_unique_id = lambda empty=False: "uid"
+    core.init = lambda **kwargs: None
+    nvshmem.core = core
+    for name, module in (("pplx_kernels", pplx), ("nvshmem", nvshmem), ("nvshmem.core", core)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(transport, "_nvshmem_owner", None)
+    _FakeATA.created = _FakeATA.destroyed = 0
+    yield
+    transport.close_all()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_pplx_split_phase_uint32_ids_and_no_expert_entries(fake_pplx, fp8):
+    x, ids, w, w13, w2 = _inputs(2)  # token 0 has an entry without expert (-1)
+    comm = _backend("pplx", _spec(fp8), Layout.EXPERT_BATCHED)
+    pending = comm.dispatch_async(x, ids, w)
+    ata = comm._ata()
+    assert ata.calls == [("dispatch", True, False)]  # the send half only
+    with pytest.raises(RuntimeError, match="one dispatch result at a time"):
+        comm.dispatch_async(x, ids, w)
+    res = pending.wait()
+    assert ata.calls[-1] == ("dispatch", False, True)
+    rows = _rows(res.hidden, res.hidden_scale)
+    y = torch.zeros_like(rows)
+    for e, n in enumerate(res.counts.tolist()):
+        y[e, :n] = expert_mlp(rows[e, :n], w13[e], w2[e])
+    out = comm.combine(y.to(torch.bfloat16), res)
+    assert [c[0] for c in ata.calls[-2:]] == ["combine", "combine"]
+    sent = x.float()
+    if fp8:  # the rows as the adapter's quantizer sent them (the interpreter's e4m3 cast
+        # rounds a little apart from torch's; the GPU tests check the kernel bit for bit)
+        from epmoe.kernels.ops import per_token_group_quant_fp8
+
+        sent = _rows(*per_token_group_quant_fp8(x))
+    assert_close(out, epmoe.reference.moe(sent, w13, w2, w, ids), 2e-2, name="pplx")
+    comm.close()
+    assert _FakeATA.destroyed == 1
+
+
+def test_nvshmem_has_one_owner_per_process(fake_pplx, fake_deep_ep):
+    _backend("deepep_ll", _spec(), Layout.EXPERT_BATCHED)
+    with pytest.raises(RuntimeError, match="NVSHMEM in this process belongs to 'deep_ep'"):
+        _backend("pplx", _spec(), Layout.EXPERT_BATCHED)

@@ -1,0 +1,237 @@
+"""``pplx``: the ExpertBatched layout over pplx-kernels (``pplx_kernels.AllToAll``).
+
+pplx-kernels dispatches each (token, expert) pair into fixed rows ``[e, W·M, H]`` of the
+expert's rank with per-expert counts, and combines the experts' outputs back weighted by
+the router, with no host synchronisation (``bound_m``, this rank's token count, stays on
+the device): graph safe. Its ``do_send`` / ``do_recv`` split maps onto epmoe's split phase.
+FP8 rows go as e4m3 with float32 scales per 128 columns (quantized here before the send).
+
+Mapping of the configuration: epmoe gives every rank its own tokens (data-parallel
+attention), so pplx's ``dp_size`` is 1 and its ``num_dp`` is W; ``max_num_tokens`` is
+epmoe's M_max; experts are partitioned evenly and contiguously (``supports`` refuses other
+placements). Indices are uint32: an id of -1 (no expert) is sent to the rank's first
+expert with weight 0, so it changes no output (a little extra traffic).
+
+pplx-kernels and nvshmem4py are not imported until this backend is chosen (build
+pplx-kernels from its repository); NVSHMEM is initialised once per process, here or by
+another owner, and two different owners (e.g. DeepEP's low-latency buffer) are refused
+with a clear error.
+
+Shape legend: T tokens on this rank · H hidden · G = ceil(H/128) · K top-k · W ranks ·
+M = M_max · e local experts · P physical experts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import _deepep, transport
+from epmoe.comm._collectives import world_of
+from epmoe.comm.base import (
+    FP8_GROUP,
+    AllToAll,
+    Capabilities,
+    CommSpec,
+    DispatchResult,
+    Layout,
+    Pending,
+    check_combine_args,
+    check_dispatch_args,
+)
+
+INSTALL_HINT = (
+    "pplx-kernels is not installed: build it from https://github.com/perplexityai/pplx-kernels "
+    "(python setup.py bdist_wheel; pip install dist/*.whl) with nvshmem4py"
+)
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+
+
+class _PPLXTransport:
+    """One ``pplx_kernels.AllToAll`` per (group, shape), shared by the layers of that shape."""
+
+    def __init__(self, ata) -> None:
+        self.ata = ata
+
+    def close(self) -> None:
+        if self.ata is not None:
+            self.ata.destroy()
+            self.ata = None
+
+
+def _ensure_nvshmem(group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Initialise NVSHMEM (nvshmem4py) for this process once, over ``group``'s ranks."""
+    transport.claim_nvshmem("pplx")
+    nvshmem = _import("nvshmem.core")
+    if getattr(_ensure_nvshmem, "done", False):
+        return
+    rank, world = world_of(group)
+    uid = nvshmem.get_unique_id(empty=True)
+    objects = [nvshmem.get_unique_id() if rank == 0 else None]
+    if dist.is_available() and dist.is_initialized():
+        dist.broadcast_object_list(objects, src=0)
+    nvshmem.init(
+        device=device, uid=objects[0] or uid, rank=rank, nranks=world, initializer_method="uid"
+    )
+    _ensure_nvshmem.done = True
+
+
+class PPLXBackend(AllToAll):
+    """ExpertBatched dispatch/combine over pplx-kernels (intranode, graph safe)."""
+
+    name = "pplx"
+    capabilities = Capabilities(
+        layouts=frozenset({Layout.EXPERT_BATCHED}),
+        dtypes=frozenset({torch.bfloat16}),
+        device_types=frozenset({"cuda"}),
+        graph_safe=True,
+        fp8_dispatch=True,
+        max_in_flight=1,  # one set of receive tensors per backend
+        default_max_tokens=128,
+        auto=False,  # named only
+    )
+
+    @classmethod
+    def unavailable_reason(cls, device, group=None) -> str | None:
+        reason = super().unavailable_reason(device, group)
+        if reason is not None:
+            return reason
+        if not torch.cuda.is_available():
+            return "needs CUDA"
+        if importlib.util.find_spec("pplx_kernels") is None:
+            return INSTALL_HINT
+        if importlib.util.find_spec("nvshmem") is None:
+            return "pplx-kernels needs nvshmem4py (pip install nvshmem4py-cu13)"
+        if dist.is_available() and dist.is_initialized():
+            if "nccl" not in str(dist.get_backend(group)):
+                return "needs an NCCL process group"
+            if dist.get_world_size(group) < 2:
+                return "pplx-kernels needs at least 2 ranks"
+            local = os.environ.get("LOCAL_WORLD_SIZE")
+            W = dist.get_world_size(group)
+            if local is not None and int(local) < W:
+                return f"this adapter serves one node (intranode); LOCAL_WORLD_SIZE={local} < {W}"
+            if group is not None and group is not dist.group.WORLD:
+                return "NVSHMEM is initialised over WORLD: the EP group must be WORLD"
+        return None
+
+    @classmethod
+    def supports(cls, spec: CommSpec) -> str | None:
+        return super().supports(spec) or _deepep.even_partition_reason(spec)
+
+    def __init__(self, spec, group, layout=None):
+        super().__init__(spec, group, layout)
+        pplx = _import("pplx_kernels")
+        dev = spec.device
+        _ensure_nvshmem(self.group, dev)
+        name = "epmoe"
+        if dist.is_available() and dist.is_initialized():  # pplx finds the group by name
+            group = self.group or dist.group.WORLD
+            name = f"epmoe-{group.group_name}"
+            torch._C._distributed_c10d._register_process_group(name, group)
+        W, M, H, K, P = (
+            self.world_size,
+            spec.max_num_tokens,
+            spec.hidden_size,
+            spec.top_k,
+            spec.num_physical,
+        )
+        G = -(-H // FP8_GROUP)
+        wire = spec.wire_dtype
+        self._key = ("pplx", transport.group_key(self.group), M, P, K, H, wire)
+        self._shared = transport.acquire(
+            self._key,
+            lambda: _PPLXTransport(
+                pplx.AllToAll.intranode(
+                    max_num_tokens=M,
+                    num_experts=P,
+                    experts_per_token=K,
+                    rank=self.rank,
+                    world_size=W,
+                    dp_size=1,
+                    hidden_dim=H,
+                    hidden_dim_bytes=H * wire.itemsize,
+                    hidden_dim_scale_bytes=G * 4 if spec.fp8_dispatch else 0,
+                    group_name=name,
+                )
+            ),
+        )
+        e = P // W
+        self._counts = torch.empty(e, dtype=torch.int32, device=dev)
+        self._x = torch.empty(e, M * W, H, dtype=wire, device=dev)
+        fp8 = spec.fp8_dispatch
+        self._scale = torch.empty(e, M * W, G, dtype=torch.float32, device=dev) if fp8 else None
+        self._out = torch.empty(M, H, dtype=spec.dtype, device=dev)
+        self._held = False
+
+    def _ata(self):
+        if self._shared is None or self._shared.ata is None:
+            raise RuntimeError("pplx backend is closed")
+        return self._shared.ata
+
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
+        """The send half now (``do_recv=False``); ``wait()`` receives."""
+        spec, ata = self.spec, self._ata()
+        check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
+        if self._held:
+            raise RuntimeError(
+                "pplx holds one dispatch result at a time (its receive tensors): combine it "
+                "before the next dispatch"
+            )
+        T = hidden_TH.shape[0]
+        none = topk_ids_TK < 0  # no expert: the rank's first expert with weight 0
+        indices = torch.where(none, 0, topk_ids_TK).to(torch.uint32).contiguous()
+        weights = torch.where(none, 0.0, topk_weights_TK.to(torch.float32)).contiguous()
+        x, x_scale = hidden_TH.contiguous(), None
+        if spec.fp8_dispatch:
+            from epmoe.kernels.ops import per_token_group_quant_fp8
+
+            x, x_scale = per_token_group_quant_fp8(x)
+        bound_m = torch.full((1,), T, dtype=torch.uint32, device=spec.device)
+        args = (self._counts, self._x, self._scale, x, x_scale, indices, bound_m)
+        ata.dispatch(*args, do_send=True, do_recv=False)
+        self._held = True
+
+        def receive() -> DispatchResult:
+            ata.dispatch(*args, do_send=False, do_recv=True)
+            return DispatchResult(
+                layout=Layout.EXPERT_BATCHED,
+                hidden=self._x,
+                counts=self._counts,
+                hidden_scale=self._scale,
+                handle=(indices, weights, bound_m, T),
+            )
+
+        return Pending(receive)
+
+    def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
+        """The send half of the weighted combine now; ``wait()`` receives."""
+        check_combine_args(expert_out, result)
+        if expert_out.dtype != torch.bfloat16:
+            raise TypeError(f"pplx combines bf16 rows, got {expert_out.dtype}")
+        indices, weights, bound_m, T = result.handle
+        ata = self._ata()
+        args = (self._out, indices, weights, expert_out.contiguous(), bound_m)
+        ata.combine(*args, do_send=True, do_recv=False)
+
+        def receive() -> torch.Tensor:
+            ata.combine(*args, do_send=False, do_recv=True)
+            self._held = False
+            return self._out[:T].clone()
+
+        return Pending(receive)
+
+    def close(self) -> None:
+        if self._shared is not None:
+            transport.release(self._key)
+        self._shared = None
