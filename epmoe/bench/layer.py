@@ -103,6 +103,9 @@ LAYER_COLUMNS = [
     "backend",
     "layout",
     "experts",
+    "weights",
+    "wire",
+    "micro_batches",
     "mode",
     "W",
     "T",
@@ -166,6 +169,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="part layer: EPMoE's max_num_tokens (M_max; default: the backend's limit or the "
         "layer's default chunk)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="part layer: EPMoE's micro_batches (2: each half's communication overlaps the "
+        "other's experts)",
+    )
+    p.add_argument(
+        "--weight-dtype",
+        default=None,
+        choices=["float8_e4m3fn"],
+        help="part layer: FP8 expert weights (128x128 block scales, quantized from the "
+        "random bf16 ones)",
+    )
+    p.add_argument(
+        "--dispatch-dtype",
+        default=None,
+        choices=["float8_e4m3fn"],
+        help="part layer: FP8 rows on the wire",
     )
     p.add_argument("--eplb-backend", default="auto", help="backend of part eplb")
     p.add_argument("--alpha", type=float, default=1.2, help="Zipf exponent of part eplb")
@@ -343,6 +367,9 @@ def _layer_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any
             backend=name,
             layout=layout,
             max_num_tokens=args.max_num_tokens,
+            micro_batches=args.micro_batches,
+            weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
+            dispatch_dtype=getattr(torch, args.dispatch_dtype) if args.dispatch_dtype else None,
             **ROUTINGS[args.routing],
         )
         for T in cfg["tokens"]:
@@ -384,7 +411,7 @@ def _time_layer(layer, T, cfg, rank, W, device, timing, args, copy_bw) -> list[d
     layer.comm.combine(layer.experts(result, layer.expert_weights()).to(dtype), result)
     eager_ops = count_device_ops(lambda: step(x0_TH, logits0_TE), device)
 
-    weight_bytes = sum(t.numel() * t.element_size() for t in (layer.w13, layer.w2))
+    weight_bytes = sum(t.numel() * t.element_size() for t in layer.slot_tensors().values())
     weights_read_us = chunks * weight_bytes / copy_bw * 1e6
     base = dict(
         kind="layer",
@@ -399,6 +426,9 @@ def _time_layer(layer, T, cfg, rank, W, device, timing, args, copy_bw) -> list[d
         H=H,
         I=cfg["I"],
         dtype=cfg["dtype_name"],
+        weights=str(layer.weight_dtype).removeprefix("torch."),
+        wire=str(layer.dispatch_dtype or layer.params_dtype).removeprefix("torch."),
+        micro_batches=layer.micro_batches,
         chunks=chunks,
         max_num_tokens=M,
         sms=getattr(layer.comm, "num_sms", None),
