@@ -10,6 +10,10 @@
 #     dist               the multi-process tests (tests/distributed) on NCCL and CUDA tensors
 #     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
 #     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
+#     ht                 symm_ht: its GPU tests, and the comm benchmark at prefill sizes
+#                        (every SM and a 32-SM budget, 1 and 4 rows per flag)
+#     conformance        the registry's conformance suite and the FP8-weights tests on NCCL
+#     overlap            the layer benchmark with two micro-batches and FP8 expert weights
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source launch/gpu_env.sh
@@ -49,6 +53,27 @@ for s in "${STEPS[@]}"; do
         timeout "${PROFILE_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 128 --backends symm_ll:expert_batched --iters 5 --warmup 3 --profile \
             >"$OUT/profile.log" 2>&1
+        ;;
+    ht)
+        EPMOE_TEST_DEVICE=cuda timeout "${HT_TESTS_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider \
+            tests/gpu/test_symm_ht.py >"$OUT/ht.log" 2>&1 &&
+        timeout "${HT_BENCH_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
+            --tokens 128 512 4096 16384 --backends symm_ht:standard symm_ht:standard:32 \
+            symm_ll:expert_batched all_to_all:standard --iters 10 --warmup 3 \
+            --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1
+        ;;
+    conformance)
+        EPMOE_TEST_DEVICE=cuda timeout "${CONF_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
+            tests/distributed/test_comm_v2.py tests/distributed/test_fp8_weights.py \
+            >"$OUT/conformance.log" 2>&1
+        ;;
+    overlap)
+        timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --parts layer --tokens 128 4096 --experts triton --backends symm_ll symm_ht \
+            --micro-batches 2 --iters 10 --out "$OUT/layer_overlap.json" >"$OUT/overlap.log" 2>&1
+        timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --parts layer --tokens 128 --max-num-tokens 128 --experts triton --backends symm_ll \
+            --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1
         ;;
     *) echo "unknown step $s"; status=1; continue ;;
     esac

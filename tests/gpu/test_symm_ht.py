@@ -60,12 +60,13 @@ def exact_dispatch(rank, world):
     sweep = Sweep()
     cases = {"T=11": 11, "T=0 on rank 1": 0 if rank == 1 else 7, "T=M_max": M}
     for fp8 in (False, True):
-        for sms in (None, 3):  # every SM, and few enough that each kernel loops
+        # every SM one row per flag; and few enough SMs that each kernel loops, 4 rows per flag
+        for sms, per_flag in ((None, 1), (3, 4)):
             spec = _spec(placement, dev, fp8)
-            comm = SymmHTBackend(spec, None, Layout.STANDARD, num_sms=sms)
+            comm = SymmHTBackend(spec, None, Layout.STANDARD, num_sms=sms, tokens_per_flag=per_flag)
             for name, T in cases.items():
                 for routing in ("uniform", "one expert", "one rank"):
-                    with sweep.case(f"{name} fp8={fp8} sms={sms} {routing}"):
+                    with sweep.case(f"{name} fp8={fp8} sms={sms}/{per_flag} {routing}"):
                         g = torch.Generator().manual_seed(100 * rank + T)
                         ids = _routing(rank, T, g, routing)
                         w = torch.softmax(torch.randn(T, K, generator=g), -1)
