@@ -135,7 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--backends",
         nargs="+",
         default=DEFAULT_BACKENDS,
-        help="name:layout pairs, or name:layout:SMs for a backend with an SM budget (symm_ht)",
+        help="name:layout pairs; symm_ht also name:layout:SMs[:ROWS] (an SM budget, rows "
+        "stored per flag)",
     )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
@@ -523,18 +524,24 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
     """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
     name, layout_name, *budget = entry.split(":")
     layout = Layout(layout_name)
-    num_sms = int(budget[0]) if budget else None
+    options = {}  # name:layout:SMs[:rows per flag] (symm_ht)
+    if budget and budget[0]:
+        options["num_sms"] = int(budget[0])
+    if len(budget) > 1:
+        options["tokens_per_flag"] = int(budget[1])
     wire = dtype_name(spec.wire_dtype)
     T, H, K = x_TH.shape[0], spec.hidden_size, spec.top_k
     base = dict(kind="comm", backend=name, layout=layout.value, wire=wire, **ctx["shape"], T=T)
+    if "tokens_per_flag" in options:
+        base["per_flag"] = options["tokens_per_flag"]
     reason = backend_skip_reason(name, layout, spec, x_TH.device, ctx["group"])
     if reason is not None:
         return [dict(base, mode="-", note=f"skipped: {reason}")]
     device = x_TH.device
-    if num_sms is None:
+    if not options:
         comm = create_backend(name, spec, ctx["group"], layout)
-    else:  # an SM budget: backends whose constructor takes num_sms
-        comm = backend_class(name)(spec, ctx["group"], layout, num_sms=num_sms)
+    else:  # an SM budget (and rows per flag): backends whose constructor takes them
+        comm = backend_class(name)(spec, ctx["group"], layout, **options)
     try:
         m = measure_dispatch_combine(comm, x_TH, ids_TK, weights_TK, ctx["timing"])
         if ctx["profile"]:

@@ -62,13 +62,16 @@ def comm_series(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[in
     ``all_to_all_single`` of the same rows (``a2a_us``) under both phases."""
     out: dict[tuple[str, str, str], dict[int, float]] = {}
     comm = [r for r in records if r.get("kind") == "comm" and "dispatch_us" in r]
-    graph_safe = {(r["backend"], r.get("sms")) for r in comm if r["mode"] == "graph_b2b"}
+    graph_safe = {
+        (r["backend"], r.get("sms"), r.get("per_flag")) for r in comm if r["mode"] == "graph_b2b"
+    }
     for r in comm:
-        key = (r["backend"], r.get("sms"))
+        key = (r["backend"], r.get("sms"), r.get("per_flag"))
         mode = "graph_b2b" if key in graph_safe else "eager_b2b"
         if r["mode"] != mode:
             continue
         sms = f", {r['sms']} SMs" if r.get("sms") else ""
+        sms += f", {r['per_flag']} rows/flag" if r.get("per_flag") else ""
         label = f"{r['backend']} ({r['layout']}{sms}; {mode.replace('_b2b', '')})"
         for phase in ("dispatch", "combine"):
             out.setdefault((r["wire"], phase, label), {})[r["T"]] = r[f"{phase}_us"]
