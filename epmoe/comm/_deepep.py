@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from epmoe.comm import transport
-from epmoe.comm.base import CommSpec
+from epmoe.comm.base import CommSpec, one_nvlink_node_reason
 
 INSTALL_HINT = (
     "DeepEP is not installed: build it from https://github.com/deepseek-ai/DeepEP "
@@ -41,17 +39,13 @@ def import_deep_ep() -> Any:
 
 def unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
     """Why the DeepEP backends cannot run here (``None`` when they can)."""
-    if not torch.cuda.is_available():
-        return "needs CUDA"
+    reason = one_nvlink_node_reason(group)
+    if reason is not None:
+        return reason
     if importlib.util.find_spec("deep_ep") is None:
         return INSTALL_HINT
     if dist.is_available() and dist.is_initialized():
-        if "nccl" not in str(dist.get_backend(group)):
-            return "needs an NCCL process group"
         W = dist.get_world_size(group)
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is not None and int(local) < W:
-            return f"these adapters serve one node (NVLink); LOCAL_WORLD_SIZE={local} < {W} ranks"
         if W not in (2, 4, 8):
             return f"DeepEP's intranode kernels take 2, 4 or 8 ranks, not {W}"
     return None

@@ -43,6 +43,7 @@ and finished), also with ``T = 0``, in the same order on every rank.
 from __future__ import annotations
 
 import enum
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -355,6 +356,21 @@ class AllToAll(ABC):
 
     def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release buffers. The backend must not be used afterwards."""
+
+
+def one_nvlink_node_reason(group: dist.ProcessGroup | None) -> str | None:
+    """Why ``group`` cannot serve a backend that needs CUDA and its ranks on one node
+    (NVLink peers; NCCL), or ``None``. Without torch.distributed: only CUDA is checked."""
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    if _is_distributed(group):
+        if "nccl" not in str(dist.get_backend(group)):
+            return "needs an NCCL process group"
+        W = dist.get_world_size(group)
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is not None and int(local) < W:
+            return f"needs all {W} ranks on one node (NVLink peers); LOCAL_WORLD_SIZE={local}"
+    return None
 
 
 def _is_distributed(group: dist.ProcessGroup | None) -> bool:

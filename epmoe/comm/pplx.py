@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 
 import torch
 import torch.distributed as dist
@@ -42,6 +41,7 @@ from epmoe.comm.base import (
     Pending,
     check_combine_args,
     check_dispatch_args,
+    one_nvlink_node_reason,
 )
 
 INSTALL_HINT = (
@@ -106,21 +106,16 @@ class PPLXBackend(AllToAll):
         reason = super().unavailable_reason(device, group)
         if reason is not None:
             return reason
-        if not torch.cuda.is_available():
-            return "needs CUDA"
+        reason = one_nvlink_node_reason(group)
+        if reason is not None:
+            return reason
         if importlib.util.find_spec("pplx_kernels") is None:
             return INSTALL_HINT
         if importlib.util.find_spec("nvshmem") is None:
             return "pplx-kernels needs nvshmem4py (pip install nvshmem4py-cu13)"
         if dist.is_available() and dist.is_initialized():
-            if "nccl" not in str(dist.get_backend(group)):
-                return "needs an NCCL process group"
             if dist.get_world_size(group) < 2:
                 return "pplx-kernels needs at least 2 ranks"
-            local = os.environ.get("LOCAL_WORLD_SIZE")
-            W = dist.get_world_size(group)
-            if local is not None and int(local) < W:
-                return f"this adapter serves one node (intranode); LOCAL_WORLD_SIZE={local} < {W}"
             if group is not None and group is not dist.group.WORLD:
                 return "NVSHMEM is initialised over WORLD: the EP group must be WORLD"
         return None

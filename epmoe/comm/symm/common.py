@@ -34,6 +34,7 @@ from epmoe.comm.base import (
     CommSpec,
     check_combine_args,
     check_dispatch_args,
+    one_nvlink_node_reason,
 )
 
 ALIGN = 256  # bytes between regions (the kernels need 16)
@@ -236,20 +237,14 @@ class SymmBackend(AllToAll):
         reason = super().unavailable_reason(device, group)
         if reason is not None:
             return reason
-        if not torch.cuda.is_available():
-            return "needs CUDA"
+        reason = one_nvlink_node_reason(group)
+        if reason is not None:
+            return reason
         try:
             importlib.import_module("triton")
             importlib.import_module("torch.distributed._symmetric_memory")
         except ImportError as exc:
             return f"needs triton and torch symmetric memory ({exc})"
-        if dist.is_available() and dist.is_initialized():
-            if "nccl" not in str(dist.get_backend(group)):
-                return "needs an NCCL process group (symmetric memory is CUDA-only)"
-            W = dist.get_world_size(group)
-            local = os.environ.get("LOCAL_WORLD_SIZE")
-            if local is not None and int(local) < W:
-                return f"needs all {W} ranks on one node (NVLink peers); LOCAL_WORLD_SIZE={local}"
         return None
 
     def __init__(self, spec, group, layout=None):
