@@ -632,7 +632,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     safetensors shards; transformers 5 also writes the checkpoint's original per-expert
     names where the model defines that conversion), so ``AutoModelForCausalLM.
     from_pretrained(save_directory)`` loads the unconverted model, with the same logits,
-    and ``replace_moe_blocks`` converts it again with any placement or world size.
+    and ``replace_moe_blocks`` converts it again with any placement or world size. Layers
+    holding FP8 experts (``weight_dtype``) are written dequantized, in the block's dtype.
 
     Collective over the blocks' EP group (all blocks must share one): every rank calls it.
     The files are written by global rank 0 (as ``transformers`` decides when
@@ -720,7 +721,14 @@ def _hf_state_dict(
         layout, prefix = block._hf_layout, f"{name}."
         for key, original in layout.renamed.items():
             out[prefix + original] = state[prefix + key]
-        experts = layout.expert_state(full[name]["w13"], full[name]["w2"])
+        w13, w2 = full[name]["w13"], full[name]["w2"]
+        if "w13_scale" in full[name]:  # FP8 expert weights: written dequantized, in the
+            # block's own dtype (the unconverted model holds no FP8 experts)
+            from epmoe.reference import dequantize_block
+
+            w13 = dequantize_block(w13, full[name]["w13_scale"]).to(layout.dtype)
+            w2 = dequantize_block(w2, full[name]["w2_scale"]).to(layout.dtype)
+        experts = layout.expert_state(w13, w2)
         if set(experts) != layout.expert_keys:
             raise ValueError(
                 f"{name}: the experts would be written as {sorted(experts)[:4]}... but the "

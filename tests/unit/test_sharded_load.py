@@ -136,6 +136,14 @@ def test_fp8_checkpoint_into_fp8_layers(tmp_path):
     assert blocks and all(b.moe.w13.dtype == torch.float8_e4m3fn for b in blocks)
     assert all(b.moe.w13_scale is not None for b in blocks)
     assert_close(_logits(fp8), _logits(plain), 6e-2, name="FP8 layers vs dequantised")
+    # saved back in the Hugging Face layout: dequantized, the same model when reloaded
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.integrations.huggingface import save_pretrained
+
+    save_pretrained(fp8, tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    torch.testing.assert_close(_logits(reloaded), _logits(fp8), rtol=1e-4, atol=1e-4)
 
 
 def _checkpoint_without(tmp_path, family: str, key: str) -> None:
