@@ -131,6 +131,17 @@ def load_shard(
         if error is not None:
             error_msgs.append(error)
             return False
+    for name, tensor in layer.slot_tensors().items():
+        saved = state_dict.get(prefix + name)
+        if isinstance(saved, torch.Tensor) and saved.dtype != tensor.dtype:
+            # copy_ would cast silently: FP8 codes read as values, or values as codes
+            error_msgs.append(
+                f"EPMoE at {_where(prefix)}: {prefix + name} was saved as {saved.dtype}, this "
+                f"layer holds {tensor.dtype} (weight_dtype={layer.weight_dtype}); build the "
+                "layer with the weight_dtype it was saved with, or load full experts with "
+                "epmoe.checkpoint.load_full_experts (which converts)"
+            )
+            return False
     errors_before = len(error_msgs)
     load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
     complete = all(prefix + name in state_dict for name in layer.slot_tensors())

@@ -248,6 +248,12 @@ class EPMoE(nn.Module):
                     f"weight_scale must be 'block' (128×128) or 'per_expert', got {weight_scale!r}"
                 )
             self.weight_scale = weight_scale if self.fp8_weights else None
+            if self.weight_scale == "block" and intermediate_size % FP8_GROUP:
+                raise ValueError(
+                    f"weight_scale='block' needs intermediate_size % 128 == 0 (w13 stacks the "
+                    f"gate and up rows: their 128-row blocks must not straddle), got "
+                    f"{intermediate_size}; use weight_scale='per_expert'"
+                )
             if device is not None:
                 self.device = normalize_device(device)
             else:
@@ -591,7 +597,7 @@ class EPMoE(nn.Module):
         for comm in (self.comm, self.decode_comm):
             if comm is None:
                 continue
-            reason = comm.supports(comm.spec.with_offsets(placement.rank_offsets))
+            reason = comm.rebind_reason(comm.spec.with_offsets(placement.rank_offsets))
             if reason is not None:
                 raise ValueError(f"backend {comm.name!r} cannot serve the new placement: {reason}")
 
@@ -683,6 +689,11 @@ class EPMoE(nn.Module):
         their scales; full-precision ones are quantized for an FP8 layer; FP8 weights given
         to a full-precision layer are dequantized. Scales are ``None`` for such a layer."""
         _check_weights(where, w13=w13, w2=w2)
+        if w13.dtype != w2.dtype:
+            raise TypeError(
+                f"{where}: w13 and w2 must have one dtype (FP8 with scales, or full "
+                f"precision), got {w13.dtype} and {w2.dtype}"
+            )
         given = {"w13_scale": w13_scale, "w2_scale": w2_scale}
         fp8_in = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
         if fp8_in and (w13_scale is None or w2_scale is None):
@@ -1127,7 +1138,12 @@ class EPMoE(nn.Module):
             keep |= {id(self.w13), id(self.w2)}
         if self.e_score_correction_bias is not None:
             keep.add(id(self.e_score_correction_bias))
-        return super()._apply(lambda t: t if id(t) in keep else fn(t), recurse)
+
+        def apply(t):
+            out = fn(t)
+            return t if id(t) in keep and out.dtype != t.dtype else out
+
+        return super()._apply(apply, recurse)
 
     def extra_repr(self) -> str:
         return (

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -201,8 +203,8 @@ def idle_forward(blocks: list[EPMoEBlock], hidden_size: int, device) -> None:
 def percentiles(values: list[float]) -> str:
     if not values:
         return "n/a"
-    v = sorted(values)
-    pick = {q: v[min(len(v) - 1, int(q / 100 * len(v)))] for q in (50, 90, 99)}
+    v = sorted(values)  # nearest rank: the smallest value with q % of them at or below it
+    pick = {q: v[max(math.ceil(q / 100 * len(v)) - 1, 0)] for q in (50, 90, 99)}
     return ", ".join(f"p{q} {x * 1e3:.1f} ms" for q, x in pick.items())
 
 
@@ -301,7 +303,10 @@ def main(argv: list[str] | None = None) -> None:
             f"steps on {W} rank(s) ({device.type}): {total / elapsed:.0f} tokens/s",
             flush=True,
         )
-        print(f"time to first token: {percentiles(ttft)}", flush=True)
+        print(
+            f"time to first token (from the start, queueing included): {percentiles(ttft)}",
+            flush=True,
+        )
         print(f"inter-token latency: {percentiles(itl)}", flush=True)
         if args.check:
             n, bad = sum(e[2] for e in everyone), sum(e[3] for e in everyone)
@@ -314,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
         slots = [placement.num_local(r) for r in range(W)]
         print(f"layer 0 now: {placement.num_physical} expert slots, per rank {slots}", flush=True)
     if group is not None:
+        # let every rank finish with the model's collectives before the group goes
+        del engine, manager, blocks, model, reference
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

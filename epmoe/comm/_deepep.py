@@ -80,15 +80,27 @@ class SharedBuffer:
 
 
 def acquire_buffer(
-    group: dist.ProcessGroup | None, mode: str, sizes: dict[str, int], create
+    group: dist.ProcessGroup | None,
+    mode: str,
+    sizes: dict[str, int],
+    *,
+    create,
+    exact: bool = False,
 ) -> tuple[tuple, SharedBuffer]:
     """The group's shared buffer of ``mode`` (``"ht"`` or ``"ll"``), created by ``create()``
     for the first holder. A later holder that needs more than it was sized for gets a
     clear error (a second NVSHMEM-backed buffer in one process would fail inside
-    NVSHMEM): build every layer of a group with the same sizes."""
+    NVSHMEM): build every layer of a group with the same sizes. ``exact``: the sizes must
+    be equal, not only fit (a buffer whose layout depends on them)."""
     key = ("deep_ep", mode, transport.group_key(group))
     shared = transport.acquire(key, lambda: SharedBuffer(create(), dict(sizes)))
-    small = {k: (v, shared.sizes.get(k, 0)) for k, v in sizes.items() if v > shared.sizes.get(k, 0)}
+
+    def off(want: int, have: int) -> bool:
+        return want != have if exact else want > have
+
+    small = {
+        k: (v, shared.sizes.get(k, 0)) for k, v in sizes.items() if off(v, shared.sizes.get(k, 0))
+    }
     if small:
         transport.release(key)
         raise ValueError(

@@ -345,11 +345,20 @@ class AllToAll(ABC):
                 f"rebind keeps the ranks: rank_offsets must have {self.world_size + 1} entries, "
                 f"got {len(spec.rank_offsets)}"
             )
-        reason = self.supports(spec)
+        reason = self.rebind_reason(spec)
         if reason is not None:
             raise ValueError(f"backend {self.name!r} cannot serve the new placement: {reason}")
-        self.spec = spec
-        self._bind()
+        old, self.spec = self.spec, spec
+        try:
+            self._bind()
+        except BaseException:
+            self.spec = old
+            raise
+
+    def rebind_reason(self, spec: CommSpec) -> str | None:
+        """Why this backend (its buffers as allocated) cannot be rebound to ``spec``, or
+        ``None``; checked before a re-plan moves any weight. Default: ``supports``."""
+        return self.supports(spec)
 
     def _bind(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Derive per-placement state from ``self.spec`` (called by ``rebind``)."""

@@ -60,6 +60,10 @@ class DeepEPHTBackend(AllToAll):
             return reason
         if spec.top_k > 32:
             return f"DeepEP's normal mode takes top-k <= 32, not {spec.top_k}"
+        if spec.hidden_size % 8:
+            return (
+                f"DeepEP's kernels move rows in 16-byte vectors: H % 8 == 0, not {spec.hidden_size}"
+            )
         if spec.fp8_dispatch and spec.hidden_size % FP8_GROUP:
             return f"DeepEP's FP8 rows need H divisible by 128, not {spec.hidden_size}"
         return _deepep.even_partition_reason(spec)
@@ -78,7 +82,7 @@ class DeepEPHTBackend(AllToAll):
             self.group,
             "ht",
             {"nvl_bytes": nvl_bytes},
-            lambda: Buffer(self.group, nvl_bytes, 0, explicitly_destroy=True),
+            create=lambda: Buffer(self.group, nvl_bytes, 0, explicitly_destroy=True),
         )
 
     def _buffer(self):
@@ -91,7 +95,7 @@ class DeepEPHTBackend(AllToAll):
         the host: the result is ready (a finished ``Pending``)."""
         spec, buffer = self.spec, self._buffer()
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
-        ids = topk_ids_TK.to(torch.int64).contiguous()
+        ids = topk_ids_TK.to(getattr(self._deep_ep, "topk_idx_t", torch.int64)).contiguous()
         weights = topk_weights_TK.to(torch.float32).contiguous()
         x = hidden_TH.contiguous()
         if spec.fp8_dispatch:
@@ -115,7 +119,7 @@ class DeepEPHTBackend(AllToAll):
             DispatchResult(
                 layout=Layout.STANDARD,
                 hidden=hidden,
-                topk_ids=recv_ids,
+                topk_ids=recv_ids.to(torch.int64),
                 topk_weights=recv_weights,
                 hidden_scale=scale,
                 handle=handle,

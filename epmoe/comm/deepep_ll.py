@@ -6,7 +6,9 @@ with per-expert counts; ``low_latency_combine`` sends the experts' unweighted ou
 and reduces them with the router weights in the kernel. No host synchronisation: graph
 safe. The split phase maps onto DeepEP's receive hook: ``dispatch_async`` / ``combine_async``
 launch the send half only (``return_recv_hook=True``, no SMs held), ``wait()`` calls the
-hook. DeepEP keeps two buffers, so at most two dispatch results may be held at once.
+hook. DeepEP keeps two buffers, but each call clears the other's signals when it is
+issued, so a call must be received before the next is issued: one result at a time
+(``max_in_flight=1``; ``micro_batches=2`` is refused).
 
 Limits (DeepEP's, refused by ``supports`` with the reason): H in {2048, 2560, 3072, 4096,
 5120, 6144, 7168, 8192}, top-k ≤ 11, bf16, experts partitioned evenly, and every rank of
@@ -36,6 +38,7 @@ from epmoe.comm.base import (
 
 SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOP_K = 11
+MAX_TOKENS = 511  # (M + 1) * 2 <= NVSHMEM_QP_DEPTH, 1024 by default
 NUM_BUFFERS = 2
 
 
@@ -49,7 +52,9 @@ class DeepEPLLBackend(AllToAll):
         device_types=frozenset({"cuda"}),
         graph_safe=True,
         fp8_dispatch=True,
-        max_in_flight=NUM_BUFFERS,
+        # DeepEP clears the other buffer's signals when it issues a call: call N must be
+        # received before call N + 1 is issued, so one result at a time
+        max_in_flight=1,
         default_max_tokens=128,
         auto=False,  # named only
     )
@@ -69,6 +74,14 @@ class DeepEPLLBackend(AllToAll):
             )
         if spec.top_k > MAX_TOP_K:
             return f"DeepEP's low-latency kernels take top-k <= {MAX_TOP_K}, not {spec.top_k}"
+        W, M = spec.world_size, spec.max_num_tokens
+        if (W * M) % 4:
+            return f"DeepEP's low-latency kernels need W * max_num_tokens % 4 == 0, got {W} * {M}"
+        if M > MAX_TOKENS:
+            return (
+                f"DeepEP's low-latency mode takes max_num_tokens <= {MAX_TOKENS} (its NVSHMEM "
+                f"queue depth), got {M}"
+            )
         return _deepep.even_partition_reason(spec)
 
     def __init__(self, spec, group, layout=None):
@@ -81,8 +94,9 @@ class DeepEPLLBackend(AllToAll):
         self._key, self._shared = _deepep.acquire_buffer(
             self.group,
             "ll",
-            {"rdma_bytes": rdma_bytes, "max_num_tokens": M, "num_experts": P},
-            lambda: Buffer(
+            {"rdma_bytes": rdma_bytes, "max_num_tokens": M, "num_experts": P, "hidden": H},
+            exact=True,  # its layout (signal counters included) depends on M, P and H
+            create=lambda: Buffer(
                 self.group,
                 num_rdma_bytes=rdma_bytes,
                 low_latency_mode=True,
@@ -97,27 +111,28 @@ class DeepEPLLBackend(AllToAll):
             raise RuntimeError("deepep_ll backend is closed")
         return self._shared.buffer
 
-    def _bind(self) -> None:
+    def rebind_reason(self, spec: CommSpec) -> str | None:
         """A re-plan keeps the buffer only with the same slot count: DeepEP's low-latency
         buffer is built for P experts (P/W queue pairs per rank)."""
         allocated = self._shared.sizes["num_experts"] if self._shared is not None else None
-        if allocated is not None and self.spec.num_physical != allocated:
-            raise ValueError(
+        if allocated is not None and spec.num_physical != allocated:
+            return (
                 f"deepep_ll's buffer serves P={allocated} expert slots, the new placement has "
-                f"{self.spec.num_physical}: build the layers with the re-plans' slot count from "
+                f"{spec.num_physical}: build the layers with the re-plans' slot count from "
                 "the start (EPLBManager with a fixed num_redundant keeps it)"
             )
+        return super().rebind_reason(spec)
 
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The send half now; ``wait()`` calls DeepEP's receive hook."""
         spec, buffer = self.spec, self._buffer()
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
-        if self._held >= NUM_BUFFERS:
+        if self._held >= 1:
             raise RuntimeError(
-                f"deepep_ll holds at most {NUM_BUFFERS} dispatch results at once (DeepEP's two "
-                "buffers): combine one before the next dispatch"
+                "deepep_ll holds one dispatch result at a time (DeepEP's next call clears the "
+                "other buffer's signals): combine it before the next dispatch"
             )
-        ids = topk_ids_TK.to(torch.int64).contiguous()
+        ids = topk_ids_TK.to(getattr(self._deep_ep, "topk_idx_t", torch.int64)).contiguous()
         weights = topk_weights_TK.to(torch.float32).contiguous()
         recv, counts, handle, _, hook = buffer.low_latency_dispatch(
             hidden_TH.contiguous(),

@@ -335,7 +335,7 @@ def _execute(
         return tensors
     index = torch.tensor(changed, dtype=torch.int64, device=tensors[0].device)
     for t, stage in zip(tensors, stages):
-        t.index_copy_(0, index, stage)
+        _wire(t).index_copy_(0, index, _wire(stage))  # (no float8 index_copy_ kernel)
     return tensors
 
 
@@ -441,6 +441,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the collectives can move it: FP8 weights travel as their bytes (gloo has no
-    float8 type); a view, so a receive lands in ``t``."""
+    """``t`` as the collectives and ``index_copy_`` can move it: FP8 weights as their bytes
+    (gloo has no float8 type, index_copy_ no float8 kernel); a view, so writes land in
+    ``t``."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t

@@ -25,7 +25,7 @@ from tests.distributed.cases import (
 from tests.harness import Sweep
 
 FP8 = torch.float8_e4m3fn
-E, K, H, I = 8, 2, 160, 136  # partial 128-blocks in every weight dimension
+E, K, H, I = 8, 2, 160, 256  # H: partial 128-blocks (I: whole ones, as block scales need)
 
 
 def _layer(placement, backend, layout, scale, dev, dtype, experts="torch", **kwargs):
@@ -70,17 +70,19 @@ def check_fp8_weights(rank, world, device="cpu", dtype_name="float32", experts="
             layer.load_experts(w13, w2)  # quantized on load, as the oracle's
             before = layer(x, logits)
             load = torch.arange(1, E + 1, dtype=torch.float64) ** 2
-            new = epmoe.ExpertPlacement.balanced(
+            balanced = epmoe.ExpertPlacement.balanced(
                 load, ep_size=world, num_redundant=redundant_slots(E, world, at_least=world)
             )
-            layer.rebalance(new)
-            assert layer.w13.dtype == FP8 and layer.w13_scale.dtype == torch.float32
-            local = torch.tensor(layer.local_experts, device=dev)
-            for name, full in (("w13", q13), ("w2", q2), ("w13_scale", s13), ("w2_scale", s2)):
-                got = getattr(layer, name)
-                assert torch.equal(_bits(got), _bits(full[local])), f"{name} after the move"
-            # the same weights, summed over other ranks in another order: not bit-exact
-            assert_close(layer(x, logits), before, tol, name="after the re-plan")
+            # round-robin keeps every rank's slot count (moved in place), balanced does not
+            for new in (epmoe.ExpertPlacement.round_robin(E, world), balanced):
+                layer.rebalance(new)
+                assert layer.w13.dtype == FP8 and layer.w13_scale.dtype == torch.float32
+                local = torch.tensor(layer.local_experts, device=dev)
+                for name, full in (("w13", q13), ("w2", q2), ("w13_scale", s13), ("w2_scale", s2)):
+                    got = getattr(layer, name)
+                    assert torch.equal(_bits(got), _bits(full[local])), f"{name} after the move"
+                # the same weights, summed over other ranks in another order: not bit-exact
+                assert_close(layer(x, logits), before, tol, name="after the re-plan")
 
         with sweep.case(f"{scale}: full experts with scales load into another placement"):
             src = _layer(placements_of(world)[-1], "all_to_all", None, scale, dev, dtype)

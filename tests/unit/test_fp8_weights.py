@@ -14,7 +14,8 @@ import epmoe
 from epmoe.reference import TOLERANCES, assert_close, dequantize_block, moe, quantize_block
 
 FP8 = torch.float8_e4m3fn
-E, K, H, I = 6, 2, 160, 136  # partial 128-blocks in both dimensions of both weights
+E, K, H, I = 6, 2, 160, 256  # H: a partial 128-block in both weights (I: whole ones,
+# which block scales need: w13 stacks gate and up rows)
 
 
 def _weights(seed=0):
@@ -46,7 +47,7 @@ def test_quantized_on_load_matches_the_oracle_on_the_dequantised_weights(scale):
     layer = _layer(scale)
     layer.load_experts(w13, w2)
     assert layer.w13.dtype == layer.w2.dtype == FP8
-    want_shape = (E, 3, 2) if scale == "block" else (E,)  # ceil(272/128), ceil(160/128)
+    want_shape = (E, 4, 2) if scale == "block" else (E,)  # ceil(512/128), ceil(160/128)
     assert tuple(layer.w13_scale.shape) == want_shape
     per = scale == "per_expert"
     q13, s13 = quantize_block(w13, per_matrix=per)
@@ -104,10 +105,12 @@ def test_what_loading_refuses():
         layer.load_experts(q13, q2)
     with pytest.raises(ValueError, match="scales belong to FP8 weights"):
         layer.load_experts(w13, w2, w13_scale=s13, w2_scale=s2)
-    with pytest.raises(ValueError, match=r"w13_scale must be \[6, 3, 2\] for weight_scale='block'"):
+    with pytest.raises(ValueError, match=r"w13_scale must be \[6, 4, 2\] for weight_scale='block'"):
         layer.load_experts(q13, q2, w13_scale=s13[:, :1], w2_scale=s2)
     with pytest.raises(TypeError, match="w2_scale must be a float tensor"):
         layer.load_expert(0, q13[0], q2[0], w13_scale=s13[0], w2_scale=1.0)
+    with pytest.raises(TypeError, match="w13 and w2 must have one dtype"):
+        layer.load_experts(q13, w2, w13_scale=s13, w2_scale=s2)
     assert not layer.weights_loaded  # nothing was half loaded
 
 
@@ -116,11 +119,24 @@ def test_what_loading_refuses():
     [
         (dict(weight_dtype=torch.float16), "weight_dtype must be None"),
         (dict(weight_dtype=FP8, weight_scale="tensor"), "weight_scale must be 'block'"),
+        (dict(weight_dtype=FP8, intermediate_size=136), "intermediate_size % 128 == 0"),
     ],
 )
 def test_construction_refuses_other_weight_formats(kwargs, match):
+    args = dict(intermediate_size=I, params_dtype=torch.float32, device="cpu") | kwargs
     with pytest.raises(ValueError, match=match):
-        epmoe.EPMoE(E, K, H, I, params_dtype=torch.float32, device="cpu", **kwargs)
+        epmoe.EPMoE(E, K, H, **args)
+
+
+def test_a_shard_of_another_weight_dtype_is_refused_not_cast():
+    w13, w2 = _weights()
+    fp8, plain = _layer(), epmoe.EPMoE(E, K, H, I, params_dtype=torch.float32, device="cpu")
+    fp8.load_experts(w13, w2)
+    plain.load_experts(w13, w2)
+    with pytest.raises(RuntimeError, match="was saved as torch.float8_e4m3fn, this layer holds"):
+        plain.load_state_dict(fp8.state_dict(), strict=False)
+    with pytest.raises(RuntimeError, match="was saved as torch.float32, this layer holds"):
+        fp8.load_state_dict(plain.state_dict(), strict=False)
 
 
 def test_state_dict_round_trip_and_dtype_conversions_keep_fp8():
