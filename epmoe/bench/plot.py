@@ -2,6 +2,7 @@
 
     python -m epmoe.bench.plot eplb results/eplb.json docs/eplb_balancedness.png
     python -m epmoe.bench.plot comm docs/comm_latency.png results/comm.json [more.json ...]
+    python -m epmoe.bench.plot layer docs/layer_step.png results/layer.json
 
 Needs matplotlib (``pip install "epmoe[bench]"``).
 """
@@ -132,6 +133,42 @@ def plot_comm(records: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def plot_layer(records: list[dict], path: str, title: str) -> None:
+    """One EPMoE step per backend and mode (bars, µs), one panel per T, with the floor it
+    is held to drawn on each bar: reading the local expert weights at the copy bandwidth
+    measured in the same run, plus that backend's dispatch and combine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r.get("kind") == "layer" and r.get("layer_us")]
+    if not rows:
+        raise ValueError("no layer records with a step time to plot")
+    tokens = sorted({r["T"] for r in rows})
+    width = max(7.5, 5 * len(tokens))
+    fig, axes = plt.subplots(1, len(tokens), figsize=(width, 4.2), squeeze=False)
+    for ax, T in zip(axes[0], tokens):
+        mine = [r for r in rows if r["T"] == T]
+        labels = [f"{r['backend']}\n{r['mode']}" for r in mine]
+        x = range(len(mine))
+        ax.bar(x, [r["layer_us"] for r in mine], color="tab:blue", label="step")
+        floor = [r["weights_read_us"] + r["dispatch_us"] + r["combine_us"] for r in mine]
+        ax.scatter(x, floor, marker="_", s=900, color="black", zorder=3,
+                   label="weights read + dispatch + combine")  # fmt: skip
+        ax.axhline(mine[0]["weights_read_us"], color="gray", linestyle="--", linewidth=1,
+                   label="weights read alone")  # fmt: skip
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_ylabel("µs per step (median)")
+        ax.set_title(f"T = {T} tokens per rank", fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7, loc="upper right")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw(name: str, records: list[dict], path: str) -> None:
     """``--plot`` of ``python -m epmoe.bench NAME``: this run's records as a PNG."""
     try:
@@ -145,8 +182,20 @@ def draw(name: str, records: list[dict], path: str) -> None:
     machine = machine_info()
     if name == "eplb":
         plot_eplb(records, path, f"EPLB placements ({machine.get('date', '')[:16]})")
+    elif name == "layer":
+        plot_layer(records, path, _layer_title(records, machine))
     else:
         plot_comm(records, path, _comm_title(records, machine))
+
+
+def _layer_title(records: list[dict], machine: dict) -> str:
+    r = next((r for r in records if r.get("kind") == "layer" and "E" in r), {})
+    return (
+        f"one EPMoE step, EP{r.get('W', '?')}, E={r.get('E', '?')}, top-{r.get('K', '?')}, "
+        f"H={r.get('H', '?')}, I={r.get('I', '?')}, {r.get('experts', '?')} experts\n"
+        f"{machine.get('num_gpus', '?')}× {machine.get('gpu', '?')}, "
+        f"{machine.get('date', '')[:16]}"
+    )
 
 
 def _comm_title(records: list[dict], machine: dict) -> str:
@@ -170,8 +219,8 @@ def _load(paths: list[str]) -> tuple[list[dict], dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.plot", description=__doc__)
-    p.add_argument("kind", choices=["eplb", "comm"])
-    p.add_argument("paths", nargs="+", help="eplb: JSON PNG; comm: PNG JSON [JSON ...]")
+    p.add_argument("kind", choices=["eplb", "comm", "layer"])
+    p.add_argument("paths", nargs="+", help="eplb: JSON PNG; comm, layer: PNG JSON [JSON ...]")
     args = p.parse_args(argv)
     try:
         import matplotlib  # noqa: F401
@@ -185,9 +234,12 @@ def main(argv: list[str] | None = None) -> None:
         plot_eplb(records, args.paths[1], f"EPLB placements, 256 experts, top-8 ({date})")
         return
     if len(args.paths) < 2:
-        p.error("comm takes PNG JSON [JSON ...]")
+        p.error(f"{args.kind} takes PNG JSON [JSON ...]")
     records, machine = _load(args.paths[1:])
-    plot_comm(records, args.paths[0], _comm_title(records, machine))
+    if args.kind == "layer":
+        plot_layer(records, args.paths[0], _layer_title(records, machine))
+    else:
+        plot_comm(records, args.paths[0], _comm_title(records, machine))
 
 
 if __name__ == "__main__":

@@ -345,3 +345,19 @@ def test_experts_bench_without_a_gpu_exits_with_an_error_and_the_cpu_command():
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0, done.stdout + done.stderr
     assert "TRITON_INTERPRET=1 python -m epmoe.bench experts --device cpu" in done.stderr
+
+
+def test_layer_plot_draws_each_backend_and_mode(tmp_path):
+    pytest.importorskip("matplotlib")
+    from epmoe.bench import plot
+
+    base = dict(kind="layer", T=128, W=2, E=256, K=8, H=7168, I=2048, experts="triton",
+                weights_read_us=2792.0, dispatch_us=85.0, combine_us=32.0)  # fmt: skip
+    records = [dict(base, backend="symm_ll", mode="graph", layer_us=2674.0),
+               dict(base, backend="all_to_all", mode="eager", layer_us=5022.0),
+               dict(base, backend="all_to_all", mode="graph", note="n/a")]  # fmt: skip
+    png = tmp_path / "layer.png"
+    plot.plot_layer(records, str(png), "test")
+    assert png.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no layer records"):
+        plot.plot_layer(records[2:], str(png), "test")
