@@ -8,7 +8,7 @@ import sys
 
 from epmoe.bench.common import write_json
 
-PLOTS = ("comm", "eplb", "layer")  # benchmarks that --plot draws (epmoe.bench.plot)
+PLOTS = ("comm", "eplb", "layer", "experts")  # benchmarks that --plot draws (epmoe.bench.plot)
 BENCHMARKS = {
     "comm": "dispatch and combine of each all-to-all backend against NCCL all_to_all_single",
     "experts": "batched-expert kernels against dense matmul, torch._grouped_mm and cuBLAS",

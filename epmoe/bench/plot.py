@@ -169,6 +169,47 @@ def plot_layer(records: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def plot_experts(records: list[dict], path: str, title: str) -> None:
+    """TFLOP/s of each expert implementation, one panel per scenario (prefill, decode):
+    epmoe's kernels per dtype, labelled with their fraction of the roofline measured in the
+    same run, beside the baselines of the same run (dense GEMM, ``torch._grouped_mm``, a
+    cuBLAS loop) in grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in records if r.get("tflops") and "sweep" not in r and r.get("scenario")]
+    if not rows:
+        raise ValueError("no experts records with TFLOP/s to plot")
+    scenarios = sorted({r["scenario"] for r in rows}, key=["prefill", "decode"].index)
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4.2), squeeze=False)
+    for ax, sc in zip(axes[0], scenarios):
+        mine = [r for r in rows if r["scenario"] == sc]
+        labels, values, colors, notes = [], [], [], []
+        for r in mine:
+            ours = str(r.get("impl", "")).startswith("epmoe")
+            labels.append(f"{r['impl']}\n{r.get('dtype', '')}".strip())
+            values.append(r["tflops"])
+            colors.append("tab:blue" if ours else "lightgray")
+            notes.append(
+                f"{r['vs_roofline']:.2f} of roofline" if ours and "vs_roofline" in r else ""
+            )
+        x = range(len(mine))
+        ax.bar(x, values, color=colors)
+        for i, note in zip(x, notes):
+            if note:
+                ax.annotate(note, (i, values[i]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(sc, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def draw(name: str, records: list[dict], path: str) -> None:
     """``--plot`` of ``python -m epmoe.bench NAME``: this run's records as a PNG."""
     try:
@@ -184,6 +225,9 @@ def draw(name: str, records: list[dict], path: str) -> None:
         plot_eplb(records, path, f"EPLB placements ({machine.get('date', '')[:16]})")
     elif name == "layer":
         plot_layer(records, path, _layer_title(records, machine))
+    elif name == "experts":
+        plot_experts(records, path, f"expert kernels — {machine.get('gpu', '?')}, "
+                                    f"{machine.get('date', '')[:16]}")  # fmt: skip
     else:
         plot_comm(records, path, _comm_title(records, machine))
 
@@ -219,8 +263,10 @@ def _load(paths: list[str]) -> tuple[list[dict], dict]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m epmoe.bench.plot", description=__doc__)
-    p.add_argument("kind", choices=["eplb", "comm", "layer"])
-    p.add_argument("paths", nargs="+", help="eplb: JSON PNG; comm, layer: PNG JSON [JSON ...]")
+    p.add_argument("kind", choices=["eplb", "comm", "layer", "experts"])
+    p.add_argument(
+        "paths", nargs="+", help="eplb: JSON PNG; comm, layer, experts: PNG JSON [JSON ...]"
+    )
     args = p.parse_args(argv)
     try:
         import matplotlib  # noqa: F401
@@ -238,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
     records, machine = _load(args.paths[1:])
     if args.kind == "layer":
         plot_layer(records, args.paths[0], _layer_title(records, machine))
+    elif args.kind == "experts":
+        draw("experts", records, args.paths[0])
     else:
         plot_comm(records, args.paths[0], _comm_title(records, machine))
 

@@ -361,3 +361,20 @@ def test_layer_plot_draws_each_backend_and_mode(tmp_path):
     assert png.stat().st_size > 10_000
     with pytest.raises(ValueError, match="no layer records"):
         plot.plot_layer(records[2:], str(png), "test")
+
+
+def test_experts_plot_marks_ours_against_the_baselines(tmp_path):
+    pytest.importorskip("matplotlib")
+    from epmoe.bench import plot
+
+    records = [
+        dict(scenario="prefill", dtype="bf16", impl="epmoe standard", ms=4.3, tflops=420.0,
+             vs_roofline=0.62),
+        dict(scenario="prefill", impl="torch._grouped_mm", ms=5.2, tflops=350.0),
+        dict(scenario="decode", dtype="fp8", impl="epmoe batched", ms=0.9, tflops=40.0,
+             vs_roofline=0.87),
+        dict(scenario="decode", impl="device copy", copy_GBps=4200.0),
+    ]  # fmt: skip
+    png = tmp_path / "experts.png"
+    plot.plot_experts(records, str(png), "test")
+    assert png.stat().st_size > 10_000
