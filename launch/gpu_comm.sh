@@ -14,6 +14,8 @@
 #                        (every SM and a 32-SM budget, 1 and 4 rows per flag)
 #     conformance        the registry's conformance suite and the FP8-weights tests on NCCL
 #     overlap            the layer benchmark with two micro-batches and FP8 expert weights
+#     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
+#                        symm_ll's ExpertBatched one (rows read in place vs expanded)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source launch/gpu_env.sh
@@ -75,6 +77,11 @@ for s in "${STEPS[@]}"; do
         timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 --max-num-tokens 128 --experts triton --backends symm_ll \
             --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1
+        ;;
+    decode_ht)
+        timeout "${DECODE_HT_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --parts layer --tokens 128 --max-num-tokens 128 --experts triton \
+            --backends symm_ll symm_ht --iters 10 --out "$OUT/layer_decode_ht.json" >"$OUT/decode_ht.log" 2>&1
         ;;
     *) echo "unknown step $s"; status=1; continue ;;
     esac
