@@ -432,15 +432,26 @@ class _Launcher:
         self.names = fn.arg_names
         self.compiled: dict[tuple, object] = {}
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
+        self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
 
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
         if not self.direct:
             self.fn[grid](*args, num_warps=num_warps, **consts)
             return
         # what Triton specialises a compiled kernel on: pointer dtype and 16-byte alignment,
-        # int width and the values 1 and multiples of 16 (constexprs by value)
-        # (and the device: a compiled kernel is loaded per device)
-        key = (_device_index(), num_warps, tuple(consts.items()), *map(_specialization, args))
+        # int width and the values 1 and multiples of 16 (constexprs by value), and the
+        # device (a compiled kernel is loaded per device). Most arguments are the same
+        # objects as in the previous launch (the transport's buffers, sizes, offsets): their
+        # part is reused, only new objects (the caller's inputs) are looked at again
+        memo = self._memo
+        if memo is not None and len(memo[0]) == len(args):
+            parts = tuple(
+                part if a is b else _specialization(a) for a, b, part in zip(args, memo[0], memo[1])
+            )
+        else:
+            parts = tuple(map(_specialization, args))
+        self._memo = (args, parts)
+        key = (_device_index(), num_warps, tuple(consts.items()), parts)
         kernel = self.compiled.get(key)
         if kernel is None:
             self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, **consts)
