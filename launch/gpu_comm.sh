@@ -12,7 +12,8 @@
 #     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
 #     ht                 symm_ht: its GPU tests, and the comm benchmark at prefill sizes
 #                        (every SM and a 32-SM budget, 1 and 4 rows per flag)
-#     conformance        the registry's conformance suite and the FP8-weights tests on NCCL
+#     conformance        the registry's conformance suite, FP8 weights, shard loading and
+#                        bitwise determinism (symm_* with Triton experts too) on NCCL
 #     overlap            the layer benchmark with two micro-batches and FP8 expert weights
 #     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
 #                        symm_ll's ExpertBatched one (rows read in place vs expanded)
@@ -68,6 +69,8 @@ for s in "${STEPS[@]}"; do
     conformance)
         EPMOE_TEST_DEVICE=cuda timeout "${CONF_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
             tests/distributed/test_comm_v2.py tests/distributed/test_fp8_weights.py \
+            tests/distributed/test_sharded_load.py \
+            "tests/distributed/test_stress.py::test_backends_are_bitwise_deterministic" \
             >"$OUT/conformance.log" 2>&1
         ;;
     overlap)

@@ -390,6 +390,13 @@ DETERMINISM_CONFIGS = (
         "all_to_all expert_batched fp8", "all_to_all", "expert_batched", "linear", 5, True
     ),
 )
+# on GPUs also the symmetric-memory backends (their slot order varies from call to call:
+# whether the outputs do is what this measures), with the Triton experts
+GPU_DETERMINISM_CONFIGS = (
+    StressConfig("symm_ll expert_batched", "symm_ll", "expert_batched", "balanced", 16),
+    StressConfig("symm_ll expert_batched fp8", "symm_ll", "expert_batched", "linear", 16, True),
+    StressConfig("symm_ht standard", "symm_ht", "standard", "balanced", 16),
+)
 
 
 def check_determinism(rank: int, world: int, device: str = "cpu", dtype_name: str = "float32"):
@@ -412,10 +419,16 @@ def check_determinism(rank: int, world: int, device: str = "cpu", dtype_name: st
         x = torch.randn(T, H, generator=gen).to(dev, dtype)
         steps.append((x, torch.randn(T, E, generator=gen).to(dev)))
 
+    configs = DETERMINISM_CONFIGS + (GPU_DETERMINISM_CONFIGS if dev.type == "cuda" else ())
+    placements |= {
+        c.name: _initial_placement(c, shape, world, setup) for c in GPU_DETERMINISM_CONFIGS
+    }
+    experts = "triton" if dev.type == "cuda" else "torch"
+
     def build(cfg: StressConfig) -> epmoe.EPMoE:
         layer = epmoe.EPMoE(
             E, K, H, I, placement=placements[cfg.name], backend=cfg.backend,
-            layout=cfg.layout, experts="torch", max_num_tokens=cfg.max_num_tokens,
+            layout=cfg.layout, experts=experts, max_num_tokens=cfg.max_num_tokens,
             params_dtype=dtype, device=dev,
             dispatch_dtype=torch.float8_e4m3fn if cfg.fp8 else None,
         )  # fmt: skip
@@ -430,7 +443,7 @@ def check_determinism(rank: int, world: int, device: str = "cpu", dtype_name: st
 
     report, first = {}, {}
     with torch.inference_mode():
-        for cfg in DETERMINISM_CONFIGS:
+        for cfg in configs:
             layer = build(cfg)
             a, b = run(layer), run(layer)
             fresh = run(build(cfg))
@@ -443,7 +456,9 @@ def check_determinism(rank: int, world: int, device: str = "cpu", dtype_name: st
                 repeat=same(a, b), fresh_layer=same(a, fresh), after_replan=same(a, back)
             )
     base = first["naive standard"]
-    for name in ("all_to_all standard", "all_to_all expert_batched"):
+    others = ["all_to_all standard", "all_to_all expert_batched"]
+    others += [c.name for c in configs if c.name.startswith("symm") and not c.fp8]
+    for name in others:
         report[name]["bitwise_equal_to_naive"] = same(first[name], base)
         report[name]["max_error_to_naive"] = max(
             (relative_error(p, q) for p, q in zip(first[name], base)), default=0.0

@@ -59,17 +59,21 @@ def test_randomized_stress_against_the_oracle():
 
 def test_backends_are_bitwise_deterministic():
     """``naive`` and ``all_to_all`` (Standard and ExpertBatched, with and without FP8
-    dispatch) on gloo: the same inputs give bitwise the same outputs on a second call, on a
+    dispatch) on gloo, and on GPUs also ``symm_ll`` and ``symm_ht`` with Triton experts
+    (2 ranks): the same inputs give bitwise the same outputs on a second call, on a
     freshly built layer and after a re-plan away and back (docs/reliability.md). Across
     backends only the tolerance holds: they add the partial sums in other orders."""
-    requires_world(WORLD)
-    dtype = "bfloat16" if device_under_test() == "cuda" else "float32"
-    reports = run_on_ranks(stress_cases.check_determinism, WORLD, device_under_test(), dtype)
+    cuda = device_under_test() == "cuda"
+    world = 2 if cuda else WORLD
+    requires_world(world)
+    dtype = "bfloat16" if cuda else "float32"
+    reports = run_on_ranks(stress_cases.check_determinism, world, device_under_test(), dtype)
     for rank, report in enumerate(reports):
         for name, row in report.items():
             assert row["repeat"] and row["fresh_layer"] and row["after_replan"], (
                 f"rank {rank} {name}: {row}"
             )
             if "max_error_to_naive" in row:
-                assert row["max_error_to_naive"] <= 1e-5, f"rank {rank} {name}: {row}"
+                limit = 2e-2 if cuda else 1e-5  # bf16 sums in other orders on GPUs
+                assert row["max_error_to_naive"] <= limit, f"rank {rank} {name}: {row}"
     print("\n" + "\n".join(f"rank {r}: {rep}" for r, rep in enumerate(reports)))
