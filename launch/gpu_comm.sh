@@ -15,6 +15,7 @@
 #     conformance        the registry's conformance suite, FP8 weights, shard loading and
 #                        bitwise determinism (symm_* with Triton experts too) on NCCL
 #     overlap            the layer benchmark with two micro-batches and FP8 expert weights
+#     info               python -m epmoe.info (text and --json) on the GPU machine
 #     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
 #                        symm_ll's ExpertBatched one (rows read in place vs expanded)
 set -uo pipefail
@@ -80,6 +81,9 @@ for s in "${STEPS[@]}"; do
         timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 --max-num-tokens 128 --experts triton --backends symm_ll \
             --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1
+        ;;
+    info)
+        python3 -m epmoe.info >"$OUT/info.log" 2>&1 && python3 -m epmoe.info --json >"$OUT/info.json"
         ;;
     decode_ht)
         timeout "${DECODE_HT_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
