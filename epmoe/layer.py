@@ -1153,6 +1153,12 @@ class EPMoE(nn.Module):
             f"layout={self.comm.layout.value}, experts={self.experts.name}"
             + (f", dispatch_dtype={self.dispatch_dtype}" if self.dispatch_dtype else "")
             + (
+                f", weight_dtype={self.weight_dtype} ({self.weight_scale} scales)"
+                if self.fp8_weights
+                else ""
+            )
+            + (f", micro_batches={self.micro_batches}" if self.micro_batches != 1 else "")
+            + (
                 f", decode_backend={self.decode_comm.name} (T <= {self.decode_max_tokens})"
                 if self.decode_comm is not None
                 else ""
