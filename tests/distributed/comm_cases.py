@@ -455,3 +455,135 @@ def check_rebind(rank, world, backend, device="cpu", dtype_name="float32"):
             comm.close()
     sweep.check()
     return sweep.passed
+
+
+def _skewed_ids(case: str, rank: int, T: int, phys: Physical, dev) -> torch.Tensor:
+    """``[T, K]`` physical ids: every token to one expert (the last slot, K-1 entries -1),
+    or every token only to rank 0's experts."""
+    if case == "one expert":
+        ids = torch.full((T, K), -1, dtype=torch.int64)
+        ids[:, 0] = phys.num_physical - 1
+    else:  # "one rank": K distinct slots of rank 0 (the others' slots when it has none)
+        lo, hi = phys.rank_offsets[0], phys.rank_offsets[1]
+        if hi - lo < K:
+            lo, hi = 0, phys.num_physical
+        g = torch.Generator().manual_seed(rank)
+        rows = [lo + torch.randperm(hi - lo, generator=g)[:K] for _ in range(T)]
+        ids = torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.int64)
+    return ids.to(dev)
+
+
+def check_skewed_and_full(rank, world, backend, device="cpu", dtype_name="float32"):
+    """Skewed routing (all tokens to one expert; all to one rank) and T = M_max on every
+    rank, with and without FP8 where offered: the combined output against the oracle."""
+    dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
+    hidden = hidden_for(backend, dtype, dev, world)
+    w13, w2 = full_weights(dtype, dev, hidden=hidden, seed=5)
+    phys = physical_layouts(world)[0]
+    sweep = Sweep()
+    for layout, fp8, case in itertools.product(
+        layouts_of(backend), _wires(backend), ("one expert", "one rank", "T = M_max")
+    ):
+        with sweep.case(f"W={world} {_label(backend, layout)} {case}{' fp8' if fp8 else ''}"):
+            spec = make_spec(phys, dtype, dev, fp8, hidden)
+            skip_unless_supported(backend, spec)
+            T = spec.max_num_tokens if case == "T = M_max" else [9, 0, 5, 3][rank % 4]
+            x, ids, w = rank_inputs(rank, T, phys.num_physical, dtype, dev, seed=40, hidden=hidden)
+            if case != "T = M_max":
+                ids = _skewed_ids(case, rank, T, phys, dev)
+            with closing(create_backend(backend, spec, None, layout)) as comm:
+                res = comm.dispatch(x, ids, w)
+                y = float64_experts(res, *local_weights(phys, rank, w13, w2), dtype)
+                out = comm.combine(y, res)
+            x_wire = fake_quantized(x) if fp8 else x
+            ref = epmoe.reference.moe(x_wire, w13, w2, w, logical_ids(ids, phys))
+            assert_close(out, ref, TOLERANCES[dtype], name=f"rank {rank} {case}")
+    sweep.check()
+    return sweep.passed
+
+
+def _identity_out(res: DispatchResult, dtype) -> torch.Tensor:
+    """Experts that return their input, capturable (no host reads): Standard rows weighted
+    by their local entries' weights, ExpertBatched rows as they are."""
+    x = res.hidden.to(torch.float32)
+    if res.hidden_scale is not None:
+        H = x.shape[-1]
+        x = x * res.hidden_scale.repeat_interleave(FP8_GROUP, -1)[..., :H]
+    if res.layout is Layout.STANDARD:
+        x = x * torch.where(res.topk_ids >= 0, res.topk_weights, 0.0).sum(-1, keepdim=True)
+    return x.to(dtype)
+
+
+def check_graph_replay(rank, world, backend, device="cpu", dtype_name="float32"):
+    """Where the backend claims ``graph_safe`` (on CUDA): dispatch, identity experts and
+    combine captured in one CUDA graph and replayed with new tokens and routing, each
+    replay equal to ``x · Σ_k w`` (the identity experts' combine)."""
+    import pytest
+
+    dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
+    if dev.type != "cuda" or not backend_class(backend).capabilities.graph_safe:
+        pytest.skip(f"{backend}: graph replay needs a graph-safe backend on CUDA")
+    hidden = hidden_for(backend, dtype, dev, world)
+    phys = physical_layouts(world)[0]
+    sweep = Sweep()
+    for layout in layouts_of(backend):
+        with sweep.case(f"W={world} {_label(backend, layout)} graph replays"):
+            spec = make_spec(phys, dtype, dev, False, hidden)
+            skip_unless_supported(backend, spec)
+            T = [9, 0, 5, 3][rank % 4]
+            x, ids, w = rank_inputs(rank, T, phys.num_physical, dtype, dev, seed=50, hidden=hidden)
+            with closing(create_backend(backend, spec, None, layout)) as comm:
+
+                def step(comm=comm, x=x, ids=ids, w=w):
+                    res = comm.dispatch(x, ids, w)
+                    return comm.combine(_identity_out(res, dtype), res)
+
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        step()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = step()
+                for i in range(5):
+                    nx, nids, nw = rank_inputs(
+                        rank, T, phys.num_physical, dtype, dev, seed=60 + i, hidden=hidden
+                    )
+                    x.copy_(nx), ids.copy_(nids), w.copy_(nw)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    want = x.float() * torch.where(ids >= 0, w, 0.0).sum(-1, keepdim=True)
+                    assert_close(out, want, TOLERANCES[dtype], name=f"replay {i}")
+    sweep.check()
+    return sweep.passed
+
+
+def check_layer_end_to_end(rank, world, backend, device="cpu", dtype_name="float32"):
+    """``EPMoE(backend=...)`` in each layout, with the Triton experts on CUDA (torch on
+    CPU), against the oracle: uneven token counts, a zero-token rank, chunks above M."""
+    dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
+    hidden = hidden_for(backend, dtype, dev, world)
+    w13, w2 = full_weights(dtype, dev, hidden=hidden, seed=7)
+    experts = "triton" if dev.type == "cuda" else "torch"
+    sweep = Sweep()
+    for layout in layouts_of(backend):
+        with sweep.case(f"W={world} {_label(backend, layout)} EPMoE {experts} experts"):
+            spec = make_spec(physical_layouts(world)[0], dtype, dev, False, hidden)
+            skip_unless_supported(backend, spec)
+            layer = epmoe.EPMoE(
+                E, K, hidden, I, backend=backend, layout=layout, experts=experts,
+                max_num_tokens=spec.max_num_tokens, params_dtype=dtype, device=dev,
+            )  # fmt: skip
+            layer.load_experts(w13, w2)
+            T = [2 * spec.max_num_tokens + 3, 0, 9, 5][rank % 4]  # chunks above M_max
+            g = torch.Generator().manual_seed(70 + rank)
+            x = torch.randn(T, hidden, generator=g).to(dev, dtype)
+            logits = torch.randn(T, E, generator=g).to(dev)
+            out = layer(x, logits)
+            ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+            assert_close(out, ref, TOLERANCES[dtype], name=f"rank {rank}")
+            layer.comm.close()
+    sweep.check()
+    return sweep.passed

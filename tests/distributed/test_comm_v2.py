@@ -3,10 +3,12 @@ backend (``epmoe.comm.backend_names()``, no hand-kept list) in every layout it d
 on W = 1, 2, 3 ranks (gloo on CPU; NCCL and CUDA tensors with EPMOE_TEST_DEVICE=cuda):
 exact delivery for its layout (tokens rebuilt from every rank's seed; FP8 bit for bit),
 the combined output against the oracle with and without FP8 dispatch (where the backend
-offers it) on the blocking and the split path, four two-micro-batch schedules, FP8 into
-the torch experts, and ``rebind``. A backend that cannot run here is skipped with the
-reason ``epmoe.available_backends`` gives (``symm_ll``, ``symm_ht``: CUDA; adapters: their
-package).
+offers it) on the blocking and the split path, zero-token ranks, skewed routing (all to
+one expert, all to one rank), T = M_max, four two-micro-batch schedules (where it holds
+two results), FP8 into the torch experts, ``rebind``, CUDA-graph replays (where it claims
+graph safety, on GPUs) and EPMoE end to end (Triton experts on GPUs). A backend that
+cannot run here is skipped with the reason ``epmoe.available_backends`` gives
+(``symm_ll``, ``symm_ht``: CUDA; adapters: their package).
 
 Each test is one task per (backend, world size) in the harness's reused rank pool; the
 rank bodies (``tests/distributed/comm_cases.py``) sweep their cases and list every
@@ -77,3 +79,20 @@ def test_two_micro_batches_in_flight(backend, world):
 @parametrize
 def test_rebind_serves_the_new_placement(backend, world):
     _run(comm_cases.check_rebind, backend, world)
+
+
+@parametrize
+def test_skewed_routing_and_full_buffers(backend, world):
+    _run(comm_cases.check_skewed_and_full, backend, world)
+
+
+@parametrize
+def test_graph_replay_where_claimed(backend, world):
+    if not epmoe.comm.backend_class(backend).capabilities.graph_safe:
+        pytest.skip(f"{backend} does not claim graph safety")
+    _run(comm_cases.check_graph_replay, backend, world)
+
+
+@parametrize
+def test_layer_end_to_end(backend, world):
+    _run(comm_cases.check_layer_end_to_end, backend, world)
