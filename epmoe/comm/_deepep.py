@@ -80,20 +80,23 @@ class SharedBuffer:
 
 
 def acquire_buffer(
+    owner: str,
     group: dist.ProcessGroup | None,
     mode: str,
     sizes: dict[str, int],
     *,
     create,
     exact: bool = False,
-) -> tuple[tuple, SharedBuffer]:
-    """The group's shared buffer of ``mode`` (``"ht"`` or ``"ll"``), created by ``create()``
-    for the first holder. A later holder that needs more than it was sized for gets a
-    clear error (a second NVSHMEM-backed buffer in one process would fail inside
-    NVSHMEM): build every layer of a group with the same sizes. ``exact``: the sizes must
-    be equal, not only fit (a buffer whose layout depends on them)."""
+) -> transport.Hold:
+    """A hold on the group's shared buffer of ``mode`` (``"ht"`` or ``"ll"``) for the backend
+    ``owner``, the buffer created by ``create()`` for the first holder. A later holder that
+    needs more than it was sized for gets a clear error (a second NVSHMEM-backed buffer in
+    one process would fail inside NVSHMEM): build every layer of a group with the same
+    sizes. ``exact``: the sizes must be equal, not only fit (a buffer whose layout depends
+    on them)."""
     key = ("deep_ep", mode, transport.group_key(group))
-    shared = transport.acquire(key, lambda: SharedBuffer(create(), dict(sizes)))
+    hold = transport.Hold(owner, key, lambda: SharedBuffer(create(), dict(sizes)))
+    shared = hold.get()
 
     def off(want: int, have: int) -> bool:
         return want != have if exact else want > have
@@ -102,11 +105,11 @@ def acquire_buffer(
         k: (v, shared.sizes.get(k, 0)) for k, v in sizes.items() if off(v, shared.sizes.get(k, 0))
     }
     if small:
-        transport.release(key)
+        hold.release()
         raise ValueError(
             f"the {mode} DeepEP buffer of this group was allocated for "
             f"{ {k: have for k, (_, have) in small.items()} } and this layer needs "
             f"{ {k: want for k, (want, _) in small.items()} }: build every layer of the group "
             "with the same hidden size, top-k and max_num_tokens (one buffer serves them all)"
         )
-    return key, shared
+    return hold

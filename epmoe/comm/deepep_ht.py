@@ -78,7 +78,8 @@ class DeepEPHTBackend(AllToAll):
             Buffer.get_combine_config(W).get_nvl_buffer_size_hint(H * 2, W),
         )
         nvl_bytes = max(hint, NVL_BYTES_FLOOR)
-        self._key, self._shared = _deepep.acquire_buffer(
+        self._hold = _deepep.acquire_buffer(
+            self.name,
             self.group,
             "ht",
             {"nvl_bytes": nvl_bytes},
@@ -86,9 +87,7 @@ class DeepEPHTBackend(AllToAll):
         )
 
     def _buffer(self):
-        if self._shared is None or self._shared.buffer is None:
-            raise RuntimeError("deepep_ht backend is closed")
-        return self._shared.buffer
+        return self._hold.get().buffer
 
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """DeepEP dispatches on the current stream and returns when the rows are known on
@@ -135,8 +134,4 @@ class DeepEPHTBackend(AllToAll):
         return Pending.done(combined)
 
     def close(self) -> None:
-        if self._shared is not None:
-            from epmoe.comm import transport
-
-            transport.release(self._key)
-        self._shared = None
+        self._hold.release()

@@ -91,7 +91,8 @@ class DeepEPLLBackend(AllToAll):
         Buffer = self._deep_ep.Buffer
         rdma_bytes = Buffer.get_low_latency_rdma_size_hint(M, H, W, P)
         transport.claim_nvshmem("deep_ep")  # its low-latency buffer initialises NVSHMEM
-        self._key, self._shared = _deepep.acquire_buffer(
+        self._hold = _deepep.acquire_buffer(
+            self.name,
             self.group,
             "ll",
             {"rdma_bytes": rdma_bytes, "max_num_tokens": M, "num_experts": P, "hidden": H},
@@ -107,14 +108,12 @@ class DeepEPLLBackend(AllToAll):
         self._held = 0  # dispatch results not yet combined (DeepEP has two buffers)
 
     def _buffer(self):
-        if self._shared is None or self._shared.buffer is None:
-            raise RuntimeError("deepep_ll backend is closed")
-        return self._shared.buffer
+        return self._hold.get().buffer
 
     def rebind_reason(self, spec: CommSpec) -> str | None:
         """A re-plan keeps the buffer only with the same slot count: DeepEP's low-latency
         buffer is built for P experts (P/W queue pairs per rank)."""
-        allocated = self._shared.sizes["num_experts"] if self._shared is not None else None
+        allocated = self._hold.get().sizes["num_experts"] if self._hold.held else None
         if allocated is not None and spec.num_physical != allocated:
             return (
                 f"deepep_ll's buffer serves P={allocated} expert slots, the new placement has "
@@ -179,6 +178,4 @@ class DeepEPLLBackend(AllToAll):
         return Pending(receive)
 
     def close(self) -> None:
-        if self._shared is not None:
-            transport.release(self._key)
-        self._shared = None
+        self._hold.release()

@@ -143,9 +143,9 @@ class PPLXBackend(AllToAll):
         )
         G = -(-H // FP8_GROUP)
         wire = spec.wire_dtype
-        self._key = ("pplx", transport.group_key(self.group), M, P, K, H, wire)
-        self._shared = transport.acquire(
-            self._key,
+        self._hold = transport.Hold(
+            self.name,
+            ("pplx", transport.group_key(self.group), M, P, K, H, wire),
             lambda: _PPLXTransport(
                 pplx.AllToAll.intranode(
                     max_num_tokens=M,
@@ -170,9 +170,7 @@ class PPLXBackend(AllToAll):
         self._held = False
 
     def _ata(self):
-        if self._shared is None or self._shared.ata is None:
-            raise RuntimeError("pplx backend is closed")
-        return self._shared.ata
+        return self._hold.get().ata
 
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The send half now (``do_recv=False``); ``wait()`` receives."""
@@ -227,6 +225,4 @@ class PPLXBackend(AllToAll):
         return Pending(receive)
 
     def close(self) -> None:
-        if self._shared is not None:
-            transport.release(self._key)
-        self._shared = None
+        self._hold.release()

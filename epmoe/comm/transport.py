@@ -57,6 +57,34 @@ def release(key: Hashable) -> None:
         entry[0].close()
 
 
+class Hold:
+    """One backend's hold on the shared transport of ``key`` (acquired here): :meth:`get`
+    it while held, :meth:`release` it in ``close``. A released hold, or one whose transport
+    was closed under it (:func:`close_all`), raises that ``owner``'s backend is closed."""
+
+    def __init__(self, owner: str, key: Hashable, create: Callable[[], Transport]) -> None:
+        self.owner = owner
+        self.key = key
+        self._transport: Any = acquire(key, create)
+
+    @property
+    def held(self) -> bool:
+        entry = _SHARED.get(self.key)
+        return self._transport is not None and entry is not None and entry[0] is self._transport
+
+    def get(self) -> Any:
+        if not self.held:
+            raise RuntimeError(f"{self.owner} backend is closed")
+        return self._transport
+
+    def release(self) -> None:
+        """Give the hold back (once; later calls do nothing, as does a hold whose transport
+        was closed under it: the key may name another transport by now)."""
+        if self.held:
+            release(self.key)
+        self._transport = None
+
+
 def holders(key: Hashable) -> int:
     """How many backends hold the transport of ``key`` (0: none is allocated)."""
     entry = _SHARED.get(key)

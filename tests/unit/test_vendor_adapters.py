@@ -5,9 +5,10 @@ libraries' documented semantics for one rank
 ``low_latency_combine`` with receive hooks). What it checks: the arguments they pass
 (int64 ids, float32 weights, FP8 rows as (e4m3, scales)), the layouts they hand to the
 experts, the oracle's output through them, the two-buffer limit, one shared buffer per
-group and its explicit destroy, the refusals of ``supports``, and the ImportError that
-says how to install DeepEP. The real library runs in the GPU tier (the conformance suite,
-``tests/distributed/test_comm_v2.py``, parametrised over the registry).
+group and its explicit destroy, a closed hold's error, the refusals of ``supports``, and
+the ImportError that says how to install DeepEP. The real library runs in the GPU tier
+(the conformance suite, ``tests/distributed/test_comm_v2.py``, parametrised over the
+registry).
 """
 
 from __future__ import annotations
@@ -218,6 +219,25 @@ def test_one_buffer_per_group_and_sizes_checked(fake_deep_ep):
     assert _FakeBuffer.destroyed == 0  # b still holds it
     b.close()
     assert _FakeBuffer.destroyed == 1
+
+
+def test_a_closed_or_orphaned_hold_says_closed(fake_deep_ep):
+    a = _backend("deepep_ht", _spec(), Layout.STANDARD)
+    b = _backend("deepep_ht", _spec(), Layout.STANDARD)
+    key = a._hold.key
+    a.close()
+    a.close()  # a second close gives nothing back twice
+    assert transport.holders(key) == 1 and b._buffer() is not None
+    with pytest.raises(RuntimeError, match="deepep_ht backend is closed"):
+        a._buffer()
+    transport.close_all()  # the buffer is destroyed under b
+    with pytest.raises(RuntimeError, match="deepep_ht backend is closed"):
+        b._buffer()
+    c = _backend("deepep_ht", _spec(), Layout.STANDARD)  # a new buffer under the same key
+    b.close()  # b's hold is gone with its buffer: c's stays
+    assert transport.holders(key) == 1 and c._buffer() is not None
+    c.close()
+    assert transport.holders(key) == 0 and _FakeBuffer.destroyed == 2
 
 
 def test_supports_refuses_what_deepep_cannot_do():
