@@ -143,6 +143,12 @@ class Capabilities:
     graph_safe: bool = False  # no host synchronisation, capturable in a CUDA graph
     multi_node: bool = False
     fp8_dispatch: bool = False  # CommSpec.dispatch_dtype = torch.float8_e4m3fn
+    # FP8 rows and scales are epmoe.reference.quantize_groups of the hidden rows, bit for bit
+    # (False: a library quantizes with its own arithmetic; values within one e4m3 step)
+    fp8_reference_quantizer: bool = True
+    # entries without an expert (-1) send their token to physical expert 0 with weight 0
+    # (a library with no empty entry): outputs are the same, expert 0 computes extra rows
+    empty_entries_to_expert_0: bool = False
     # dispatch results the caller may hold before their combine; None: no limit
     max_in_flight: int | None = None
     # fixed buffers sized for M_max tokens per rank: the M_max a layer picks when the user
@@ -365,6 +371,33 @@ class AllToAll(ABC):
 
     def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release buffers. The backend must not be used afterwards."""
+
+
+def expert_batched_bytes(spec: CommSpec, copies: int = 1) -> int:
+    """Bytes of ``copies`` ExpertBatched receive buffers ``[e, C = W·M, H]`` (wire dtype, and
+    FP8 scales ``[e, C, G]`` float32): each local expert's slot holds every token of every
+    rank, the worst case of routing, so they grow with ``e·W·M_max``."""
+    H = spec.hidden_size
+    row = H * spec.wire_dtype.itemsize + (4 * -(-H // FP8_GROUP) if spec.fp8_dispatch else 0)
+    return copies * max(spec.max_local, 1) * spec.world_size * spec.max_num_tokens * row
+
+
+def expert_batched_memory_reason(name: str, spec: CommSpec, copies: int = 1) -> str | None:
+    """Why ``copies`` ExpertBatched receive buffers for ``spec`` do not fit on its GPU (more
+    than a quarter of its memory, leaving the rest to weights), with the fix; ``None`` when
+    they fit or the device is not a CUDA GPU."""
+    if spec.device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    gib = expert_batched_bytes(spec, copies) / 2**30
+    have = torch.cuda.get_device_properties(spec.device).total_memory / 2**30
+    if gib <= have / 4:
+        return None
+    return (
+        f"{name}'s receive buffers [{copies}, e={spec.max_local}, W·M={spec.world_size}·"
+        f"{spec.max_num_tokens}, H={spec.hidden_size}] take {gib:.1f} GiB of the GPU's "
+        f"{have:.0f} GiB; lower max_num_tokens (the layer chunks larger batches) or use a "
+        "Standard-layout backend (symm_ht) for prefill"
+    )
 
 
 def one_nvlink_node_reason(group: dist.ProcessGroup | None) -> str | None:

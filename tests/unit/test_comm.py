@@ -309,6 +309,31 @@ def test_supports_refuses_fp8_dispatch_without_the_capability():
         assert cls.supports(spec(dispatch_dtype=FP8_DTYPE)) is None
 
 
+def test_symm_ll_refuses_receive_buffers_too_large_for_the_gpu(monkeypatch):
+    from types import SimpleNamespace
+
+    from epmoe.comm.base import expert_batched_bytes
+
+    ll = backend_class("symm_ll")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=140 * 2**30)
+    )
+    offsets = epmoe.ExpertPlacement.linear(256, 2).rank_offsets  # e = 128 on each rank
+
+    def at(M: int, **kw) -> CommSpec:
+        return CommSpec(7168, 8, offsets, M, torch.bfloat16, torch.device("cuda", 0), **kw)
+
+    # [2, 128, 2·M, 7168] bf16: 7 GiB at M = 1024; 112 GiB at M = 16384
+    assert expert_batched_bytes(at(1024), copies=2) == 2 * 128 * 2 * 1024 * 7168 * 2
+    assert ll.supports(at(1024)) is None
+    reason = ll.supports(at(16384))
+    assert "112.0 GiB of the GPU's 140 GiB" in reason and "lower max_num_tokens" in reason
+    # FP8 rows are half as large, plus one float32 scale per 128 values
+    fp8 = at(1024, dispatch_dtype=FP8_DTYPE)
+    assert expert_batched_bytes(fp8, copies=2) == 2 * 128 * 2 * 1024 * (7168 + 224)
+
+
 def test_auto_takes_the_first_backend_that_serves_the_spec(fake_registry):
     ll = spec(dtype=torch.bfloat16, max_num_tokens=8, dispatch_dtype=FP8_DTYPE)
     assert resolve_backend("auto", CPU, None, spec=ll) is FakeLL

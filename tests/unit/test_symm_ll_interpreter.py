@@ -166,3 +166,22 @@ def test_a_result_combines_once():
     for r in (b, c):
         comm.combine(r.hidden.clone(), r)
     comm.close()
+
+
+def test_closed_backends_and_closed_transports_refuse_calls():
+    from epmoe.comm import transport
+
+    E, K, H = 4, 2, 128
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
+    args = (torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.ones(2, K))
+    first, second = _backend(spec), _backend(spec)  # one shared transport, two holds
+    first.close()
+    first.close()  # a second close gives nothing back twice
+    with pytest.raises(RuntimeError, match="symm_ll backend is closed"):
+        first.dispatch(*args)
+    res = second.dispatch(*args)  # the other hold still has its buffers
+    second.combine(res.hidden.clone(), res)
+    transport.close_all()  # e.g. before destroy_process_group
+    with pytest.raises(RuntimeError, match="symm_ll backend is closed"):
+        second.dispatch(*args)
+    second.close()

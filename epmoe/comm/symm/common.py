@@ -249,8 +249,7 @@ class SymmBackend(AllToAll):
 
     def __init__(self, spec, group, layout=None):
         super().__init__(spec, group, layout)
-        self._key = None
-        self._transport: SymmTransport | None = None
+        self._hold: transport.Hold | None = None
         self._dispatch_consts: dict | None = None  # the dispatch kernels' meta-parameters
         self._bind()
 
@@ -267,16 +266,17 @@ class SymmBackend(AllToAll):
             spec.device,
         )
         e_max = spec.max_local
-        if self._key is None or self._key[:-1] != key or self._key[-1] < e_max:
+        old = self._hold
+        if old is None or old.key[:-1] != key or old.key[-1] < e_max:
             # (re)acquire buffers large enough for the largest local expert count
-            old = self._key
-            self._key = (*key, e_max)
             make = self.transport_class
-            self._transport = transport.acquire(
-                self._key, lambda: make(self.group, self.rank, self.world_size, spec, e_max)
+            self._hold = transport.Hold(
+                self.name,
+                (*key, e_max),
+                lambda: make(self.group, self.rank, self.world_size, spec, e_max),
             )
             if old is not None:
-                transport.release(old)
+                old.release()
         dev = spec.device
         sizes = [spec.num_local(r) for r in range(self.world_size)]
         self._owner_P = torch.repeat_interleave(
@@ -293,9 +293,10 @@ class SymmBackend(AllToAll):
         return self._live().num_sms
 
     def _live(self) -> SymmTransport:
-        if self._transport is None:
+        """The shared transport; raises once this backend (or every transport) is closed."""
+        if self._hold is None:
             raise RuntimeError(f"{self.name} backend is closed")
-        return self._transport
+        return self._hold.get()
 
     def check(self, sync: bool = True) -> None:
         """Raise if a kernel of this transport reported a timeout or bad input."""
@@ -355,10 +356,8 @@ class SymmBackend(AllToAll):
         tr.check()
 
     def close(self) -> None:
-        if self._key is not None:
-            transport.release(self._key)
-        self._key = None
-        self._transport = None
+        if self._hold is not None:
+            self._hold.release()
 
 
 INV_FP8_MAX = float(torch.tensor(1.0 / 448.0, dtype=torch.float32))

@@ -119,7 +119,7 @@ class SymmHTBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, spec, W, T = self._transport, self.spec, self.world_size, x.shape[0]
+        tr, spec, W, T = self._live(), self.spec, self.world_size, x.shape[0]
         reg = tr.regions[b]
         try:
             launch(k.dispatch_send_kernel)(
@@ -158,7 +158,7 @@ class SymmHTBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, spec, W, b = self._transport, self.spec, self.world_size, h.parity
+        tr, spec, W, b = self._live(), self.spec, self.world_size, h.parity
         reg = tr.regions[b]
         launch(k.ht_combine_send_kernel)(
             (W, self._grid(tr.M)),

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pending
+from epmoe.comm.base import (
+    Capabilities,
+    CommSpec,
+    DispatchResult,
+    Layout,
+    Pending,
+    expert_batched_memory_reason,
+)
 from epmoe.comm.symm.common import (
     BLOCK_E,
     NUM_PARITIES,
@@ -76,6 +83,12 @@ class SymmLLBackend(SymmBackend):
         default_max_tokens=256,  # decode batches; larger ones go to a prefill backend
     )
 
+    @classmethod
+    def supports(cls, spec: CommSpec) -> str | None:
+        """Also refuses receive buffers too large for the GPU (two parities of
+        ``[e, W·M, H]``: see ``expert_batched_memory_reason``)."""
+        return super().supports(spec) or expert_batched_memory_reason(cls.name, spec, NUM_PARITIES)
+
     @property
     def num_sms(self) -> int:
         """SMs the kernels may occupy: one short program per token, so a call is one wave
@@ -98,7 +111,7 @@ class SymmLLBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, spec, W, T = self._transport, self.spec, self.world_size, x.shape[0]
+        tr, spec, W, T = self._live(), self.spec, self.world_size, x.shape[0]
         reg = tr.regions[b]
         try:
             launch(k.ll_dispatch_kernel)(
@@ -120,7 +133,7 @@ class SymmLLBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, spec, W, T = self._transport, self.spec, self.world_size, x.shape[0]
+        tr, spec, W, T = self._live(), self.spec, self.world_size, x.shape[0]
         reg = tr.regions[b]
         try:
             launch(k.dispatch_send_kernel)(
@@ -154,7 +167,7 @@ class SymmLLBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, spec, W, T, b = self._transport, self.spec, self.world_size, h.num_tokens, h.parity
+        tr, spec, W, T, b = self._live(), self.spec, self.world_size, h.num_tokens, h.parity
         reg = tr.regions[b]
         out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
         launch(k.ll_combine_kernel)(
@@ -173,7 +186,7 @@ class SymmLLBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, spec, W, b = self._transport, self.spec, self.world_size, h.parity
+        tr, spec, W, b = self._live(), self.spec, self.world_size, h.parity
         reg = tr.regions[b]
         launch(k.ll_combine_send_kernel)(
             (W, tr.M),
