@@ -24,19 +24,23 @@ def backends_matrix() -> str:
 
     header = (
         "| backend | layouts | dtypes | devices | graph safe | FP8 dispatch | in flight | "
-        "fixed M_max (default) | multi-node | picked by `auto` |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n"
+        "fixed M_max (default) | multi-node | picked by `auto` | ids of -1 |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for name in backend_names():
         caps = backend_class(name).capabilities
         dtypes = ", ".join(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
+        fp8 = yes(caps.fp8_dispatch)
+        if caps.fp8_dispatch and not caps.fp8_reference_quantizer:
+            fp8 += " (its own quantizer)"
+        empty = "sent to expert 0, weight 0" if caps.empty_entries_to_expert_0 else "not sent"
         rows.append(
             f"| `{name}` | {', '.join(sorted(x.value for x in caps.layouts))} | {dtypes} | "
             f"{', '.join(sorted(caps.device_types))} | {yes(caps.graph_safe)} | "
-            f"{yes(caps.fp8_dispatch)} | {caps.max_in_flight or 'any'} | "
+            f"{fp8} | {caps.max_in_flight or 'any'} | "
             f"{caps.default_max_tokens or 'no (per call)'} | {yes(caps.multi_node)} | "
-            f"{yes(caps.auto)} |"
+            f"{yes(caps.auto)} | {empty} |"
         )
     return header + "\n".join(rows) + "\n"
 

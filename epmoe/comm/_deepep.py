@@ -15,7 +15,6 @@ DeepEP partitions the experts evenly and contiguously over the ranks (rank r hol
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from typing import Any
 
 import torch.distributed as dist
@@ -42,13 +41,20 @@ def unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
     reason = one_nvlink_node_reason(group)
     if reason is not None:
         return reason
-    if importlib.util.find_spec("deep_ep") is None:
-        return INSTALL_HINT
+    try:  # the import, not only the package: a source checkout without its built
+        import_deep_ep()  # extension (deep_ep_cpp) is found but cannot run
+    except ImportError as exc:
+        return str(exc)
     if dist.is_available() and dist.is_initialized():
         W = dist.get_world_size(group)
         if W not in (2, 4, 8):
             return f"DeepEP's intranode kernels take 2, 4 or 8 ranks, not {W}"
     return None
+
+
+def process_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The group object DeepEP's ``Buffer`` needs: ours may be ``None`` (the default group)."""
+    return group if group is not None else dist.group.WORLD
 
 
 def even_partition_reason(spec: CommSpec) -> str | None:

@@ -83,7 +83,9 @@ class DeepEPHTBackend(AllToAll):
             self.group,
             "ht",
             {"nvl_bytes": nvl_bytes},
-            create=lambda: Buffer(self.group, nvl_bytes, 0, explicitly_destroy=True),
+            create=lambda: Buffer(
+                _deepep.process_group(self.group), nvl_bytes, 0, explicitly_destroy=True
+            ),
         )
 
     def _buffer(self):

@@ -52,6 +52,7 @@ class DeepEPLLBackend(AllToAll):
         device_types=frozenset({"cuda"}),
         graph_safe=True,
         fp8_dispatch=True,
+        fp8_reference_quantizer=False,  # DeepEP's kernels quantize with their own arithmetic
         # DeepEP clears the other buffer's signals when it issues a call: call N must be
         # received before call N + 1 is issued, so one result at a time
         max_in_flight=1,
@@ -98,7 +99,7 @@ class DeepEPLLBackend(AllToAll):
             {"rdma_bytes": rdma_bytes, "max_num_tokens": M, "num_experts": P, "hidden": H},
             exact=True,  # its layout (signal counters included) depends on M, P and H
             create=lambda: Buffer(
-                self.group,
+                _deepep.process_group(self.group),
                 num_rdma_bytes=rdma_bytes,
                 low_latency_mode=True,
                 num_qps_per_rank=P // W,

@@ -262,6 +262,21 @@ def test_without_deep_ep_the_error_says_how_to_install(monkeypatch):
 
     with pytest.raises(ImportError, match="github.com/deepseek-ai/DeepEP"):
         _deepep.import_deep_ep()
+    monkeypatch.setattr(_deepep, "one_nvlink_node_reason", lambda group: None)  # as on a GPU
+    assert "github.com/deepseek-ai/DeepEP" in _deepep.unavailable_reason(None)
+
+
+def test_an_unbuilt_deep_ep_checkout_is_unavailable_not_a_failure(tmp_path, monkeypatch):
+    # a source checkout on the path: the package is found, its extension deep_ep_cpp is not
+    (tmp_path / "deep_ep").mkdir()
+    (tmp_path / "deep_ep" / "__init__.py").write_text("from deep_ep_cpp import Buffer\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    from epmoe.comm import _deepep
+
+    monkeypatch.setattr(_deepep, "one_nvlink_node_reason", lambda group: None)  # as on a GPU
+    reason = _deepep.unavailable_reason(None)
+    assert "deep_ep_cpp" in reason and "build it from" in reason
 
 
 class _FakeATA:
@@ -361,3 +376,23 @@ def test_nvshmem_has_one_owner_per_process(fake_pplx, fake_deep_ep):
     _backend("deepep_ll", _spec(), Layout.EXPERT_BATCHED)
     with pytest.raises(RuntimeError, match="NVSHMEM in this process belongs to 'deep_ep'"):
         _backend("pplx", _spec(), Layout.EXPERT_BATCHED)
+
+
+def test_pplx_refuses_rows_and_scales_of_partial_16_bytes_and_a_new_slot_count(fake_pplx):
+    from epmoe.comm import backend_class
+
+    cls, cuda = backend_class("pplx"), torch.device("cuda", 0)
+
+    def at(hidden, fp8):
+        dispatch = FP8_DTYPE if fp8 else None
+        return CommSpec(hidden, 8, (0, 8), 8, torch.bfloat16, cuda, dispatch_dtype=dispatch)
+
+    assert cls.supports(at(7168, True)) is None and cls.supports(at(160, False)) is None
+    assert "H=160 needs a multiple of 512" in cls.supports(at(160, True))  # 2 scales: 8 bytes
+    assert "whole 16 bytes" in cls.supports(at(2044, False))
+    big = CommSpec(7168, 8, (0, 8), 512, torch.bfloat16, cuda)  # wrong results seen at 512
+    assert "at most 128 tokens per rank" in cls.supports(big)
+    comm = _backend("pplx", _spec(), Layout.EXPERT_BATCHED)
+    with pytest.raises(ValueError, match=f"pplx's buffers serve P={E} expert slots"):
+        comm.rebind((0, E + 2))  # a re-plan with two redundant slots
+    comm.close()
