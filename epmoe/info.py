@@ -33,6 +33,8 @@ from epmoe.distributed import SAFE_GPU_ENV
 
 NOT_INSTALLED = "not installed"
 TOPO_TIMEOUT_S = 10.0
+# terminal styling (nvidia-smi underlines its header even when writing to a pipe)
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 # package shown -> (distribution names, by prefix after normalisation; module name or None)
 _PACKAGES: dict[str, tuple[tuple[str, ...], str | None]] = {
@@ -135,7 +137,7 @@ def topology(timeout_s: float = TOPO_TIMEOUT_S) -> str | None:
         return f"nvidia-smi topo -m failed: {exc}"
     if done.returncode != 0:
         return f"nvidia-smi topo -m exited {done.returncode}: {done.stderr.strip()[-500:]}"
-    return done.stdout.rstrip()
+    return ANSI_ESCAPE.sub("", done.stdout).rstrip()
 
 
 def backends() -> dict[str, dict[str, str | None]]:

@@ -104,6 +104,11 @@ def plot_comm(records: list[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(
         len(wires), 2, figsize=(11, 3.8 * len(wires)), squeeze=False, sharex=True
     )
+    # one color per series in every panel (panels show different subsets)
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    others = sorted({label for _, _, label in series} - {"NCCL all_to_all_single"})
+    colors = {label: palette[i % len(palette)] for i, label in enumerate(others)}
+    colors["NCCL all_to_all_single"] = "gray"
     for i, wire in enumerate(wires):
         for j, phase in enumerate(("dispatch", "combine")):
             ax = axes[i][j]
@@ -116,7 +121,7 @@ def plot_comm(records: list[dict], path: str, title: str) -> None:
                     [p[1] for p in points],
                     marker="o" if not baseline else None,
                     linestyle="--" if baseline else "-",
-                    color="gray" if label == "NCCL all_to_all_single" else None,
+                    color=colors[label],
                     label=label,
                 )
             ax.set_xscale("log", base=2)
@@ -146,68 +151,100 @@ def plot_layer(records: list[dict], path: str, title: str) -> None:
     if not rows:
         raise ValueError("no layer records with a step time to plot")
     tokens = sorted({r["T"] for r in rows})
-    width = max(7.5, 5 * len(tokens))
-    fig, axes = plt.subplots(1, len(tokens), figsize=(width, 4.2), squeeze=False)
+    most = max(sum(r["T"] == T for r in rows) for T in tokens)
+    width = max(7.5, len(tokens) * max(5.0, 0.8 * most + 1))
+    fig, axes = plt.subplots(1, len(tokens), figsize=(width, 4.6), squeeze=False)
     for ax, T in zip(axes[0], tokens):
         mine = [r for r in rows if r["T"] == T]
-        labels = [f"{r['backend']}\n{r['mode']}" for r in mine]
         x = range(len(mine))
         ax.bar(x, [r["layer_us"] for r in mine], color="tab:blue", label="step")
         floor = [r["weights_read_us"] + r["dispatch_us"] + r["combine_us"] for r in mine]
-        ax.scatter(x, floor, marker="_", s=900, color="black", zorder=3,
+        ax.scatter(x, floor, marker="_", s=700, color="black", zorder=3,
                    label="weights read + dispatch + combine")  # fmt: skip
-        ax.axhline(mine[0]["weights_read_us"], color="gray", linestyle="--", linewidth=1,
-                   label="weights read alone")  # fmt: skip
-        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.scatter(x, [r["weights_read_us"] for r in mine], marker="_", s=700, color="gray",
+                   zorder=3, label="weights read alone")  # fmt: skip
+        ax.set_xticks(list(x), [_layer_label(r) for r in mine], fontsize=7)
         ax.set_ylabel("µs per step (median)")
         ax.set_title(f"T = {T} tokens per rank", fontsize=10)
         ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def _layer_label(r: dict) -> str:
+    """A bar's variant: backend, mode, and what differs from the plain layer."""
+    extra = []
+    if r.get("micro_batches", 1) > 1:
+        extra.append(f"micro_batches={r['micro_batches']}")
+    if "float8" in str(r.get("weights", "")):
+        extra.append("FP8 weights")
+    if "float8" in str(r.get("wire", "")):
+        extra.append("FP8 wire")
+    if r.get("chunks", 1) > 1:
+        extra.append(f"{r['chunks']} chunks")
+    return "\n".join([r["backend"], r["mode"], *extra])
+
+
 def plot_experts(records: list[dict], path: str, title: str) -> None:
-    """TFLOP/s of each expert implementation, one panel per scenario (prefill, decode):
-    epmoe's kernels per dtype, labelled with their fraction of the roofline measured in the
-    same run, beside the baselines of the same run (dense GEMM, ``torch._grouped_mm``, a
-    cuBLAS loop) in grey."""
+    """Expert kernels against the baselines of the same run, one panel per scenario:
+    prefill in TFLOP/s (epmoe's kernels labelled with their fraction of the roofline
+    measured in the same run), decode in expert-weight GB/s read with the device's copy
+    bandwidth of the same run drawn as the ceiling. epmoe in blue, baselines in grey."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in records if r.get("tflops") and "sweep" not in r and r.get("scenario")]
+    def value(r: dict) -> float | None:
+        return r.get("tflops") if r.get("scenario") == "prefill" else r.get("weight_GBps")
+
+    rows = [r for r in records if "sweep" not in r and r.get("scenario") and value(r)]
     if not rows:
-        raise ValueError("no experts records with TFLOP/s to plot")
+        raise ValueError("no experts records with TFLOP/s or weight GB/s to plot")
+    copy = next((r["copy_GBps"] for r in records if r.get("copy_GBps")), None)
     scenarios = sorted({r["scenario"] for r in rows}, key=["prefill", "decode"].index)
     fig, axes = plt.subplots(1, len(scenarios), figsize=(6 * len(scenarios), 4.2), squeeze=False)
     for ax, sc in zip(axes[0], scenarios):
         mine = [r for r in rows if r["scenario"] == sc]
-        labels, values, colors, notes = [], [], [], []
-        for r in mine:
-            ours = str(r.get("impl", "")).startswith("epmoe")
-            labels.append(f"{r['impl']}\n{r.get('dtype', '')}".strip())
-            values.append(r["tflops"])
-            colors.append("tab:blue" if ours else "lightgray")
-            notes.append(
-                f"{r['vs_roofline']:.2f} of roofline" if ours and "vs_roofline" in r else ""
-            )
+        ours = [str(r.get("impl", "")).startswith("epmoe") for r in mine]
+        labels = [
+            f"{r['impl']}\n{r.get('dtype', '')}" if o else str(r["impl"])
+            for r, o in zip(mine, ours)
+        ]
+        values = [value(r) for r in mine]
         x = range(len(mine))
-        ax.bar(x, values, color=colors)
-        for i, note in zip(x, notes):
-            if note:
-                ax.annotate(note, (i, values[i]), ha="center", va="bottom", fontsize=7)
+        ax.bar(x, values, color=["tab:blue" if o else "lightgray" for o in ours])
+        for i, (r, o) in enumerate(zip(mine, ours)):
+            if not o:
+                continue
+            if sc == "prefill" and r.get("vs_roofline"):
+                note = f"{r['vs_roofline']:.2f} of roofline"
+            elif sc == "decode" and r.get("frac_of_copy"):
+                note = f"{r['frac_of_copy']:.2f} of copy"
+            else:
+                continue
+            ax.annotate(note, (i, values[i]), ha="center", va="bottom", fontsize=7)
+        if sc == "decode" and copy:
+            ax.axhline(copy, color="black", linestyle="--", linewidth=1,
+                       label=f"device copy {copy:.0f} GB/s (same run)")  # fmt: skip
+            ax.legend(fontsize=7, loc="lower right")
         ax.set_xticks(list(x), labels, fontsize=7, rotation=20)
-        ax.set_ylabel("TFLOP/s")
+        ax.set_ylabel("TFLOP/s" if sc == "prefill" else "expert weights read, GB/s")
         ax.set_title(sc, fontsize=10)
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _experts_title(records: list[dict], machine: dict) -> str:
+    r = next((r for r in records if r.get("scenario") == "prefill" and r.get("pairs")), {})
+    work = f", {r['R']} rows, {r['pairs']} (row, expert) pairs in prefill" if r else ""
+    return f"expert kernels{work} — {machine.get('gpu', '?')}, {machine.get('date', '')[:16]}"
 
 
 def draw(name: str, records: list[dict], path: str) -> None:
@@ -226,8 +263,7 @@ def draw(name: str, records: list[dict], path: str) -> None:
     elif name == "layer":
         plot_layer(records, path, _layer_title(records, machine))
     elif name == "experts":
-        plot_experts(records, path, f"expert kernels — {machine.get('gpu', '?')}, "
-                                    f"{machine.get('date', '')[:16]}")  # fmt: skip
+        plot_experts(records, path, _experts_title(records, machine))
     else:
         plot_comm(records, path, _comm_title(records, machine))
 
@@ -285,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.kind == "layer":
         plot_layer(records, args.paths[0], _layer_title(records, machine))
     elif args.kind == "experts":
-        draw("experts", records, args.paths[0])
+        plot_experts(records, args.paths[0], _experts_title(records, machine))
     else:
         plot_comm(records, args.paths[0], _comm_title(records, machine))
 

@@ -371,10 +371,12 @@ def test_experts_plot_marks_ours_against_the_baselines(tmp_path):
         dict(scenario="prefill", dtype="bf16", impl="epmoe standard", ms=4.3, tflops=420.0,
              vs_roofline=0.62),
         dict(scenario="prefill", impl="torch._grouped_mm", ms=5.2, tflops=350.0),
-        dict(scenario="decode", dtype="fp8", impl="epmoe batched", ms=0.9, tflops=40.0,
-             vs_roofline=0.87),
+        dict(scenario="decode", dtype="fp8", impl="epmoe batched", ms=0.9, weight_GBps=3600.0,
+             frac_of_copy=0.86),
         dict(scenario="decode", impl="device copy", copy_GBps=4200.0),
     ]  # fmt: skip
     png = tmp_path / "experts.png"
     plot.plot_experts(records, str(png), "test")
     assert png.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no experts records"):
+        plot.plot_experts(records[-1:], str(png), "test")  # the copy bandwidth alone

@@ -79,3 +79,13 @@ def test_no_backend_is_usable_on_cuda_without_cuda():
 
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         resolve_backend("auto", "cuda", None)
+
+
+def test_topology_drops_terminal_styling(monkeypatch, tmp_path):
+    from epmoe import info
+
+    fake = tmp_path / "nvidia-smi"  # what the image's nvidia-smi writes into a pipe
+    fake.write_text("#!/bin/sh\nprintf '\\t\\033[4mGPU0\\tGPU1\\033[0m\\nGPU0\\t X \\tNV18\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert info.topology() == "\tGPU0\tGPU1\nGPU0\t X \tNV18"
