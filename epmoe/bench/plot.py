@@ -62,7 +62,12 @@ def comm_series(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[in
     ceiling (once per destination rank, ``graph_b2b``) under dispatch; NCCL's
     ``all_to_all_single`` of the same rows (``a2a_us``) under both phases."""
     out: dict[tuple[str, str, str], dict[int, float]] = {}
-    comm = [r for r in records if r.get("kind") == "comm" and "dispatch_us" in r]
+    from epmoe.bench.comm import is_wrong
+
+    # (a timing whose round trip came back wrong is not drawn)
+    comm = [
+        r for r in records if r.get("kind") == "comm" and "dispatch_us" in r and not is_wrong(r)
+    ]
     graph_safe = {
         (r["backend"], r.get("sms"), r.get("per_flag")) for r in comm if r["mode"] == "graph_b2b"
     }

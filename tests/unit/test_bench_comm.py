@@ -296,6 +296,19 @@ def test_layer_cli_tiny_on_one_cpu_process(tmp_path):
     assert symm["backend"] == "symm_ll" and symm["note"].startswith("skipped: ")
 
 
+def test_a_wrong_round_trip_marks_the_record():
+    from epmoe.bench.comm import check_roundtrip
+
+    ok, fp8, bad, nan = ({"wire": w} for w in ("bfloat16", "float8_e4m3fn", "bfloat16", "bfloat16"))
+    check_roundtrip(ok, 1.2e-3)
+    check_roundtrip(fp8, 2.6e-2)
+    check_roundtrip(bad, 0.79)
+    check_roundtrip(nan, float("nan"))
+    assert not ok.get("wrong") and not fp8.get("wrong") and ok["roundtrip_error"] == 1.2e-3
+    assert bad["wrong"] and bad["note"] == "WRONG: round trip error 0.79 > 0.01"
+    assert nan["wrong"]
+
+
 def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
     """Graph-safe backends are drawn from their graph_b2b records, the others from
     eager_b2b; the ceiling (per rank) goes under dispatch, NCCL under both phases."""
@@ -313,8 +326,11 @@ def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
              us=10.9),
         dict(kind="ceiling", wire="bfloat16", T=128, pattern="per_expert", mode="graph_b2b",
              us=26.1),
+        dict(base, backend="pplx", layout="expert_batched", mode="graph_b2b", dispatch_us=60.0,
+             combine_us=59.0, wrong=True),  # a wrong round trip is not drawn
     ]  # fmt: skip
     series = plot.comm_series(records)
+    assert not any("pplx" in label for _, _, label in series)
     assert series[("bfloat16", "dispatch", "symm_ll (expert_batched, 132 SMs; graph)")] == [
         (128, 25.0)
     ]
