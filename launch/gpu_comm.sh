@@ -14,7 +14,9 @@
 #                        (every SM and a 32-SM budget, 1 and 4 rows per flag)
 #     conformance        the registry's conformance suite, FP8 weights, shard loading and
 #                        bitwise determinism (symm_* with Triton experts too) on NCCL
-#     overlap            the layer benchmark with two micro-batches and FP8 expert weights
+#     overlap            prefill (4096 tokens) on symm_ht with one and two micro-batches in one
+#                        run, and decode with FP8 expert weights
+#     eplb               the EPLB placement benchmark and its balancedness plot
 #     info               python -m epmoe.info (text and --json) on the GPU machine
 #     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
 #                        symm_ll's ExpertBatched one (rows read in place vs expanded)
@@ -76,11 +78,15 @@ for s in "${STEPS[@]}"; do
         ;;
     overlap)
         timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
-            --parts layer --tokens 128 4096 --experts triton --backends symm_ll symm_ht \
-            --micro-batches 2 --iters 10 --out "$OUT/layer_overlap.json" >"$OUT/overlap.log" 2>&1
+            --parts layer --tokens 4096 --experts triton --backends symm_ht \
+            --micro-batches 1 2 --iters 10 --out "$OUT/layer_overlap.json" >"$OUT/overlap.log" 2>&1
         timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 --max-num-tokens 128 --experts triton --backends symm_ll \
             --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1
+        ;;
+    eplb)
+        timeout "${EPLB_LIMIT_S:-120}" python3 -m epmoe.bench eplb --out "$OUT/eplb.json" \
+            --plot "$OUT/eplb_balancedness.png" >"$OUT/eplb.log" 2>&1
         ;;
     info)
         python3 -m epmoe.info >"$OUT/info.log" 2>&1 && python3 -m epmoe.info --json >"$OUT/info.json"

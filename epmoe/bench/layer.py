@@ -173,10 +173,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--micro-batches",
         type=int,
-        default=1,
+        nargs="+",
+        default=[1],
         choices=[1, 2],
-        help="part layer: EPMoE's micro_batches (2: each half's communication overlaps the "
-        "other's experts)",
+        help="part layer: EPMoE's micro_batches, one layer per value (2: each half's "
+        "communication overlaps the other's experts; '1 2' measures both in one run)",
     )
     p.add_argument(
         "--weight-dtype",
@@ -351,7 +352,8 @@ def layer_ratio(
 def _layer_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any]]:
     copy_bw = _copy_bandwidth(device, timing)
     records = []
-    for name, layout in progress(_entries(args), "layer"):
+    variants = [(e, mb) for e in _entries(args) for mb in args.micro_batches]
+    for (name, layout), micro_batches in progress(variants, "layer"):
         reason = backend_skip_reason(name, layout, None, device, group)
         if reason is not None:
             layout_name = layout.value if layout is not None else "-"
@@ -367,7 +369,7 @@ def _layer_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any
             backend=name,
             layout=layout,
             max_num_tokens=args.max_num_tokens,
-            micro_batches=args.micro_batches,
+            micro_batches=micro_batches,
             weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
             dispatch_dtype=getattr(torch, args.dispatch_dtype) if args.dispatch_dtype else None,
             **ROUTINGS[args.routing],

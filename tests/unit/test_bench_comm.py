@@ -296,6 +296,16 @@ def test_layer_cli_tiny_on_one_cpu_process(tmp_path):
     assert symm["backend"] == "symm_ll" and symm["note"].startswith("skipped: ")
 
 
+def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
+    records = _run_bench(tmp_path, "layer", "--tokens", "4", "--num-experts", "8", "--top-k",
+                         "2", "--hidden", "64", "--intermediate", "32", "--iters", "2",
+                         "--warmup", "1", "--parts", "layer", "--backends", "all_to_all",
+                         "--micro-batches", "1", "2")  # fmt: skip
+    eager = [r for r in records if r.get("mode") == "eager"]
+    assert [r["micro_batches"] for r in eager] == [1, 2]
+    assert all(r["layer_us"] > 0 for r in eager)
+
+
 def test_a_wrong_round_trip_marks_the_record():
     from epmoe.bench.comm import check_roundtrip
 
