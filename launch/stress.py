@@ -8,8 +8,9 @@ The loop of ``tests/distributed/stress_cases.py`` (the CPU tier runs it on 3 glo
 30 s): adversarial routing (all tokens to one expert, to one rank, Zipf-skewed, random,
 all tied), uneven and zero token counts, chunking, redundant replicas, live rebalances
 every 4 calls of a layer, every output against ``epmoe.reference.moe`` on the rank's own
-tokens. On GPUs: NCCL, bf16, ``GPU_CONFIGS`` (``all_to_all`` Standard and ExpertBatched and
-``symm_ll``, FP8 dispatch in half of them), ``--steps`` calls per configuration
+tokens. On GPUs: NCCL, bf16, ``GPU_CONFIGS`` (``naive``, ``all_to_all`` Standard and
+ExpertBatched, ``symm_ll`` and ``symm_ht``, FP8 dispatch in half of them), ``--steps`` calls
+per configuration
 (default 500). On a machine without GPUs: gloo, float32, the CPU configurations (a check of
 the script itself).
 

@@ -90,14 +90,18 @@ CPU_CONFIGS = (
     StressConfig("a2a batched balanced fp8", "all_to_all", "expert_batched", "balanced", 16, True),
 )
 
-# GPU tier (NCCL, bf16): the general backend and the graph-safe one, with and without FP8
+# GPU tier (NCCL, bf16): every backend of ours, with and without FP8 dispatch
 GPU_CONFIGS = (
+    StressConfig("naive round_robin M=48", "naive", "standard", "round_robin", 48),
+    StressConfig("naive balanced fp8", "naive", "standard", "balanced", None, True),
     StressConfig("a2a std balanced", "all_to_all", "standard", "balanced", 64),
     StressConfig("a2a std linear fp8", "all_to_all", "standard", "linear", None, True),
     StressConfig("a2a batched round_robin M=16", "all_to_all", "expert_batched", "round_robin", 16),
     StressConfig("a2a batched balanced fp8", "all_to_all", "expert_batched", "balanced", 64, True),
     StressConfig("symm_ll linear M=32", "symm_ll", "expert_batched", "linear", 32),
     StressConfig("symm_ll balanced fp8 M=64", "symm_ll", "expert_batched", "balanced", 64, True),
+    StressConfig("symm_ht balanced M=64", "symm_ht", "standard", "balanced", 64),
+    StressConfig("symm_ht round_robin fp8 M=32", "symm_ht", "standard", "round_robin", 32, True),
 )
 
 
