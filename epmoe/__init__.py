@@ -27,9 +27,11 @@ _PUBLIC = {
     "step": "epmoe.step_context",
     "StepContext": "epmoe.step_context",
     "current_step": "epmoe.step_context",
+    "DecodeGraphs": "epmoe.decode_graphs",
 }
 
 __all__ = [
+    "DecodeGraphs",
     "DispatchResult",
     "EPLBManager",
     "EPMoE",
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from epmoe import checkpoint, reference
     from epmoe.comm import available_backends
     from epmoe.comm.base import DispatchResult, Layout
+    from epmoe.decode_graphs import DecodeGraphs
     from epmoe.distributed import init_distributed
     from epmoe.eplb.manager import EPLBManager
     from epmoe.layer import EPMoE

@@ -3,7 +3,8 @@
 The layer's forward reads values back to the host (chunk counts, the agreement, count
 exchanges of the backends), which the compiler cannot trace without graph breaks, and
 ``fullgraph=True`` refuses. Under ``torch.compile`` the layer therefore calls
-``torch.ops.epmoe.moe_forward(hidden_states, router_logits, layer_id, max_tokens)``: the
+``torch.ops.epmoe.moe_forward(hidden_states, router_logits, layer_id, max_tokens,
+num_valid_tokens)``: the
 compiler sees one op whose output is ``[T, H]`` in the input's dtype (the fake
 implementation) and, at run time, the op runs the layer's eager forward.
 
@@ -53,13 +54,23 @@ def lookup(layer_id: int):
 # count and backend), so Inductor's CUDA graphs leave this op outside their captures
 @torch.library.custom_op("epmoe::moe_forward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def moe_forward(
-    hidden_states: torch.Tensor, router_logits: torch.Tensor, layer_id: int, max_tokens: int
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    layer_id: int,
+    max_tokens: int,
+    num_valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[T, H]``, ``[T, E]`` → ``[T, H]``: layer ``layer_id``'s eager forward (``max_tokens
-    = -1``: from the active step or the layer's agreement)."""
+    = -1``: from the active step or the layer's agreement; ``num_valid_tokens``: as the
+    layer's forward takes it)."""
     layer = lookup(layer_id)
     hint = None if max_tokens < 0 else max_tokens
-    out = layer._eager_forward(hidden_states, router_logits, max_tokens_across_ranks=hint)
+    out = layer._eager_forward(
+        hidden_states,
+        router_logits,
+        max_tokens_across_ranks=hint,
+        num_valid_tokens=num_valid_tokens,
+    )
     # a custom op may not return an alias of an input (T = 0, same dtype: .to() is a no-op)
     storage = out.untyped_storage().data_ptr()
     aliased = any(t.untyped_storage().data_ptr() == storage for t in (hidden_states, router_logits))
@@ -67,5 +78,5 @@ def moe_forward(
 
 
 @moe_forward.register_fake
-def _(hidden_states, router_logits, layer_id, max_tokens):
+def _(hidden_states, router_logits, layer_id, max_tokens, num_valid_tokens=None):
     return hidden_states.new_empty(hidden_states.shape)  # contiguous, like the real op

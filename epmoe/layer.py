@@ -873,6 +873,7 @@ class EPMoE(nn.Module):
         *,
         max_tokens_across_ranks: int | None = None,
         step: StepContext | None = None,
+        num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden_states [T, H]``, ``router_logits [T, E]`` → ``[T, H]`` in the input dtype.
 
@@ -905,6 +906,12 @@ class EPMoE(nn.Module):
         (ids in range included) and that every rank makes the same calls: these forwards
         are not counted, and a rank that skips one is not detected. ``router_logits`` must
         be on the layer's device.
+
+        ``num_valid_tokens``: for padded batches (a CUDA graph captured for a bucket of
+        ``T`` rows, fewer of them real), a one-element integer tensor ``n`` on the layer's
+        device: rows ``n..T-1`` go to no expert (they are not sent, computed or recorded in
+        the expert load; their routed output is zero). Read on the device only, so each
+        replay may hold another ``n``.
         """
         if torch.compiler.is_compiling():
             if step is not None:
@@ -913,9 +920,15 @@ class EPMoE(nn.Module):
                 # the step's own checks (ended, group) at trace time; then a graph constant
                 max_tokens_across_ranks = step.max_tokens_for(self, 0)
             hint = -1 if max_tokens_across_ranks is None else max_tokens_across_ranks
-            return torch.ops.epmoe.moe_forward(hidden_states, router_logits, self._op_id, hint)
+            return torch.ops.epmoe.moe_forward(
+                hidden_states, router_logits, self._op_id, hint, num_valid_tokens
+            )
         return self._eager_forward(
-            hidden_states, router_logits, max_tokens_across_ranks=max_tokens_across_ranks, step=step
+            hidden_states,
+            router_logits,
+            max_tokens_across_ranks=max_tokens_across_ranks,
+            step=step,
+            num_valid_tokens=num_valid_tokens,
         )
 
     def _eager_forward(
@@ -925,6 +938,7 @@ class EPMoE(nn.Module):
         *,
         max_tokens_across_ranks: int | None = None,
         step: StepContext | None = None,
+        num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` outside the compiler (and inside ``epmoe::moe_forward``)."""
         if step is not None and max_tokens_across_ranks is not None:
@@ -934,11 +948,16 @@ class EPMoE(nn.Module):
         if step is not None:
             T = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
             max_tokens_across_ranks = step.max_tokens_for(self, T)
+        valid_error = self._valid_tokens_error(num_valid_tokens)
         if max_tokens_across_ranks is None:
-            weights_TK, logical_TK, max_T = self._route_and_agree(hidden_states, router_logits)
+            weights_TK, logical_TK, max_T = self._route_and_agree(
+                hidden_states, router_logits, valid_error
+            )
         else:  # graph-safe path: no collective, no host sync; raises on this rank only
-            error = self._input_error(hidden_states, router_logits) or self._hint_error(
-                hidden_states, router_logits, max_tokens_across_ranks
+            error = (
+                self._input_error(hidden_states, router_logits)
+                or valid_error
+                or self._hint_error(hidden_states, router_logits, max_tokens_across_ranks)
             )
             if error is not None:
                 raise error
@@ -951,6 +970,9 @@ class EPMoE(nn.Module):
         # place (device only; the recorder counts into its device-side ring)
         x_TH = hidden_states.to(self.params_dtype)
         ids_TK = self._to_physical(logical_TK)
+        if num_valid_tokens is not None:  # padding rows: no expert (on the device)
+            rows_T = torch.arange(T, device=ids_TK.device)
+            ids_TK = torch.where((rows_T < num_valid_tokens.reshape(()))[:, None], ids_TK, -1)
         if self.load_recorder is not None:
             self.load_recorder.record(ids_TK)
         if self.apply_router_weight_on_input:  # in float32, or float64 for float64 layers
@@ -1019,13 +1041,17 @@ class EPMoE(nn.Module):
         return comm.combine(self._expert_out(result), result)
 
     def _route_and_agree(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        extra_error: Exception | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """Check this rank's inputs, route (router weights ``[T, K]``, logical ids
         ``[T, K]``), flag ids outside ``[-1, E)`` on the device, then agree with the other
         ranks (see :meth:`forward`). Returns the weights, the ids and the step's largest T;
-        raises on every rank when any rank's checks failed or the ranks are out of step."""
-        error = self._input_error(hidden_states, router_logits)
+        raises on every rank when any rank's checks failed or the ranks are out of step
+        (``extra_error``: another argument's error, agreed the same way)."""
+        error = self._input_error(hidden_states, router_logits) or extra_error
         weights_TK = logical_TK = bad_ids = None
         if error is None:
             try:
@@ -1079,6 +1105,27 @@ class EPMoE(nn.Module):
                 f"router_logits is on {router_logits.device} but the layer on {self.device}; "
                 "with max_tokens_across_ranks the forward copies nothing across devices: "
                 "compute the router logits on the layer's device"
+            )
+        return None
+
+    def _valid_tokens_error(self, num_valid_tokens) -> Exception | None:
+        """What is wrong with a ``num_valid_tokens`` argument (host-side checks only)."""
+        if num_valid_tokens is None:
+            return None
+        if not isinstance(num_valid_tokens, torch.Tensor):
+            return TypeError(
+                "num_valid_tokens must be a one-element integer tensor on the layer's device "
+                f"(or None), got {type(num_valid_tokens).__name__}"
+            )
+        if num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point():
+            return ValueError(
+                "num_valid_tokens must be a one-element integer tensor, got "
+                f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}"
+            )
+        if num_valid_tokens.device != self.device:
+            return ValueError(
+                f"num_valid_tokens is on {num_valid_tokens.device} but the layer on "
+                f"{self.device}; keep it on the layer's device (a graph replay reads it there)"
             )
         return None
 

@@ -17,9 +17,13 @@ steps while serving, moving only the experts whose slots change.
 Rank 0 prints a line every ``--log-every`` steps (tokens/s of the group, steps, the
 balancedness of the experts' load over the ranks) and, at the end, throughput and
 time-to-first-token / inter-token-latency percentiles of every request of every rank.
-On GPUs the same loop runs with ``--device cuda`` (NCCL); CUDA-graph decode buckets
-(``StepContext.decode`` / ``bucket``) need a graph-capturable attention cache and are not
-in this example yet. Needs ``pip install "epmoe[hf]"``.
+On GPUs the same loop runs with ``--device cuda`` (NCCL). ``--cuda-graphs`` (CUDA, a
+graph-safe decode backend such as ``symm_ll``) captures every MoE block's decode forward
+for batch sizes 1, 2, 4, … up to ``--max-batch`` (``EPMoEBlock.capture_decode_graphs``):
+decode steps, agreed as such on every rank, replay the smallest bucket that holds the
+step's largest batch, padding rows routed to no expert; prefill steps and larger batches
+run eagerly, and a re-plan is followed by a re-capture. The attention stays eager (a
+graph-capturable KV cache is the serving engine's part). Needs ``pip install "epmoe[hf]"``.
 
 Shape legend: B requests in a batch · S positions in a forward · H hidden · E experts.
 """
@@ -230,6 +234,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--check", type=int, default=3, help="requests per rank compared with the unconverted model"
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the MoE blocks' decode steps from CUDA graphs (batch-size buckets)",
+    )
     args = p.parse_args(argv)
 
     group = epmoe.init_distributed()
@@ -251,6 +260,16 @@ def main(argv: list[str] | None = None) -> None:
         num_redundant=(-E) % W + (W if E >= W else 0),  # a spare slot per rank
         rebalance_interval=args.rebalance_every,
     )
+    sizes = None
+    if args.cuda_graphs:
+        if device.type != "cuda":
+            p.error(f"--cuda-graphs needs --device cuda (this run is on {device.type})")
+        sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i < args.max_batch]
+        sizes.append(args.max_batch)
+        for block in blocks:  # collective: every rank, blocks in the same order
+            block.capture_decode_graphs(sizes, dtype=torch.float32)
+        if rank == 0:
+            print(f"captured decode graphs for batch sizes {sizes} in {len(blocks)} blocks")
     engine = Engine(model, make_requests(rank, args), args, device)
     requests = list(engine.queue)
     start = time.perf_counter()
@@ -259,7 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     while True:
         inputs = engine.next_forward()
         T = 0 if inputs is None else int(inputs["input_ids"].numel())
-        with epmoe.step(group, num_tokens=T) as s:
+        # a decode step (idle ranks agree to one) may replay the MoE blocks' graphs
+        decode = inputs is None or inputs["kind"] == "decode"
+        bound = max(sizes) if sizes else None
+        with epmoe.step(group, num_tokens=T, decode=decode, graph_max_tokens=bound) as s:
             if s.max_tokens == 0:  # no rank has tokens: every queue is empty
                 break
             if inputs is None:
@@ -282,6 +304,9 @@ def main(argv: list[str] | None = None) -> None:
         report = manager.step()  # collective: every rank, every step
         if rank == 0 and report is not None:
             print(f"[step {steps}] {report.summary()}", flush=True)
+        for block in blocks if sizes else ():  # a re-plan moved weights: capture again
+            if block.decode_graphs.stale:
+                block.decode_graphs.recapture()
     elapsed = time.perf_counter() - start
 
     # every request of every rank: time to first token and inter-token latencies
@@ -309,6 +334,9 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         print(f"inter-token latency: {percentiles(itl)}", flush=True)
+        if sizes:
+            replays = sum(b.decode_graphs.replays for b in blocks)
+            print(f"MoE block forwards replayed from CUDA graphs on rank 0: {replays}")
         if args.check:
             n, bad = sum(e[2] for e in everyone), sum(e[3] for e in everyone)
             print(

@@ -5,7 +5,7 @@
 # $OUT/*.log and a summary.
 #
 #   OUT=results/gpu bash launch/gpu_comm.sh [STEP ...]   steps (default: comm layer tests):
-#     comm layer tests   as above
+#     comm layer tests   as above (tests: symm_ll, the layer in a graph, decode graph buckets)
 #     gpu                every test under tests/gpu
 #     dist               the multi-process tests (tests/distributed) on NCCL and CUDA tensors
 #     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
@@ -17,6 +17,8 @@
 #     overlap            prefill (4096 tokens) on symm_ht with one and two micro-batches in one
 #                        run, and decode with FP8 expert weights
 #     eplb               the EPLB placement benchmark and its balancedness plot
+#     serving            examples/serving.py on every GPU (symm_ll), eager and with CUDA-graph
+#                        decode buckets (--cuda-graphs): tokens/s, TTFT, ITL
 #     info               python -m epmoe.info (text and --json) on the GPU machine
 #     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
 #                        symm_ll's ExpertBatched one (rows read in place vs expanded)
@@ -41,7 +43,8 @@ for s in "${STEPS[@]}"; do
         ;;
     tests)
         EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-180}" python3 -m pytest -q -p no:cacheprovider \
-            tests/gpu/test_symm_ll.py tests/gpu/test_layer_graph.py >"$OUT/tests.log" 2>&1
+            tests/gpu/test_symm_ll.py tests/gpu/test_layer_graph.py tests/gpu/test_decode_graphs.py \
+            >"$OUT/tests.log" 2>&1
         ;;
     gpu)
         EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
@@ -87,6 +90,13 @@ for s in "${STEPS[@]}"; do
     eplb)
         timeout "${EPLB_LIMIT_S:-120}" python3 -m epmoe.bench eplb --out "$OUT/eplb.json" \
             --plot "$OUT/eplb_balancedness.png" >"$OUT/eplb.log" 2>&1
+        ;;
+    serving)
+        for graphs in "" --cuda-graphs; do
+            timeout "${SERVING_LIMIT_S:-150}" python3 launch/run.py --nproc "$NGPU" examples/serving.py \
+                --device cuda --backend symm_ll --requests 48 --max-batch 16 --max-new-tokens 32 \
+                --hidden-size 1024 --num-experts 16 --top-k 4 $graphs >>"$OUT/serving.log" 2>&1 || break
+        done
         ;;
     info)
         python3 -m epmoe.info >"$OUT/info.log" 2>&1 && python3 -m epmoe.info --json >"$OUT/info.json"

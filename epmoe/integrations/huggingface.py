@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epmoe.checkpoint import gather_full_experts
+from epmoe.decode_graphs import DecodeGraphs
 from epmoe.distributed import default_device, normalize_device
 from epmoe.integrations.safetensors_loader import SCALE_SUFFIX, CheckpointReader
 from epmoe.layer import EPMoE
@@ -516,6 +517,7 @@ class EPMoEBlock(nn.Module):
         if not defer_expert_loading:
             self._load_experts(block)
         self._hf_layout = _HFLayout.of(block, self, spec)  # for save_pretrained
+        self.decode_graphs: DecodeGraphs | None = None  # see capture_decode_graphs
 
     @torch.no_grad()
     def _load_experts(self, block: nn.Module) -> None:
@@ -533,12 +535,35 @@ class EPMoEBlock(nn.Module):
         out = self.gate(hidden_TH)
         return out if isinstance(out, torch.Tensor) else out[0]
 
-    def forward(self, hidden_states: torch.Tensor):
+    def forward(self, hidden_states: torch.Tensor, num_valid_tokens: torch.Tensor | None = None):
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
+        graphed = self.decode_graphs(x_TH) if self.decode_graphs is not None else None
+        out = graphed if graphed is not None else self._rows(x_TH, num_valid_tokens)
+        if self.spec.returns_router_logits:
+            return out[0].view(shape), out[1]
+        return out.view(shape)
+
+    def _rows(self, x_TH: torch.Tensor, num_valid_tokens: torch.Tensor | None = None):
+        """``[T, H]`` → the routed output ``[T, H]`` (and the router logits ``[T, E]`` where
+        the block returns them): the eager forward, and what a decode graph captures."""
         logits_TE = self.router_logits(x_TH)
-        out = self.moe(x_TH, logits_TE).view(shape)
+        out = self.moe(x_TH, logits_TE, num_valid_tokens=num_valid_tokens)
         return (out, logits_TE) if self.spec.returns_router_logits else out
+
+    def capture_decode_graphs(self, sizes, **kwargs) -> DecodeGraphs:
+        """Capture this block's decode forward for each bucket size (``epmoe.DecodeGraphs``;
+        collective: every rank, same sizes, blocks in the same order). Afterwards a forward
+        inside an agreed decode step whose largest token count fits a bucket replays its
+        graph (open steps with ``graph_max_tokens=max(sizes)``); other steps run eagerly.
+        Call it again after a re-plan (``rebalance``). ``kwargs``: ``DecodeGraphs``'s."""
+        self.decode_graphs = None  # (a re-capture runs the eager path)
+        kwargs.setdefault("dtype", self.moe.params_dtype)  # the hidden states' dtype
+        self.decode_graphs = DecodeGraphs(
+            self._rows, sizes, hidden_size=self.spec.hidden_size, device=self.moe.device,
+            layers=[self.moe], group=self.moe.group, **kwargs,
+        )  # fmt: skip
+        return self.decode_graphs
 
     def extra_repr(self) -> str:
         return f"family={self.spec.family}, returns_router_logits={self.spec.returns_router_logits}"

@@ -85,6 +85,23 @@ def test_block_contract_matches_hf(family):
             assert ref.abs().max() > 0.1, what
 
 
+def test_padding_rows_of_a_block_go_to_no_expert():
+    """EPMoEBlock passes num_valid_tokens (a decode graph's padded batch) to its EPMoE: the
+    real rows equal the block's output on them alone, the padding rows get only what does
+    not depend on routing (the shared experts, where the family has them)."""
+    model = hf_cases.tiny_model("mixtral")
+    block = model.get_submodule(hf_cases.moe_block_names(model)[0])
+    wrapped = hf.EPMoEBlock(copy.deepcopy(block), model.config)
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = wrapped(x, num_valid_tokens=torch.tensor([4]))
+        ref = wrapped(x[:4])
+    out = out[0] if isinstance(out, tuple) else out
+    ref = ref[0] if isinstance(ref, tuple) else ref
+    torch.testing.assert_close(out[:4], ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[4:], torch.zeros(2, 32))  # Mixtral has no shared experts
+
+
 def test_greedy_generate_matches_hf():
     model = hf_cases.tiny_model("mixtral")
     reference = copy.deepcopy(model)

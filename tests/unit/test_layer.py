@@ -309,3 +309,32 @@ def test_auto_sends_decode_steps_to_the_fixed_buffer_backend_and_prefill_elsewhe
     # a named backend gets no decode twin
     named, *_ = layer_and_weights(backend="all_to_all")
     assert named.decode_comm is None
+
+
+@pytest.mark.parametrize("hinted", [True, False], ids=["graph-safe path", "agreed path"])
+def test_padding_rows_past_num_valid_tokens_go_to_no_expert(hinted):
+    layer, w13, w2 = layer_and_weights(max_num_tokens=4, load_window=2)
+    T, n = 7, 3  # a bucket of 7 rows, 3 of them real
+    x, logits = torch.randn(T, 16), torch.randn(T, 8)
+    hint = dict(max_tokens_across_ranks=T) if hinted else {}
+    out = layer(x, logits, num_valid_tokens=torch.tensor([n]), **hint)
+    w, ids = epmoe.select_experts(logits[:n], 2)
+    assert_close(out[:n], epmoe.reference.moe(x[:n], w13, w2, w, ids), 1e-5)
+    assert torch.equal(out[n:], torch.zeros(T - n, 16))  # routed nowhere
+    # only the real rows are recorded as expert load
+    assert int(layer.load_recorder.window_load().sum()) == n * 2
+    # a replay with another count: the same call, another tensor value
+    out = layer(x, logits, num_valid_tokens=torch.tensor(T), **hint)
+    assert_close(out, epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, 2)), 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [(3, TypeError, "one-element integer tensor"), (torch.tensor([1.0]), ValueError, "integer"),
+     (torch.tensor([1, 2]), ValueError, "one-element")],
+    ids=["an int", "a float tensor", "two elements"],
+)  # fmt: skip
+def test_num_valid_tokens_is_checked(value, error, match):
+    layer, *_ = layer_and_weights()
+    with pytest.raises(error, match=match):
+        layer(torch.randn(4, 16), torch.randn(4, 8), num_valid_tokens=value)

@@ -77,6 +77,22 @@ def test_layer_with_explicit_hint_compiles():
         assert_close(compiled(x, 4), f(x, 4), name="hinted")
 
 
+def test_padded_rows_compile_with_their_count_as_a_tensor():
+    model = Tiny()
+
+    def f(x, n):
+        h = model.up(x)
+        return model.moe(h, model.router(h), max_tokens_across_ranks=8, num_valid_tokens=n)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        x = torch.randn(8, H)
+        for n in (3, 8):  # one compiled graph, another count per call
+            got, want = compiled(x, torch.tensor([n])), f(x, torch.tensor([n]))
+            assert_close(got, want, name=f"n={n}")
+            assert torch.equal(got[n:], torch.zeros(8 - n, H))
+
+
 def test_the_registry_lets_layers_go():
     layer = loaded_layer(E, K, H, I, torch.float32, "cpu")[0]
     layer_id = layer._op_id

@@ -1,0 +1,176 @@
+"""CUDA-graph decode buckets: one captured forward per batch size, replayed in decode steps.
+
+A decode step moves a few tokens per rank through every MoE layer; launched from Python,
+the layer's kernels cost more host time than GPU time. Serving engines capture the decode
+forward once per batch-size bucket and replay the smallest bucket that holds the step's
+largest token count, padding the batch. :class:`DecodeGraphs` does that for one MoE
+forward (an ``EPMoE`` with its router, e.g. an ``EPMoEBlock``)::
+
+    graphs = epmoe.DecodeGraphs(block, sizes=(1, 2, 4, 8, 16), layers=[block.moe])  # collective
+    with epmoe.step(group, num_tokens=T, decode=True, graph_max_tokens=graphs.max_tokens):
+        out = graphs(x_TH)             # a replay, or None: run the eager forward
+
+Each bucket ``b`` is captured inside its own ``epmoe.step(num_tokens=b, decode=True)`` (so
+every layer is captured for ``b`` tokens on every rank, with no collective of its own);
+a replay copies this rank's ``T ≤ b`` rows into the static input and passes ``T`` as the
+forward's ``num_valid_tokens`` (a device tensor), so the padding rows go to no expert.
+The bucket is the step's (agreed on every rank), so every rank replays the same graph.
+
+A captured graph holds the addresses of the layers' weights, placement maps and comm
+buffers: after a re-plan (``EPMoE.rebalance``) the graphs are stale. ``__call__`` refuses
+stale graphs (it compares what the layers hold now with what they held at capture);
+:meth:`recapture` captures them again (collective, on every rank, after the re-plan).
+
+Shape legend: T tokens on this rank · b bucket size (T ≤ b) · H hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from epmoe.step_context import StepContext, current_step, step
+
+__all__ = ["DecodeGraphs"]
+
+
+class DecodeGraphs:
+    """Captured decode forwards of ``forward`` for each bucket size in ``sizes``.
+
+    Args:
+        forward: ``forward(x [b, H], num_valid_tokens=n) -> [b, H]`` (or a tuple of tensors
+            whose first dimension is ``b``): the MoE forward to capture, with its router
+            (an ``EPMoEBlock``, or a function calling ``EPMoE`` layers). Its layers must use
+            a graph-safe backend and graph-safe experts for decode-sized steps.
+        sizes: the bucket sizes (tokens per rank), e.g. ``(1, 2, 4, 8, 16, 32)``.
+        hidden_size, dtype, device: of the input rows (``device``: a CUDA device).
+        layers: the ``EPMoE`` layers ``forward`` runs: checked to be graph safe at every
+            bucket, and watched for re-plans (stale graphs are refused).
+        group: the EP group of the steps (``None``: WORLD, or one process).
+        warmup: eager forwards per bucket before its capture (compiles Triton kernels and
+            picks their tilings outside the capture).
+
+    Collective: every rank of ``group`` builds it (and :meth:`recapture` s it) with the same
+    sizes, in the same order relative to its other collectives.
+    """
+
+    def __init__(
+        self,
+        forward: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
+        sizes: Sequence[int],
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        layers: Sequence = (),
+        group: dist.ProcessGroup | None = None,
+        warmup: int = 2,
+    ) -> None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(
+                f"DecodeGraphs captures CUDA graphs: device must be cuda, got {device}"
+            )
+        clean = sorted({int(s) for s in sizes}) if sizes else []
+        if not clean or clean[0] <= 0 or any(isinstance(s, bool) for s in sizes):
+            raise ValueError(
+                f"sizes must be positive token counts, e.g. (1, 2, 4, 8), got {sizes!r}"
+            )
+        self.forward, self.sizes, self.layers, self.group = (
+            forward,
+            tuple(clean),
+            list(layers),
+            group,
+        )
+        self.hidden_size, self.dtype, self.device, self.warmup = hidden_size, dtype, device, warmup
+        self.replays = 0  # decode calls served by a graph
+        self._graphs: dict[
+            int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, object]
+        ] = {}
+        self._state: list | None = None
+        self.recapture()
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest bucket: ``epmoe.step(..., graph_max_tokens=graphs.max_tokens)``."""
+        return self.sizes[-1]
+
+    @property
+    def stale(self) -> bool:
+        """Whether a layer was re-planned since the capture (then :meth:`recapture`, on
+        every rank: a re-plan happens on every rank, so they agree)."""
+        return self._layers_state() != self._state
+
+    def _layers_state(self) -> list:
+        """What a captured graph depends on: each layer's placement and slot tensors."""
+        return [
+            (id(layer.placement), tuple(t.data_ptr() for t in layer.slot_tensors().values()))
+            for layer in self.layers
+        ]
+
+    def recapture(self) -> None:
+        """(Re)capture every bucket (collective). Call on every rank after a re-plan."""
+        for b in self.sizes:
+            for layer in self.layers:
+                comm, _ = layer._comm_for(b)
+                if not comm.capabilities.graph_safe:
+                    raise ValueError(
+                        f"a decode step of {b} tokens runs backend {comm.name!r}, which is not "
+                        "graph safe; build the layers with a graph-safe decode backend "
+                        "(symm_ll, or backend='auto' on one NVLink node) or smaller sizes"
+                    )
+        self._graphs.clear()
+        torch.cuda.synchronize(self.device)
+        for b in self.sizes:
+            x_bH = torch.zeros(b, self.hidden_size, dtype=self.dtype, device=self.device)
+            n = torch.full((1,), b, dtype=torch.int32, device=self.device)
+            with step(self.group, num_tokens=b, decode=True), torch.no_grad():
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(self.warmup):
+                        self.forward(x_bH, num_valid_tokens=n)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        out = self.forward(x_bH, num_valid_tokens=n)
+                except RuntimeError as exc:
+                    raise RuntimeError(
+                        f"capturing the decode forward for {b} tokens failed ({exc}); its "
+                        "layers need a graph-safe backend and experts (experts='triton')"
+                    ) from exc
+            self._graphs[b] = (graph, x_bH, n, out)
+        torch.cuda.synchronize(self.device)
+        self._state = self._layers_state()
+
+    def __call__(self, x_TH: torch.Tensor, step_ctx: StepContext | None = None):
+        """This rank's rows through the graph of the step's bucket, or ``None`` when the
+        step is not a graph step (no active step, not an agreed decode step, or larger than
+        every bucket): then run the eager forward. Outputs are copies of the first ``T``
+        rows (the graph's own buffers are overwritten by its next replay)."""
+        s = step_ctx if step_ctx is not None else current_step()
+        if s is None or not s.decode:
+            return None
+        b = s.bucket(self.sizes)
+        if b is None:
+            return None
+        if self.stale:
+            raise RuntimeError(
+                "the layers' placement or weights changed since the decode graphs were "
+                "captured (a rebalance): call recapture() on every rank after a re-plan"
+            )
+        T = x_TH.shape[0]
+        if b < T:
+            raise ValueError(f"this rank has T={T} rows, above the step's bucket {b}")
+        graph, x_bH, n, out = self._graphs[b]
+        x_bH[:T].copy_(x_TH)
+        x_bH[T:].zero_()
+        n.fill_(T)
+        graph.replay()
+        self.replays += 1
+        if isinstance(out, torch.Tensor):
+            return out[:T].clone()
+        return tuple(o[:T].clone() for o in out)
