@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from epmoe.step_context import StepContext, current_step, step
+from epmoe.step_context import StepContext, current_step, group_ranks, step
 
 __all__ = ["DecodeGraphs"]
 
@@ -50,7 +50,13 @@ class DecodeGraphs:
             bucket, and watched for re-plans (stale graphs are refused).
         group: the EP group of the steps (``None``: WORLD, or one process).
         warmup: eager forwards per bucket before its capture (compiles Triton kernels and
-            picks their tilings outside the capture).
+            picks their tilings outside the capture; not recorded as expert load).
+        pool: the CUDA-graph memory pool (``torch.cuda.graph_pool_handle()``) to capture
+            into; default: one of its own, shared by its buckets. Pass one pool to the
+            ``DecodeGraphs`` of every layer of a model: their replays run one after another
+            and outputs are copied out, so they can share the intermediates' memory (the
+            expert kernels' scratch is sized by the layer's ``max_num_tokens``, not the
+            bucket, so separate pools grow with layers × buckets).
 
     Collective: every rank of ``group`` builds it (and :meth:`recapture` s it) with the same
     sizes, in the same order relative to its other collectives.
@@ -67,6 +73,7 @@ class DecodeGraphs:
         layers: Sequence = (),
         group: dist.ProcessGroup | None = None,
         warmup: int = 2,
+        pool: tuple | None = None,
     ) -> None:
         device = torch.device(device)
         if device.type != "cuda":
@@ -86,6 +93,8 @@ class DecodeGraphs:
         )
         self.hidden_size, self.dtype, self.device, self.warmup = hidden_size, dtype, device, warmup
         self.replays = 0  # decode calls served by a graph
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._ranks = group_ranks(group)  # what a step on the same group holds
         self._graphs: dict[
             int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, object]
         ] = {}
@@ -106,7 +115,7 @@ class DecodeGraphs:
     def _layers_state(self) -> list:
         """What a captured graph depends on: each layer's placement and slot tensors."""
         return [
-            (id(layer.placement), tuple(t.data_ptr() for t in layer.slot_tensors().values()))
+            (layer.generation, tuple(t.data_ptr() for t in layer.slot_tensors().values()))
             for layer in self.layers
         ]
 
@@ -123,19 +132,27 @@ class DecodeGraphs:
                     )
         self._graphs.clear()
         torch.cuda.synchronize(self.device)
-        for b in self.sizes:
+        recorders = [r for r in (layer.load_recorder for layer in self.layers) if r is not None]
+        for b in reversed(self.sizes):  # the largest first: later ones reuse its pool memory
             x_bH = torch.zeros(b, self.hidden_size, dtype=self.dtype, device=self.device)
             n = torch.full((1,), b, dtype=torch.int32, device=self.device)
             with step(self.group, num_tokens=b, decode=True), torch.no_grad():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    for _ in range(self.warmup):
-                        self.forward(x_bH, num_valid_tokens=n)
+                enabled = [r.enabled for r in recorders]
+                for r in recorders:  # warm-up forwards are not expert load
+                    r.enabled = False
+                try:
+                    with torch.cuda.stream(side):
+                        for _ in range(self.warmup):
+                            self.forward(x_bH, num_valid_tokens=n)
+                finally:
+                    for r, on in zip(recorders, enabled):
+                        r.enabled = on
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 try:
-                    with torch.cuda.graph(graph):
+                    with torch.cuda.graph(graph, pool=self.pool):
                         out = self.forward(x_bH, num_valid_tokens=n)
                 except RuntimeError as exc:
                     raise RuntimeError(
@@ -154,6 +171,13 @@ class DecodeGraphs:
         s = step_ctx if step_ctx is not None else current_step()
         if s is None or not s.decode:
             return None
+        if s.ranks != self._ranks:
+            raise ValueError(
+                f"the step is on ranks {list(s.ranks)}, the decode graphs on "
+                f"{list(self._ranks)}; open the step on the layers' EP group"
+            )
+        if x_TH.dtype != self.dtype:
+            raise TypeError(f"the decode graphs take {self.dtype} rows, got {x_TH.dtype}")
         b = s.bucket(self.sizes)
         if b is None:
             return None

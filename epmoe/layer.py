@@ -365,6 +365,9 @@ class EPMoE(nn.Module):
             for name, shape in self._scale_shapes().items():
                 setattr(self, name, nn.Parameter(torch.ones(e, *shape, **f32), requires_grad=False))
         self._loaded = [False] * e  # per local slot; host bookkeeping, never on the device
+        # bumped whenever a re-plan replaces the placement, weights or comm binding: what a
+        # captured CUDA graph holds the addresses of (epmoe.DecodeGraphs compares it)
+        self.generation = 0
         self._group_ranks = group_ranks(group)  # compared with an epmoe.step's group
         # the key of this layer in epmoe::moe_forward's registry (torch.compile)
         self._op_id = custom_op.register(self)
@@ -658,6 +661,7 @@ class EPMoE(nn.Module):
                     new = nn.Parameter(new, requires_grad=False)
                 setattr(self, name, new)
         self.placement = placement
+        self.generation += 1
         placement.maps_on(self.device)  # device maps built before the next forward
         self._loaded = [True] * e_new
         if self.load_recorder is not None:

@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--cuda-graphs needs --device cuda (this run is on {device.type})")
         sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i < args.max_batch]
         sizes.append(args.max_batch)
+        pool = torch.cuda.graph_pool_handle()  # one pool: the blocks replay one at a time
         for block in blocks:  # collective: every rank, blocks in the same order
-            block.capture_decode_graphs(sizes, dtype=torch.float32)
+            block.capture_decode_graphs(sizes, dtype=torch.float32, pool=pool)
         if rank == 0:
             print(f"captured decode graphs for batch sizes {sizes} in {len(blocks)} blocks")
     engine = Engine(model, make_requests(rank, args), args, device)

@@ -581,6 +581,9 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
             combine_GBps=combine_bytes / (c_ms * 1e6),
         )
         check_roundtrip(rec, over_ranks(m[f"{mode.removesuffix('_b2b')}_error"], device))
+        if rec.get("wrong"):  # a wrong result meets no goal
+            records.append(rec)
+            continue
         if mode == "eager":
             rec.update(a2a_us=a2a_ms * 1e3, dispatch_vs_a2a=a2a_ms / d_ms)
             rec.update(combine_vs_a2a=a2a_ms / c_ms)
@@ -750,7 +753,7 @@ def goal_summary(records: list[dict], backend: str = GOAL_BACKEND) -> list[str]:
     lines = []
     for r in rows:
         label = f"{backend}:{r['layout']} {r['wire']} {r['mode']}"
-        if "dispatch_us" not in r:
+        if "dispatch_us" not in r or r.get("wrong"):
             lines.append(f"{label}: {r.get('note', 'not measured')}")
             continue
         for phase in ("dispatch", "combine"):

@@ -82,9 +82,14 @@ def over_ranks(value: float, device: torch.device, op: str = "max") -> float:
 
     if not dist.is_initialized():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-    return float(t.item())
+    # a NaN on one rank must come out NaN on every rank (MAX would drop it): as inf there
+    nan = value != value
+    t = torch.tensor([float("inf") if nan else value, float(nan)], dtype=torch.float64)
+    t = t.to(device)
+    dist.all_reduce(t[:1], op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    dist.all_reduce(t[1:], op=dist.ReduceOp.MAX)
+    total, any_nan = t.tolist()
+    return float("nan") if any_nan else total
 
 
 def median(xs: Iterable[float]) -> float:

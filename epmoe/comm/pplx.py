@@ -101,7 +101,8 @@ def _named_group(group: dist.ProcessGroup | None) -> str:
     name = f"epmoe-{group.group_name}"
     if name not in _NAMED:
         ranks = dist.get_process_group_ranks(group)
-        _NAMED[name] = dist.new_group(ranks, backend="gloo")
+        # only the EP group's ranks take part (other EP groups build theirs in parallel)
+        _NAMED[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         torch._C._distributed_c10d._register_process_group(name, _NAMED[name])
     return name
 
@@ -228,7 +229,13 @@ class PPLXBackend(AllToAll):
                 "before the next dispatch"
             )
         T = hidden_TH.shape[0]
-        none = topk_ids_TK < 0  # no expert: the rank's first expert with weight 0
+        none = topk_ids_TK < 0
+        # pplx sends rows [0, bound_m): rows after the last one with an expert (a padded
+        # batch's tail) are not sent at all; a -1 entry of a row that is sent goes to
+        # physical expert 0 with weight 0 (pplx has no empty entry)
+        rows_T = torch.arange(1, T + 1, device=spec.device)
+        sent = torch.where((~none).any(1), rows_T, 0).amax() if T else rows_T.sum()
+        bound_m = sent.to(torch.uint32).reshape(1)
         indices = torch.where(none, 0, topk_ids_TK).to(torch.uint32).contiguous()
         weights = torch.where(none, 0.0, topk_weights_TK.to(torch.float32)).contiguous()
         x, x_scale = hidden_TH.contiguous(), None
@@ -236,7 +243,6 @@ class PPLXBackend(AllToAll):
             from epmoe.kernels.ops import per_token_group_quant_fp8
 
             x, x_scale = per_token_group_quant_fp8(x)
-        bound_m = torch.full((1,), T, dtype=torch.uint32, device=spec.device)
         args = (self._counts, self._x, self._scale, x, x_scale, indices, bound_m)
         ata.dispatch(*args, do_send=True, do_recv=False)
         self._held = True
@@ -266,7 +272,10 @@ class PPLXBackend(AllToAll):
         def receive() -> torch.Tensor:
             ata.combine(*args, do_send=False, do_recv=True)
             self._held = False
-            return self._out[:T].clone()
+            # rows past bound_m were not sent: zero (routed nowhere), not a stale row
+            rows_T = torch.arange(T, device=self._out.device)
+            unsent = (rows_T >= bound_m.to(torch.int64))[:, None]
+            return torch.where(unsent, 0.0, self._out[:T]).to(self._out.dtype)
 
         return Pending(receive)
 

@@ -538,7 +538,8 @@ class EPMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, num_valid_tokens: torch.Tensor | None = None):
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
-        graphed = self.decode_graphs(x_TH) if self.decode_graphs is not None else None
+        graphs = self.decode_graphs if num_valid_tokens is None else None  # (caller pads)
+        graphed = graphs(x_TH) if graphs is not None else None
         out = graphed if graphed is not None else self._rows(x_TH, num_valid_tokens)
         if self.spec.returns_router_logits:
             return out[0].view(shape), out[1]

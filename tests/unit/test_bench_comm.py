@@ -62,6 +62,10 @@ def test_goal_columns_and_summary():
     assert "combine: 16.0 µs, goal ≤ 15 µs: missed" in lines[1]
     assert lines[2].endswith("skipped: why")
     assert "no record at T=128" in comm.goal_summary([dict(rec, T=1)])[0]
+    wrong = dict(rec, wire="float8_e4m3fn", wrong=True, note="WRONG: round trip error 0.8 > 0.06")
+    assert comm.goal_summary([wrong]) == [
+        "symm_ll:expert_batched float8_e4m3fn graph_b2b: WRONG: round trip error 0.8 > 0.06"
+    ]
 
 
 def test_layer_ratio_and_its_goal():
@@ -406,3 +410,17 @@ def test_experts_plot_marks_ours_against_the_baselines(tmp_path):
     assert png.stat().st_size > 10_000
     with pytest.raises(ValueError, match="no experts records"):
         plot.plot_experts(records[-1:], str(png), "test")  # the copy bandwidth alone
+
+
+def _nan_on_rank_1(rank, world):
+    from epmoe.bench.common import over_ranks
+
+    value = float("nan") if rank == 1 else 0.1
+    return over_ranks(value, torch.device("cpu")), over_ranks(1.0, torch.device("cpu"), "sum")
+
+
+def test_a_nan_on_one_rank_is_a_nan_on_every_rank():
+    from tests.harness import run_on_ranks
+
+    for worst, total in run_on_ranks(_nan_on_rank_1, 2, backend="gloo"):
+        assert worst != worst and total == 2.0  # NaN, not the other rank's 0.1

@@ -27,7 +27,7 @@ def test_sizes_are_positive_token_counts(sizes, monkeypatch):
 
 def test_steps_that_are_not_graph_steps_run_eagerly(monkeypatch):
     graphs = object.__new__(DecodeGraphs)  # no capture: only the step logic is exercised
-    graphs.sizes = (1, 2, 4)
+    graphs.sizes, graphs._ranks, graphs.dtype = (1, 2, 4), (), torch.float32
     x = torch.randn(3, 8)
     assert graphs(x) is None  # no active step
     with epmoe.step(num_tokens=3) as s:  # a prefill step
@@ -36,3 +36,13 @@ def test_steps_that_are_not_graph_steps_run_eagerly(monkeypatch):
         assert not s.decode and graphs(x) is None
     with epmoe.step(num_tokens=5, decode=True) as s:  # decode, but no bucket holds 5
         assert s.decode and s.bucket(graphs.sizes) is None and graphs(x) is None
+
+
+def test_a_graph_step_on_another_group_or_dtype_is_refused():
+    graphs = object.__new__(DecodeGraphs)
+    graphs.sizes, graphs._ranks, graphs.dtype = (1, 2, 4), (0, 1), torch.float32
+    with epmoe.step(num_tokens=3, decode=True) as s, pytest.raises(ValueError, match="ranks"):
+        graphs(torch.randn(3, 8), s)  # this process's step has no ranks
+    graphs._ranks = ()
+    with epmoe.step(num_tokens=3, decode=True) as s, pytest.raises(TypeError, match="float32"):
+        graphs(torch.randn(3, 8, dtype=torch.float64), s)

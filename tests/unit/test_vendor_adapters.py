@@ -318,13 +318,14 @@ class _FakeATA:
         if not do_recv:
             return
         seen = torch.zeros(expert_y.shape[0], dtype=torch.int64)
+        b = int(bound_m[0])
         acc = torch.zeros(out.shape, dtype=torch.float32)
-        for t in range(int(bound_m[0])):
+        for t in range(b):
             for k in range(indices.shape[1]):
                 e = int(indices[t, k])
                 acc[t] += weights[t, k] * expert_y[e, seen[e]].float()
                 seen[e] += 1
-        out.copy_(acc)
+        out[:b] = acc[:b].to(out.dtype)  # rows past bound_m: not written
 
 
 @pytest.fixture
@@ -395,4 +396,27 @@ def test_pplx_refuses_rows_and_scales_of_partial_16_bytes_and_a_new_slot_count(f
     comm = _backend("pplx", _spec(), Layout.EXPERT_BATCHED)
     with pytest.raises(ValueError, match=f"pplx's buffers serve P={E} expert slots"):
         comm.rebind((0, E + 2))  # a re-plan with two redundant slots
+    comm.close()
+
+
+def test_pplx_does_not_send_a_padded_tail(fake_pplx):
+    """Rows after the last one with an expert (a decode graph's padding) are not sent:
+    bound_m stops before them, and their output is zero, not what the buffer held."""
+    x, ids, w, w13, w2 = _inputs(2)
+    T = x.shape[0]
+    ids = torch.cat([ids, torch.full((3, ids.shape[1]), -1)])  # 3 padding rows
+    x = torch.cat([x, torch.randn(3, x.shape[1]).to(x.dtype)])
+    w = torch.cat([w, torch.ones(3, w.shape[1])])
+    comm = _backend("pplx", _spec(M=T + 3), Layout.EXPERT_BATCHED)
+    comm._out.fill_(float("nan"))  # what an earlier call may have left there
+    res = comm.dispatch(x, ids, w)
+    real = ids[:T]
+    assert int(res.counts.sum()) == real.numel()  # -1 entries of real rows: to expert 0
+    rows = _rows(res.hidden, res.hidden_scale)
+    y = torch.zeros_like(rows)
+    for e, n in enumerate(res.counts.tolist()):
+        y[e, :n] = expert_mlp(rows[e, :n], w13[e], w2[e])
+    out = comm.combine(y.to(torch.bfloat16), res)
+    assert torch.equal(out[T:], torch.zeros(3, x.shape[1], dtype=out.dtype))
+    assert_close(out[:T], epmoe.reference.moe(x[:T].float(), w13, w2, w[:T], real), 2e-2)
     comm.close()
