@@ -35,6 +35,7 @@ import copy
 import gc
 import math
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -205,6 +206,60 @@ def idle_forward(blocks: list[EPMoEBlock], hidden_size: int, device) -> None:
             block(empty)
 
 
+class StepTimer:
+    """The time of every step and of the MoE blocks inside it, by step kind: CUDA events
+    on GPUs (read once at the end, so no step waits for the device), the host clock on
+    CPU. Forward hooks on the blocks mark their start and end, replays included."""
+
+    def __init__(self, blocks: list[EPMoEBlock], device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.steps: list[tuple[str, object, object, list[list]]] = []
+        self._open: tuple[str, object, list[list]] | None = None
+        for block in blocks:
+            block.register_forward_pre_hook(self._block_start)
+            block.register_forward_hook(self._block_end)
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def begin(self, kind: str) -> None:
+        self._open = (kind, self._mark(), [])
+
+    def end(self) -> None:
+        kind, start, blocks = self._open
+        self.steps.append((kind, start, self._mark(), blocks))
+        self._open = None
+
+    def _block_start(self, module, args) -> None:
+        if self._open is not None:
+            self._open[2].append([self._mark(), None])
+
+    def _block_end(self, module, args, out) -> None:
+        if self._open is not None:
+            self._open[2][-1][1] = self._mark()
+
+    def summary(self) -> dict[str, tuple[int, float, float]]:
+        """Kind → (steps, median step ms, median ms in MoE blocks per step)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        by_kind: dict[str, list[tuple[float, float]]] = {}
+        for kind, start, end, blocks in self.steps:
+            moe = sum(self._ms(a, b) for a, b in blocks)
+            by_kind.setdefault(kind, []).append((self._ms(start, end), moe))
+        out = {}
+        for kind, rows in by_kind.items():
+            step_ms, moe_ms = zip(*rows)
+            out[kind] = (len(rows), statistics.median(step_ms), statistics.median(moe_ms))
+        return out
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "n/a"
@@ -271,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
             block.capture_decode_graphs(sizes, dtype=torch.float32, pool=pool)
         if rank == 0:
             print(f"captured decode graphs for batch sizes {sizes} in {len(blocks)} blocks")
+    timer = StepTimer(blocks, device)
     engine = Engine(model, make_requests(rank, args), args, device)
     requests = list(engine.queue)
     start = time.perf_counter()
@@ -285,10 +341,12 @@ def main(argv: list[str] | None = None) -> None:
         with epmoe.step(group, num_tokens=T, decode=decode, graph_max_tokens=bound) as s:
             if s.max_tokens == 0:  # no rank has tokens: every queue is empty
                 break
+            timer.begin("idle" if inputs is None else inputs["kind"])
             if inputs is None:
                 idle_forward(blocks, args.hidden_size, device)
             else:
                 tokens += engine.run(inputs)
+            timer.end()
         steps += 1
         if steps % args.log_every == 0:  # (before a re-plan resets the load window)
             total = _sum(tokens, device, group)
@@ -318,18 +376,30 @@ def main(argv: list[str] | None = None) -> None:
         mismatched += reference_tokens(reference, r.prompt, len(r.output), device) != r.output
     everyone = [None] * W
     if group is not None:
-        dist.all_gather_object(everyone, (mine, tokens, checked, mismatched))
+        dist.all_gather_object(everyone, (mine, tokens, checked, mismatched, timer.summary()))
     else:
-        everyone = [(mine, tokens, checked, mismatched)]
+        everyone = [(mine, tokens, checked, mismatched, timer.summary())]
     if rank == 0:
         ttft = [t for m, *_ in everyone for t, _ in m]
         itl = [g for m, *_ in everyone for _, gaps in m for g in gaps]
         total = sum(e[1] for e in everyone)
         print(
             f"served {len(ttft)} requests, {total} tokens in {elapsed:.2f} s over {steps} "
-            f"steps on {W} rank(s) ({device.type}): {total / elapsed:.0f} tokens/s",
+            f"steps on {W} rank(s) ({device.type}): {total / elapsed:.0f} tokens/s, "
+            f"{total / elapsed / W:.0f} per rank",
             flush=True,
         )
+        for kind in ("prefill", "decode"):  # medians over every rank's steps of that kind
+            rows = [e[4][kind] for e in everyone if kind in e[4]]
+            if rows:
+                n = sum(r[0] for r in rows)
+                step_ms = statistics.median(r[1] for r in rows)
+                moe_ms = statistics.median(r[2] for r in rows)
+                print(
+                    f"{kind} steps: {n}, step {step_ms:.2f} ms, MoE blocks {moe_ms:.2f} ms "
+                    f"({moe_ms / step_ms:.0%} of the step; medians of the ranks' medians)",
+                    flush=True,
+                )
         print(
             f"time to first token (from the start, queueing included): {percentiles(ttft)}",
             flush=True,
