@@ -84,6 +84,28 @@ def build_model(args: argparse.Namespace, device: torch.device):
     return AutoModelForCausalLM.from_config(config).to(device, torch.float32).eval()
 
 
+def load_checkpoint(args: argparse.Namespace, group, rank: int, device: torch.device):
+    """The model of ``--checkpoint`` loaded by shard (each rank reads its own experts;
+    ``--fp8-experts`` keeps them in FP8, else they are dequantised), and with ``--check``
+    the same checkpoint loaded whole on this rank alone (a one-rank group) as the
+    reference."""
+    from epmoe.integrations.huggingface import from_pretrained_sharded
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    fp8 = dict(weight_dtype=torch.float8_e4m3fn) if args.fp8_experts else {}
+    model = from_pretrained_sharded(
+        args.checkpoint, group=group, backend=args.backend, dtype=dtype, device=device,
+        load_window=args.rebalance_every, **fp8,
+    )  # fmt: skip
+    reference = None
+    if args.check:
+        alone = dist.new_group([rank], use_local_synchronization=True) if group else None
+        reference = from_pretrained_sharded(
+            args.checkpoint, group=alone, dtype=dtype, device=device, **fp8
+        )
+    return model, reference
+
+
 def make_requests(rank: int, args: argparse.Namespace) -> list[Request]:
     """This rank's queue: random prompt lengths and output lengths (a per-rank seed, so
     ranks are unevenly loaded and finish at different steps)."""
@@ -198,9 +220,9 @@ def reference_tokens(model, prompt: list[int], n: int, device) -> list[int]:
     return out
 
 
-def idle_forward(blocks: list[EPMoEBlock], hidden_size: int, device) -> None:
+def idle_forward(blocks: list[EPMoEBlock], hidden_size: int, device, dtype) -> None:
     """A rank with nothing to serve still runs every MoE layer of the step, with 0 tokens."""
-    empty = torch.empty(0, hidden_size, device=device)
+    empty = torch.empty(0, hidden_size, device=device, dtype=dtype)
     with torch.no_grad():
         for block in blocks:
             block(empty)
@@ -290,6 +312,17 @@ def main(argv: list[str] | None = None) -> None:
         "--check", type=int, default=3, help="requests per rank compared with the unconverted model"
     )
     p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="serve this Hugging Face checkpoint directory (loaded by shard; e.g. one written "
+        "by examples/deepseek_v3_checkpoint.py) instead of a small random Mixtral",
+    )
+    p.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="with --checkpoint: keep the experts of an FP8 checkpoint in FP8 (else dequantised)",
+    )
+    p.add_argument(
         "--cuda-graphs",
         action="store_true",
         help="replay the MoE blocks' decode steps from CUDA graphs (batch-size buckets)",
@@ -303,13 +336,22 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     global _CACHE_ARG
     _CACHE_ARG = _cache_argument()
-    model = build_model(args, device)
-    reference = copy.deepcopy(model) if args.check else None
-    E = args.num_experts
-    replace_moe_blocks(
-        model, group=group, backend=args.backend, experts="auto", load_window=args.rebalance_every
-    )
+    if args.checkpoint:
+        model, reference = load_checkpoint(args, group, rank, device)
+    else:
+        model = build_model(args, device)
+        reference = copy.deepcopy(model) if args.check else None
+        replace_moe_blocks(
+            model,
+            group=group,
+            backend=args.backend,
+            experts="auto",
+            load_window=args.rebalance_every,
+        )
+    dtype = next(model.parameters()).dtype
+    args.hidden_size, args.vocab = model.config.hidden_size, model.config.vocab_size
     blocks = [m for m in model.modules() if isinstance(m, EPMoEBlock)]
+    E = blocks[0].moe.num_experts
     manager = epmoe.EPLBManager(
         [b.moe for b in blocks],
         num_redundant=(-E) % W + (W if E >= W else 0),  # a spare slot per rank
@@ -323,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         sizes.append(args.max_batch)
         pool = torch.cuda.graph_pool_handle()  # one pool: the blocks replay one at a time
         for block in blocks:  # collective: every rank, blocks in the same order
-            block.capture_decode_graphs(sizes, dtype=torch.float32, pool=pool)
+            block.capture_decode_graphs(sizes, dtype=dtype, pool=pool)
         if rank == 0:
             print(f"captured decode graphs for batch sizes {sizes} in {len(blocks)} blocks")
     timer = StepTimer(blocks, device)
@@ -343,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
                 break
             timer.begin("idle" if inputs is None else inputs["kind"])
             if inputs is None:
-                idle_forward(blocks, args.hidden_size, device)
+                idle_forward(blocks, args.hidden_size, device, dtype)
             else:
                 tokens += engine.run(inputs)
             timer.end()
@@ -410,8 +452,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"MoE block forwards replayed from CUDA graphs on rank 0: {replays}")
         if args.check:
             n, bad = sum(e[2] for e in everyone), sum(e[3] for e in everyone)
+            what = "the checkpoint on one rank" if args.checkpoint else "the unconverted model"
             print(
-                f"outputs of {n} requests against the unconverted model (greedy, one process): "
+                f"outputs of {n} requests against {what} (greedy, one process): "
                 f"{n - bad} identical, {bad} differ",
                 flush=True,
             )

@@ -19,6 +19,9 @@
 #     eplb               the EPLB placement benchmark and its balancedness plot
 #     serving            examples/serving.py on every GPU (symm_ll), eager and with CUDA-graph
 #                        decode buckets (--cuda-graphs): tokens/s, TTFT, ITL
+#     dsv3               the serving example on a DeepSeek-V3-shaped FP8 checkpoint written on
+#                        the machine: decode batch 128 and prefill 4096 tokens per rank, FP8
+#                        experts eager / CUDA graphs / on one GPU, and bf16 experts
 #     info               python -m epmoe.info (text and --json) on the GPU machine
 #     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
 #                        symm_ll's ExpertBatched one (rows read in place vs expanded)
@@ -96,6 +99,23 @@ for s in "${STEPS[@]}"; do
             timeout "${SERVING_LIMIT_S:-150}" python3 launch/run.py --nproc "$NGPU" examples/serving.py \
                 --device cuda --backend symm_ll --requests 48 --max-batch 16 --max-new-tokens 32 \
                 --hidden-size 1024 --num-experts 16 --top-k 4 $graphs >>"$OUT/serving.log" 2>&1 || break
+        done
+        ;;
+    dsv3)
+        # a DeepSeek-V3-shaped FP8 checkpoint (4 MoE layers, H 7168, 256 experts, top-8;
+        # about 46 GB), written once on the machine's disk, then served: FP8 experts on every
+        # GPU eager and with CUDA-graph decode, on one GPU holding every expert, and bf16
+        D="${DSV3_DIR:-/tmp/epmoe-dsv3}"
+        [ -f "$D/config.json" ] || timeout "${DSV3_WRITE_S:-300}" python3 \
+            examples/deepseek_v3_checkpoint.py "$D" >>"$OUT/dsv3.log" 2>&1
+        for run in "$NGPU --fp8-experts" "$NGPU --fp8-experts --cuda-graphs" \
+            "1 --fp8-experts" "$NGPU"; do
+            set -- $run
+            echo "=== --nproc $*" >>"$OUT/dsv3.log"
+            timeout "${DSV3_LIMIT_S:-200}" python3 launch/run.py --nproc "$1" examples/serving.py \
+                --device cuda --checkpoint "$D" --requests 256 --max-batch 128 \
+                --prefill-chunk 32 --max-prompt 64 --max-new-tokens 16 --check 0 \
+                --log-every 50 "${@:2}" >>"$OUT/dsv3.log" 2>&1
         done
         ;;
     info)

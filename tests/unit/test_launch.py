@@ -63,6 +63,34 @@ def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model():
     assert "4 identical, 0 differ" in out, out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
+def test_a_written_deepseek_v3_fp8_checkpoint_is_served_by_shard(tmp_path):
+    """examples/deepseek_v3_checkpoint.py writes a (small) DeepSeek-V3-shaped FP8
+    checkpoint in DeepSeek's per-expert layout; examples/serving.py --checkpoint loads it
+    by shard on 2 gloo ranks with the experts kept in FP8 and serves it, greedy outputs
+    equal to the same checkpoint loaded whole on one rank."""
+    pytest.importorskip("transformers")
+    ckpt = tmp_path / "dsv3"
+    write = [sys.executable, os.path.join(ROOT, "examples", "deepseek_v3_checkpoint.py"),
+             str(ckpt), "--num-layers", "2", "--hidden-size", "256", "--num-experts", "16",
+             "--moe-intermediate-size", "128", "--n-group", "4", "--topk-group", "2",
+             "--num-heads", "4", "--q-lora-rank", "64", "--kv-lora-rank", "32", "--vocab",
+             "512", "--shard-gb", "0.002"]  # fmt: skip
+    done = subprocess.run(write, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"wrote 237 tensors, .* in 2 shard\(s\)", done.stdout), done.stdout
+    serve = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", "2",
+             os.path.join(ROOT, "examples", "serving.py"), "--checkpoint", str(ckpt),
+             "--fp8-experts", "--requests", "4", "--max-batch", "4", "--max-new-tokens", "4",
+             "--rebalance-every", "8", "--check", "2"]  # fmt: skip
+    done = subprocess.run(serve, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "decode steps:" in out and "MoE blocks" in out, out
+    assert "outputs of 4 requests against the checkpoint on one rank" in out, out
+    assert "4 identical, 0 differ" in out, out
+
+
 def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
     """``launch/kernel_resources.py`` compiles the shipped H200 prefill tilings for sm_90a
     offline (Triton's bundled ptxas; no GPU): shared memory within 227 KiB, no stack frame
