@@ -260,4 +260,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     worst = max(r["ms_per_layer"] for r in timing)
     ok = "met" if worst <= GOAL_MS_PER_LAYER else "NOT met"
     print(f"goal re-plan <= {GOAL_MS_PER_LAYER} ms per layer: worst {worst:.3f} ms ({ok})")
-    return [{"kind": "balance", **r} for r in balance] + [{"kind": "replan", **r} for r in timing]
+    shape = dict(E=args.num_experts, K=args.top_k, T=args.tokens)  # what the plot titles say
+    return [{"kind": "balance", **shape, **r} for r in balance] + [
+        {"kind": "replan", **r} for r in timing
+    ]

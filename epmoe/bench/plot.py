@@ -264,13 +264,23 @@ def draw(name: str, records: list[dict], path: str) -> None:
 
     machine = machine_info()
     if name == "eplb":
-        plot_eplb(records, path, f"EPLB placements ({machine.get('date', '')[:16]})")
+        plot_eplb(records, path, _eplb_title(records, machine))
     elif name == "layer":
         plot_layer(records, path, _layer_title(records, machine))
     elif name == "experts":
         plot_experts(records, path, _experts_title(records, machine))
     else:
         plot_comm(records, path, _comm_title(records, machine))
+
+
+def _eplb_title(records: list[dict], machine: dict) -> str:
+    r = next((r for r in records if r.get("kind") == "balance"), {})
+    shape = (
+        f", {r['E']} experts, top-{r['K']}, {r['T']} tokens per step"
+        if "E" in r
+        else ""  # (records written before the shape was recorded)
+    )
+    return f"EPLB placements{shape} — {machine.get('date', '')[:16]}"
 
 
 def _layer_title(records: list[dict], machine: dict) -> str:
@@ -317,8 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         if len(args.paths) != 2:
             p.error("eplb takes JSON PNG")
         records, machine = _load(args.paths[:1])
-        date = machine.get("date", "")
-        plot_eplb(records, args.paths[1], f"EPLB placements, 256 experts, top-8 ({date})")
+        plot_eplb(records, args.paths[1], _eplb_title(records, machine))
         return
     if len(args.paths) < 2:
         p.error(f"{args.kind} takes PNG JSON [JSON ...]")

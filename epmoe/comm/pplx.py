@@ -87,6 +87,13 @@ def _ensure_nvshmem(group: dist.ProcessGroup | None, device: torch.device) -> No
     _ensure_nvshmem.done = True
 
 
+def _num_sms(device: torch.device) -> int | None:
+    """The SMs of ``device`` (pplx's dispatch grid), or ``None`` off CUDA."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # pplx-kernels' group name -> the gloo group registered under it (one per EP group)
 _NAMED: dict[str, dist.ProcessGroup] = {}
 
@@ -119,9 +126,6 @@ class PPLXBackend(AllToAll):
         fp8_dispatch=True,
         empty_entries_to_expert_0=True,  # pplx has no empty entry (see dispatch_async)
         max_in_flight=1,  # one set of receive tensors per backend
-        # verified on 2×H200 up to 128 tokens per rank; at 512 the round trip came back
-        # wrong (relative error 0.79, 2026-11-30, cause not found yet): refused until it is
-        max_num_tokens=128,
         default_max_tokens=128,
         auto=False,  # named only
     )
@@ -156,6 +160,17 @@ class PPLXBackend(AllToAll):
         if H * wire.itemsize % 16:
             return (
                 f"pplx-kernels moves rows of whole 16 bytes: H * {wire.itemsize} % 16 != 0 (H={H})"
+            )
+        sms = _num_sms(spec.device)
+        if sms is not None and spec.max_num_tokens > sms:
+            # its dispatch send loop has no barrier between a block's tokens: a block that
+            # sends a second token overwrites the first in shared memory while it is still
+            # being sent (intranode_dispatch.cu at 2bd6e30; 0.79 relative error at 512)
+            return (
+                f"pplx-kernels' intranode dispatch corrupts rows when a block sends more than "
+                f"one token (its grid is one block per SM): at most {sms} tokens per rank on "
+                f"this GPU, max_num_tokens={spec.max_num_tokens}; lower max_num_tokens (the "
+                "layer chunks larger batches)"
             )
         if spec.fp8_dispatch and 4 * -(-H // FP8_GROUP) % 16:
             return (

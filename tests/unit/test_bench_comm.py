@@ -424,3 +424,20 @@ def test_a_nan_on_one_rank_is_a_nan_on_every_rank():
 
     for worst, total in run_on_ranks(_nan_on_rank_1, 2, backend="gloo"):
         assert worst != worst and total == 2.0  # NaN, not the other rank's 0.1
+
+
+def test_eplb_plot_title_comes_from_the_records(tmp_path):
+    pytest.importorskip("matplotlib")
+    from epmoe.bench import plot
+
+    base = dict(kind="balance", E=256, K=8, T=8192, alpha=1.0, redundant=0)
+    records = [
+        dict(base, ep=ep, placement=name, bal_eval=v)
+        for ep in (8, 32)
+        for name, v in (("linear", 0.6), ("round_robin", 0.5), ("balanced", 0.99))
+    ]
+    title = plot._eplb_title(records, {"date": "2026-11-30T14:45:59+00:00"})
+    assert title == "EPLB placements, 256 experts, top-8, 8192 tokens per step — 2026-11-30T14:45"
+    png = tmp_path / "eplb.png"
+    plot.plot_eplb(records, str(png), title)
+    assert png.stat().st_size > 10_000

@@ -391,8 +391,18 @@ def test_pplx_refuses_rows_and_scales_of_partial_16_bytes_and_a_new_slot_count(f
     assert cls.supports(at(7168, True)) is None and cls.supports(at(160, False)) is None
     assert "H=160 needs a multiple of 512" in cls.supports(at(160, True))  # 2 scales: 8 bytes
     assert "whole 16 bytes" in cls.supports(at(2044, False))
-    big = CommSpec(7168, 8, (0, 8), 512, torch.bfloat16, cuda)  # wrong results seen at 512
-    assert "at most 128 tokens per rank" in cls.supports(big)
+    from types import SimpleNamespace
+
+    from epmoe.comm import pplx as pplx_module
+
+    gpu = SimpleNamespace(multi_processor_count=132, total_memory=140 * 2**30)  # an H200
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+        assert pplx_module._num_sms(cuda) == 132
+        assert cls.supports(CommSpec(7168, 8, (0, 8), 132, torch.bfloat16, cuda)) is None
+        big = CommSpec(7168, 8, (0, 8), 512, torch.bfloat16, cuda)  # wrong results at 512
+        assert "at most 132 tokens per rank" in cls.supports(big)
     comm = _backend("pplx", _spec(), Layout.EXPERT_BATCHED)
     with pytest.raises(ValueError, match=f"pplx's buffers serve P={E} expert slots"):
         comm.rebind((0, E + 2))  # a re-plan with two redundant slots
