@@ -101,3 +101,15 @@ def test_graph_replay_where_claimed(backend, world):
 @parametrize
 def test_layer_end_to_end(backend, world):
     _run(comm_cases.check_layer_end_to_end, backend, world)
+
+
+def test_our_backends_are_usable_where_the_suite_runs():
+    """The suite skips a backend that cannot run here: on GPUs ours must not be skipped (a
+    broken import would otherwise show as skips, not failures)."""
+    if device_under_test() == "cuda":
+        usable = epmoe.available_backends(normalize_device("cuda:0"))
+        for name in ("symm_ll", "symm_ht", "all_to_all", "naive"):
+            assert usable[name] is None, f"{name}: {usable[name]}"
+    else:
+        usable = epmoe.available_backends(normalize_device("cpu"))
+        assert usable["all_to_all"] is None and usable["naive"] is None, usable
