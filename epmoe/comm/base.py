@@ -154,8 +154,7 @@ class Capabilities:
     # fixed buffers sized for M_max tokens per rank: the M_max a layer picks when the user
     # sets none (None: the backend sizes its buffers per call and any chunk size goes)
     default_max_tokens: int | None = None
-    # whether "auto" may pick it; False keeps a backend to users who name it (symm_ht, until
-    # the crossover between it and the decode backend is measured)
+    # whether "auto" may pick it; False keeps a backend to users who name it (the adapters)
     auto: bool = True
 
 

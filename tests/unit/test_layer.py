@@ -311,6 +311,46 @@ def test_auto_sends_decode_steps_to_the_fixed_buffer_backend_and_prefill_elsewhe
     assert named.decode_comm is None
 
 
+class _PrefillBackend(AllToAllBackend):
+    """Stands in for symm_ht in ``auto``'s choice: graph safe, Standard, fixed buffers
+    larger than the decode backend's."""
+
+    capabilities = dataclasses.replace(
+        AllToAllBackend.capabilities,
+        layouts=frozenset({Layout.STANDARD}),
+        graph_safe=True,
+        default_max_tokens=8,
+    )
+
+    def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK):
+        _FixedBufferBackend.calls.append(f"prefill T={hidden_TH.shape[0]}")
+        return super().dispatch_async(hidden_TH, topk_ids_TK, topk_weights_TK)
+
+
+def test_auto_sends_larger_steps_to_a_prefill_backend_with_larger_fixed_buffers(monkeypatch):
+    """With a second graph-safe fixed-buffer backend sized for larger steps (symm_ht
+    beside symm_ll), ``auto`` makes it the layer's main backend: decode steps go to the
+    smaller one, larger steps to it in chunks of its buffers; all_to_all is not used."""
+    registry = {
+        "fixed": f"{__name__}:_FixedBufferBackend",
+        **epmoe.comm._BACKENDS,
+        "prefill": f"{__name__}:_PrefillBackend",
+    }
+    monkeypatch.setattr(epmoe.comm, "_BACKENDS", registry)
+    _FixedBufferBackend.calls = []
+    layer, w13, w2 = layer_and_weights()
+    assert isinstance(layer.comm, _PrefillBackend) and layer.max_num_tokens == 8
+    assert isinstance(layer.decode_comm, _FixedBufferBackend) and layer.decode_max_tokens == 4
+    E, K, H = 8, 2, 16
+    for T in (3, 9):
+        x, logits = torch.randn(T, H), torch.randn(T, E)
+        out = layer(x, logits)
+        w, ids = epmoe.select_experts(logits, K)
+        assert_close(out, epmoe.reference.moe(x, w13, w2, w, ids), 1e-5, name=f"T={T}")
+    # T = 3 fits the decode buffers; T = 9 runs on the prefill backend in chunks of 8
+    assert _FixedBufferBackend.calls == ["fixed T=3", "prefill T=8", "prefill T=1"]
+
+
 @pytest.mark.parametrize("hinted", [True, False], ids=["graph-safe path", "agreed path"])
 def test_padding_rows_past_num_valid_tokens_go_to_no_expert(hinted):
     layer, w13, w2 = layer_and_weights(max_num_tokens=4, load_window=2)
