@@ -47,6 +47,7 @@ for s in "${STEPS[@]}"; do
     tests)
         EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-180}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_symm_ll.py tests/gpu/test_layer_graph.py tests/gpu/test_decode_graphs.py \
+            tests/gpu/test_auto_backends.py \
             >"$OUT/tests.log" 2>&1
         ;;
     gpu)
