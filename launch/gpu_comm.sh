@@ -19,6 +19,7 @@
 #     eplb               the EPLB placement benchmark and its balancedness plot
 #     serving            examples/serving.py on every GPU (symm_ll), eager and with CUDA-graph
 #                        decode buckets (--cuda-graphs): tokens/s, TTFT, ITL
+#     ep                 every backend at EP = all GPUs (comm, layer, live EPLB under skew)
 #     dsv3               the serving example on a DeepSeek-V3-shaped FP8 checkpoint written on
 #                        the machine: decode batch 128 and prefill 4096 tokens per rank, FP8
 #                        experts eager / CUDA graphs / on one GPU, and bf16 experts
@@ -77,7 +78,7 @@ for s in "${STEPS[@]}"; do
             --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1
         ;;
     conformance)
-        EPMOE_TEST_DEVICE=cuda timeout "${CONF_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
+        EPMOE_TEST_WORLDS="${EPMOE_TEST_WORLDS:-1,2,$NGPU}" EPMOE_TEST_DEVICE=cuda timeout "${CONF_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
             tests/distributed/test_comm_v2.py tests/distributed/test_fp8_weights.py \
             tests/distributed/test_sharded_load.py \
             "tests/distributed/test_stress.py::test_backends_are_bitwise_deterministic" \
@@ -118,6 +119,17 @@ for s in "${STEPS[@]}"; do
                 --prefill-chunk 32 --max-prompt 64 --max-new-tokens 16 --check 0 \
                 --log-every 50 "${@:2}" >>"$OUT/dsv3.log" 2>&1
         done
+        ;;
+    ep)
+        # every backend of ours at EP = every GPU of the machine (the EP4/EP8 issue): comm at
+        # 128, 512 and 4096 tokens per rank, the layer, and a live EPLB re-plan under skew
+        timeout "${EP_COMM_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
+            --tokens 128 512 4096 --backends symm_ll:expert_batched symm_ht:standard \
+            all_to_all:standard --iters 10 --warmup 3 --out "$OUT/comm_ep$NGPU.json" \
+            >"$OUT/ep.log" 2>&1
+        timeout "${EP_LAYER_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --tokens 128 4096 --experts triton --hot contiguous --out "$OUT/layer_ep$NGPU.json" \
+            >>"$OUT/ep.log" 2>&1
         ;;
     info)
         python3 -m epmoe.info >"$OUT/info.log" 2>&1 && python3 -m epmoe.info --json >"$OUT/info.json"
