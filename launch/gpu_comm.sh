@@ -19,6 +19,7 @@
 #     eplb               the EPLB placement benchmark and its balancedness plot
 #     serving            examples/serving.py on every GPU (symm_ll), eager and with CUDA-graph
 #                        decode buckets (--cuda-graphs): tokens/s, TTFT, ITL
+#     crossover          the layer on symm_ll and symm_ht from 128 to 2048 tokens per rank
 #     ep                 every backend at EP = all GPUs (comm, layer, live EPLB under skew)
 #     dsv3               the serving example on a DeepSeek-V3-shaped FP8 checkpoint written on
 #                        the machine: decode batch 128 and prefill 4096 tokens per rank, FP8
@@ -119,6 +120,14 @@ for s in "${STEPS[@]}"; do
                 --prefill-chunk 32 --max-prompt 64 --max-new-tokens 16 --check 0 \
                 --log-every 50 "${@:2}" >>"$OUT/dsv3.log" 2>&1
         done
+        ;;
+    crossover)
+        # the layer on symm_ll (one chunk up to 2048) and symm_ht between decode and prefill
+        # sizes: where auto should switch (now at symm_ll's 256)
+        timeout "${CROSSOVER_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --parts layer --tokens 128 256 512 1024 2048 --max-num-tokens 2048 --experts triton \
+            --backends symm_ll symm_ht --iters 10 --out "$OUT/layer_crossover.json" \
+            >"$OUT/crossover.log" 2>&1
         ;;
     ep)
         # every backend of ours at EP = every GPU of the machine (the EP4/EP8 issue): comm at
