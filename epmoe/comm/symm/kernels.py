@@ -92,6 +92,18 @@ def _pause():
 
 
 @triton.jit
+def _fence_sys():
+    """``fence.acq_rel.sys``: every store this thread made before it (and, after a CTA
+    barrier, every store of the program) is ordered before every store after it, so the
+    relaxed flag writes that follow form release patterns. One fence for a batch of rows'
+    flags, where a release per flag fences once per row."""
+    if not _INTERPRET:
+        tl.inline_asm_elementwise(
+            "fence.acq_rel.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
+@triton.jit
 def _load_acquire(ptr):
     """``*ptr`` (int32) with acquire semantics at system scope: a plain load, so that many
     programs polling one flag do not serialise the peers' atomics on it."""
@@ -296,16 +308,21 @@ def _send_token(
 
 
 @triton.jit
-def _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W: tl.constexpr):
+def _flag_token(
+    t, bases_ptr, T, M, W, src, off_flags, BLOCK_W: tl.constexpr, FENCED: tl.constexpr = False
+):
     """Token ``t``'s flag at every rank (release: after its stores, which a barrier in the
-    caller has ordered before it)."""
+    caller has ordered before it; ``FENCED``: the caller has fenced them, a relaxed write)."""
     if t < T:
         rr = tl.arange(0, BLOCK_W)
         bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
         row = tl.cast(src, tl.int64) * M + t
         for r in range(W):
             flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
-            tl.atomic_xchg(flags + 2 * W + row, 1, sem="release", scope="sys")  # dflag[src, t]
+            if FENCED:
+                tl.atomic_xchg(flags + 2 * W + row, 1, sem="relaxed", scope="sys")
+            else:
+                tl.atomic_xchg(flags + 2 * W + row, 1, sem="release", scope="sys")
 
 
 @triton.jit
@@ -463,8 +480,12 @@ def dispatch_send_kernel(
                 K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
             )  # fmt: skip
         tl.debug_barrier()
+        # a batch: one fence for its rows, then relaxed flags (the interpreter: releases)
+        FENCED: tl.constexpr = BATCH > 1 and not _INTERPRET
+        if FENCED:
+            _fence_sys()
         for j in tl.static_range(BATCH):
-            _flag_token(t0 + j * N, bases_ptr, T, M, W, src, off_flags, BLOCK_W)
+            _flag_token(t0 + j * N, bases_ptr, T, M, W, src, off_flags, BLOCK_W, FENCED)
     if pid == 0:
         _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W)
 
@@ -797,11 +818,14 @@ def _ht_combine_row(
 
 
 @triton.jit
-def _ht_combine_flag(s, t, sent, bases_ptr, M, W, me, off_flags):
+def _ht_combine_flag(s, t, sent, bases_ptr, M, W, me, off_flags, FENCED: tl.constexpr = False):
     if sent:
         flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
         src_row = tl.cast(me, tl.int64) * M + t
-        tl.atomic_xchg(flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
+        if FENCED:  # (the caller fenced the batch's rows)
+            tl.atomic_xchg(flags + 2 * W + W * M + src_row, 1, sem="relaxed", scope="sys")
+        else:
+            tl.atomic_xchg(flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_y"])
@@ -840,6 +864,9 @@ def ht_combine_send_kernel(
             )  # fmt: skip
             sent = tl.where(tl.arange(0, BATCH) == j, ok.to(tl.int32), sent)
         tl.debug_barrier()
+        FENCED: tl.constexpr = BATCH > 1 and not _INTERPRET  # (see dispatch_send_kernel)
+        if FENCED:
+            _fence_sys()
         for j in tl.static_range(BATCH):
             ok = _pick(sent, tl.arange(0, BATCH), j) > 0
-            _ht_combine_flag(s, t0 + j * N, ok, bases_ptr, M, W, me, off_flags)
+            _ht_combine_flag(s, t0 + j * N, ok, bases_ptr, M, W, me, off_flags, FENCED)
