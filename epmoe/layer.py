@@ -472,12 +472,13 @@ class EPMoE(nn.Module):
     ) -> tuple[type[AllToAll], type[AllToAll] | None]:
         """``auto``'s choice: the general backend and the decode backend (or ``None``).
 
-        Decode: the first graph-safe backend with fixed buffers (registry order) that runs
-        here and offers ``layout`` (``symm_ll`` on one NVLink node). General: another
-        graph-safe fixed-buffer backend sized for larger steps than the decode one, where
-        one runs (``symm_ht``: prefill steps, chunked at its ``default_max_tokens``; on
-        2×H200 it moves 4096 tokens 3.6× / 2.8× faster than ``all_to_all``), else the first
-        that sizes its buffers per call (``all_to_all``: any batch, any node)."""
+        Decode: the first graph-safe ExpertBatched backend with fixed buffers (registry
+        order) that runs here and offers ``layout`` (``symm_ll`` on one NVLink node).
+        General: a graph-safe fixed-buffer Standard backend where one runs (``symm_ht``:
+        prefill steps, chunked at its ``default_max_tokens``, and every step when the
+        layer asks for the Standard layout; on 2×H200 it moves 4096 tokens 3.6× / 2.8×
+        faster than ``all_to_all``), else the first that sizes its buffers per call
+        (``all_to_all``: any batch, any node)."""
         probe = CommSpec(
             hidden_size=self.hidden_size,
             top_k=self.top_k,
@@ -506,14 +507,16 @@ class EPMoE(nn.Module):
                 return resolve_backend("auto", self.device, self.group, layout), None
             unbounded = [c for c in runs if c.capabilities.default_max_tokens is None]
             return (unbounded or runs)[0], None
-        decode = [
-            c for c in usable if c.capabilities.graph_safe and c.capabilities.default_max_tokens
-        ]
-        if decode:
-            limit = decode[0].capabilities.default_max_tokens
-            larger = [c for c in decode[1:] if c.capabilities.default_max_tokens > limit]
-            if larger:  # the prefill backend: the largest buffers
-                general = [max(larger, key=lambda c: c.capabilities.default_max_tokens)]
+        # graph-safe fixed-buffer backends: low-latency ones deliver ExpertBatched rows
+        # (decode), high-throughput ones Standard rows (prefill, and decode where no
+        # low-latency one serves the layer's layout)
+        caps = [(c, c.capabilities) for c in usable]
+        fixed = [c for c, cap in caps if cap.graph_safe and cap.default_max_tokens]
+        decode = [c for c in fixed if Layout.EXPERT_BATCHED in c.capabilities.layouts]
+        prefill = [c for c in fixed if Layout.STANDARD in c.capabilities.layouts]
+        prefill = [c for c in prefill if c not in decode[:1]]
+        if prefill:  # the largest buffers
+            general = [max(prefill, key=lambda c: c.capabilities.default_max_tokens)]
         return general[0], (decode[0] if decode else None)
 
     def _plan_decode_comm(

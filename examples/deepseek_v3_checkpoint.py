@@ -6,9 +6,10 @@
 
 DeepSeek-V3's architecture and its checkpoint layout (``config.json`` with an FP8
 ``quantization_config`` of 128×128 blocks, ``model-0000k-of-0000n.safetensors`` shards and
-their index; every linear ``*proj.weight`` in ``float8_e4m3fn`` with a float32
-``*proj.weight_scale_inv`` per block; router, norms, embeddings and head in bf16, the
-routing correction bias in float32), with ``--num-layers`` MoE layers (all MoE:
+their index; every linear ``*proj*.weight`` in ``float8_e4m3fn`` with a float32
+``*proj*.weight_scale_inv`` per block, ``kv_a_proj_with_mqa`` included; router, norms,
+embeddings and head in bf16, the routing correction bias in float32), with
+``--num-layers`` MoE layers (all MoE:
 ``first_k_dense_replace=0``) and a small vocabulary. The model is never built: tensors are
 made one at a time from the config's parameter list (random normal, DeepSeek-V3's
 initializer range; norms one, correction bias zero), quantized, and written shard by shard,
@@ -112,7 +113,8 @@ def make_tensor(name, shape, dtype, std: float, seed: int, device) -> dict[str, 
         return {name: torch.zeros(shape, dtype=torch.float32)}
     g = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(name.encode()))
     w = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std
-    if name.endswith("proj.weight") and len(shape) == 2:
+    if name.endswith(".weight") and "proj" in name.split(".")[-2] and len(shape) == 2:
+        # every linear projection, kv_a_proj_with_mqa (576 rows: a partial block) included
         q, scale = quantize_block(w[None], BLOCK)
         return {name: q[0].cpu(), name + "_scale_inv": scale[0].cpu()}
     return {name: w.to(torch.bfloat16 if dtype.is_floating_point else dtype).cpu()}

@@ -79,7 +79,8 @@ for s in "${STEPS[@]}"; do
             --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1
         ;;
     conformance)
-        EPMOE_TEST_WORLDS="${EPMOE_TEST_WORLDS:-1,2,$NGPU}" EPMOE_TEST_DEVICE=cuda timeout "${CONF_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
+        worlds=1,2; [ "$NGPU" -gt 2 ] && worlds="1,2,$NGPU"
+        EPMOE_TEST_WORLDS="${EPMOE_TEST_WORLDS:-$worlds}" EPMOE_TEST_DEVICE=cuda timeout "${CONF_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
             tests/distributed/test_comm_v2.py tests/distributed/test_fp8_weights.py \
             tests/distributed/test_sharded_load.py \
             "tests/distributed/test_stress.py::test_backends_are_bitwise_deterministic" \
@@ -98,36 +99,50 @@ for s in "${STEPS[@]}"; do
             --plot "$OUT/eplb_balancedness.png" >"$OUT/eplb.log" 2>&1
         ;;
     serving)
+        failed=0
         for graphs in "" --cuda-graphs; do
             timeout "${SERVING_LIMIT_S:-150}" python3 launch/run.py --nproc "$NGPU" examples/serving.py \
                 --device cuda --backend symm_ll --requests 48 --max-batch 16 --max-new-tokens 32 \
-                --hidden-size 1024 --num-experts 16 --top-k 4 $graphs >>"$OUT/serving.log" 2>&1 || break
+                --hidden-size 1024 --num-experts 16 --top-k 4 $graphs >>"$OUT/serving.log" 2>&1 || failed=1
         done
+        [ "$failed" -eq 0 ]
         ;;
     dsv3)
         # a DeepSeek-V3-shaped FP8 checkpoint (4 MoE layers, H 7168, 256 experts, top-8;
-        # about 46 GB), written once on the machine's disk, then served: FP8 experts on every
-        # GPU eager and with CUDA-graph decode, on one GPU holding every expert, and bf16
+        # about 46 GB), written once on the machine's disk (kept while it stays warm), then
+        # served. DSV3_RUNS picks the runs (one device call holds about two):
+        #   fp8 / graphs: FP8 experts on every GPU, eager / CUDA-graph decode;
+        #   one: FP8 experts on one GPU holding every expert; bf16: dequantised experts
         D="${DSV3_DIR:-/tmp/epmoe-dsv3}"
+        failed=0
         [ -f "$D/config.json" ] || timeout "${DSV3_WRITE_S:-300}" python3 \
-            examples/deepseek_v3_checkpoint.py "$D" >>"$OUT/dsv3.log" 2>&1
-        for run in "$NGPU --fp8-experts" "$NGPU --fp8-experts --cuda-graphs" \
-            "1 --fp8-experts" "$NGPU"; do
-            set -- $run
-            echo "=== --nproc $*" >>"$OUT/dsv3.log"
-            timeout "${DSV3_LIMIT_S:-200}" python3 launch/run.py --nproc "$1" examples/serving.py \
-                --device cuda --checkpoint "$D" --requests 256 --max-batch 128 \
-                --prefill-chunk 32 --max-prompt 64 --max-new-tokens 16 --check 0 \
-                --log-every 50 "${@:2}" >>"$OUT/dsv3.log" 2>&1
+            examples/deepseek_v3_checkpoint.py "$D" >>"$OUT/dsv3.log" 2>&1 || failed=1
+        for run in ${DSV3_RUNS:-fp8 graphs}; do
+            case $run in
+            fp8) args=("$NGPU" --fp8-experts) ;;
+            graphs) args=("$NGPU" --fp8-experts --cuda-graphs) ;;
+            one) args=(1 --fp8-experts) ;;
+            bf16) args=("$NGPU") ;;
+            *) echo "unknown DSV3 run $run" >>"$OUT/dsv3.log"; failed=1; continue ;;
+            esac
+            echo "=== $run: --nproc ${args[*]}" >>"$OUT/dsv3.log"
+            timeout "${DSV3_LIMIT_S:-200}" python3 launch/run.py --nproc "${args[0]}" \
+                examples/serving.py --device cuda --checkpoint "$D" --requests 256 \
+                --max-batch 128 --prefill-chunk 32 --max-prompt 64 --max-new-tokens 16 \
+                --check 0 --log-every 50 "${args[@]:1}" >>"$OUT/dsv3.log" 2>&1 || failed=1
         done
+        [ "$failed" -eq 0 ]
         ;;
     crossover)
-        # the layer on symm_ll (one chunk up to 2048) and symm_ht between decode and prefill
-        # sizes: where auto should switch (now at symm_ll's 256)
-        timeout "${CROSSOVER_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+        # the layer between decode and prefill sizes, on symm_ll in one chunk (M 2048) and on
+        # symm_ht as auto builds it (M 4096): where auto should switch (now at 256)
+        timeout "${CROSSOVER_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 256 512 1024 2048 --max-num-tokens 2048 --experts triton \
-            --backends symm_ll symm_ht --iters 10 --out "$OUT/layer_crossover.json" \
-            >"$OUT/crossover.log" 2>&1
+            --backends symm_ll --iters 10 --out "$OUT/layer_crossover_ll.json" \
+            >"$OUT/crossover.log" 2>&1 &&
+        timeout "${CROSSOVER_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --parts layer --tokens 128 256 512 1024 2048 --experts triton --backends symm_ht \
+            --iters 10 --out "$OUT/layer_crossover_ht.json" >>"$OUT/crossover.log" 2>&1
         ;;
     ep)
         # every backend of ours at EP = every GPU of the machine (the EP4/EP8 issue): comm at
@@ -135,7 +150,7 @@ for s in "${STEPS[@]}"; do
         timeout "${EP_COMM_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 128 512 4096 --backends symm_ll:expert_batched symm_ht:standard \
             all_to_all:standard --iters 10 --warmup 3 --out "$OUT/comm_ep$NGPU.json" \
-            >"$OUT/ep.log" 2>&1
+            >"$OUT/ep.log" 2>&1 &&
         timeout "${EP_LAYER_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --tokens 128 4096 --experts triton --hot contiguous --out "$OUT/layer_ep$NGPU.json" \
             >>"$OUT/ep.log" 2>&1

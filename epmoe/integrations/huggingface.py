@@ -1035,7 +1035,8 @@ def load_sharded(
                 if j not in local[n]:
                     continue
                 parts = pending.setdefault((n, j), [None, None, None])
-                parts[_ROLES[m["proj"]]] = reader.get_weight(key, block=block_size)
+                dev = blocks[n].moe.device  # dequantised (and requantised) there
+                parts[_ROLES[m["proj"]]] = reader.get_weight(key, block=block_size, device=dev)
                 if all(p is not None for p in parts):
                     gate, up, down = pending.pop((n, j))
                     blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
@@ -1063,7 +1064,7 @@ def load_sharded(
                 unused.append(key)
                 continue
             t = targets[target]
-            value = reader.get_weight(key, block=block_size)
+            value = reader.get_weight(key, block=block_size, device=t.device)
             if tuple(value.shape) != tuple(t.shape):
                 raise ValueError(
                     f"{key}: the checkpoint holds {list(value.shape)}, the model's {target} is "

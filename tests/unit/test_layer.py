@@ -349,6 +349,13 @@ def test_auto_sends_larger_steps_to_a_prefill_backend_with_larger_fixed_buffers(
         assert_close(out, epmoe.reference.moe(x, w13, w2, w, ids), 1e-5, name=f"T={T}")
     # T = 3 fits the decode buffers; T = 9 runs on the prefill backend in chunks of 8
     assert _FixedBufferBackend.calls == ["fixed T=3", "prefill T=8", "prefill T=1"]
+    # the Standard layout asked for: the prefill backend serves every step (no decode twin)
+    standard, *_ = layer_and_weights(layout="standard")
+    assert isinstance(standard.comm, _PrefillBackend) and standard.decode_comm is None
+    # ExpertBatched asked for: the decode backend beside the per-call general one
+    batched, *_ = layer_and_weights(layout="expert_batched")
+    assert batched.comm.name == "all_to_all"
+    assert isinstance(batched.decode_comm, _FixedBufferBackend)
 
 
 @pytest.mark.parametrize("hinted", [True, False], ids=["graph-safe path", "agreed path"])

@@ -232,6 +232,10 @@ class SymmBackend(AllToAll):
 
     transport_class: type[SymmTransport] = SymmTransport
 
+    # whether the transport's buffers grow with the largest local expert count (symm_ll's
+    # [e, C, H]; symm_ht's rows do not): part of the transport's key, re-acquired on growth
+    sized_by_local_experts = True
+
     @classmethod
     def unavailable_reason(cls, device, group=None) -> str | None:
         reason = super().unavailable_reason(device, group)
@@ -265,7 +269,7 @@ class SymmBackend(AllToAll):
             spec.max_num_tokens,
             spec.device,
         )
-        e_max = spec.max_local
+        e_max = spec.max_local if self.sized_by_local_experts else 0
         old = self._hold
         if old is None or old.key[:-1] != key or old.key[-1] < e_max:
             # (re)acquire buffers large enough for the largest local expert count

@@ -72,6 +72,7 @@ class SymmHTBackend(SymmBackend):
 
     name = "symm_ht"
     transport_class = HTTransport
+    sized_by_local_experts = False  # rows stay where they land: no [e, C, H] buffer
     capabilities = Capabilities(
         layouts=frozenset({Layout.STANDARD}),
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
