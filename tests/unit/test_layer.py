@@ -358,6 +358,34 @@ def test_auto_sends_larger_steps_to_a_prefill_backend_with_larger_fixed_buffers(
     assert isinstance(batched.decode_comm, _FixedBufferBackend)
 
 
+def test_two_micro_batches_split_larger_steps_and_leave_decode_steps_whole(monkeypatch):
+    """micro_batches=2 with auto's decode twin: a decode-sized step runs whole on the decode
+    backend (halves would read every weight twice), a larger one in two halves; both equal
+    the oracle."""
+    registry = {"fixed": f"{__name__}:_FixedBufferBackend", **epmoe.comm._BACKENDS}
+    monkeypatch.setattr(epmoe.comm, "_BACKENDS", registry)
+    calls: list[str] = []
+    original = AllToAllBackend.dispatch_async  # (the fixed-buffer stand-in calls it too)
+
+    def counted(self, x, ids, w):
+        calls.append(f"{type(self).__name__} T={x.shape[0]}")
+        return original(self, x, ids, w)
+
+    monkeypatch.setattr(AllToAllBackend, "dispatch_async", counted)
+    layer, w13, w2 = layer_and_weights(micro_batches=2)
+    assert isinstance(layer.decode_comm, _FixedBufferBackend)
+    E, K, H = 8, 2, 16
+    for T in (3, 9):
+        x, logits = torch.randn(T, H), torch.randn(T, E)
+        out = layer(x, logits)
+        assert_close(out, epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K)), 1e-5)
+    assert calls == [
+        "_FixedBufferBackend T=3",  # decode: whole
+        "AllToAllBackend T=5",  # larger: two halves
+        "AllToAllBackend T=4",
+    ], calls
+
+
 @pytest.mark.parametrize("hinted", [True, False], ids=["graph-safe path", "agreed path"])
 def test_padding_rows_past_num_valid_tokens_go_to_no_expert(hinted):
     layer, w13, w2 = layer_and_weights(max_num_tokens=4, load_window=2)
