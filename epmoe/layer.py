@@ -447,7 +447,7 @@ class EPMoE(nn.Module):
         self.max_num_tokens = (
             max_num_tokens
             or backend_cls.capabilities.max_num_tokens
-            or backend_cls.capabilities.default_max_tokens
+            or backend_cls.default_tokens(self.device)
             or DEFAULT_CHUNK_TOKENS[layout]
         )
         spec = CommSpec(
@@ -538,7 +538,8 @@ class EPMoE(nn.Module):
         # decode-sized: max_num_tokens bounds the prefill chunks; the fixed buffers stay at
         # most the backend's default (a larger M would send prefill steps here, in buffers
         # that grow with it)
-        M = min(max_num_tokens or caps.default_max_tokens, caps.default_max_tokens)
+        default = decode_cls.default_tokens(comm_plan.spec.device)
+        M = min(max_num_tokens or default, default)
         M = min(M, caps.max_num_tokens or M)
         spec = dataclasses.replace(comm_plan.spec, max_num_tokens=M)
         if decode_cls.supports(spec) is not None:

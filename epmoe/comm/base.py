@@ -281,6 +281,12 @@ class AllToAll(ABC):
         return None
 
     @classmethod
+    def default_tokens(cls, device: torch.device) -> int | None:
+        """The ``M_max`` a layer picks on ``device`` when the user sets none: the declared
+        ``default_max_tokens`` (a backend whose limit depends on the GPU lowers it)."""
+        return cls.capabilities.default_max_tokens
+
+    @classmethod
     def unavailable_reason(
         cls, device: torch.device, group: dist.ProcessGroup | None = None
     ) -> str | None:

@@ -152,6 +152,13 @@ class PPLXBackend(AllToAll):
         return None
 
     @classmethod
+    def default_tokens(cls, device: torch.device) -> int | None:
+        """128, or fewer on a GPU with fewer SMs (one token per SM: see ``supports``)."""
+        sms = _num_sms(device)
+        default = cls.capabilities.default_max_tokens
+        return default if sms is None else min(default, sms)
+
+    @classmethod
     def supports(cls, spec: CommSpec) -> str | None:
         reason = super().supports(spec) or _deepep.even_partition_reason(spec)
         if reason is not None:

@@ -403,6 +403,10 @@ def test_pplx_refuses_rows_and_scales_of_partial_16_bytes_and_a_new_slot_count(f
         assert cls.supports(CommSpec(7168, 8, (0, 8), 132, torch.bfloat16, cuda)) is None
         big = CommSpec(7168, 8, (0, 8), 512, torch.bfloat16, cuda)  # wrong results at 512
         assert "at most 132 tokens per rank" in cls.supports(big)
+        assert cls.default_tokens(cuda) == 128  # the default fits an H200
+        gpu.multi_processor_count = 108  # an A100: the layer's default M_max follows
+        assert cls.default_tokens(cuda) == 108
+    assert cls.default_tokens(torch.device("cpu")) == 128
     comm = _backend("pplx", _spec(), Layout.EXPERT_BATCHED)
     with pytest.raises(ValueError, match=f"pplx's buffers serve P={E} expert slots"):
         comm.rebind((0, E + 2))  # a re-plan with two redundant slots
