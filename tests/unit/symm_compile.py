@@ -28,12 +28,14 @@ def main() -> None:
         send = dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", owner_ptr="*i32")
         send.update(local_ptr="*i32", **shared)
         quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
-        _compile(k.dispatch_send_kernel, send, dict(blocks, BLOCK_W=2, BATCH=4, **quant))
+        for batch, fence in ((1, False), (4, True)):
+            consts = dict(blocks, BLOCK_W=2, BATCH=batch, FENCE=fence, **quant)
+            _compile(k.dispatch_send_kernel, send, consts)
         recv = dict(xo_ptr=wire_ptr, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
         recv.update(recv_t_ptr="*i32", **shared)
         _compile(k.ll_dispatch_recv_kernel, recv, blocks)
         _compile(k.ll_dispatch_kernel, dict(send, **recv), dict(blocks, BLOCK_W=2, **quant))
-        compiled += 3
+        compiled += 4
     csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", cnt_ptr="*i32", **shared)
     _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
@@ -43,8 +45,10 @@ def main() -> None:
     ht = dict(ids_out_ptr="*i64", w_out_ptr="*fp32", recv_t_ptr="*i32", **shared)
     _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8))
     hsend = dict(y_ptr="*bf16", ids_out_ptr="*i64", recv_t_ptr="*i32", **shared)
-    _compile(k.ht_combine_send_kernel, hsend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=4))
-    print(f"compiled {compiled + 5} symm kernels for sm_90")
+    for batch, fence in ((1, False), (4, True)):
+        consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence)
+        _compile(k.ht_combine_send_kernel, hsend, consts)
+    print(f"compiled {compiled + 6} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

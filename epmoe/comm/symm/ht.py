@@ -131,7 +131,7 @@ class SymmHTBackend(SymmBackend):
                 x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
                 T, tr.H, spec.num_physical, tr.M, W, tr.G, self.rank,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                BATCH=self._batch, num_warps=tr.num_warps, **c,
+                BATCH=self._batch, FENCE=k.batch_fence(self._batch), num_warps=tr.num_warps, **c,
             )  # fmt: skip
         except BaseException:  # nothing was sent: the parity is free again
             tr.give_back(b)
@@ -168,7 +168,7 @@ class SymmHTBackend(SymmBackend):
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
-            BATCH=self._batch, num_warps=tr.num_warps, **c,
+            BATCH=self._batch, FENCE=k.batch_fence(self._batch), num_warps=tr.num_warps, **c,
         )  # fmt: skip
 
         def receive() -> torch.Tensor:

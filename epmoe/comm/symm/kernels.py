@@ -91,6 +91,13 @@ def _pause():
         )
 
 
+def batch_fence(batch: int) -> bool:
+    """Whether a kernel storing ``batch`` rows per barrier fences once for them and writes
+    their flags relaxed (``FENCE``): for batches of more than one row on a GPU; one row
+    per flag, and the interpreter, keep a release per flag."""
+    return batch > 1 and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 @triton.jit
 def _fence_sys():
     """``fence.acq_rel.sys``: every store this thread made before it (and, after a CTA
@@ -308,9 +315,7 @@ def _send_token(
 
 
 @triton.jit
-def _flag_token(
-    t, bases_ptr, T, M, W, src, off_flags, BLOCK_W: tl.constexpr, FENCED: tl.constexpr = False
-):
+def _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W: tl.constexpr, FENCED: tl.constexpr):
     """Token ``t``'s flag at every rank (release: after its stores, which a barrier in the
     caller has ordered before it; ``FENCED``: the caller has fenced them, a relaxed write)."""
     if t < T:
@@ -344,7 +349,7 @@ def _dispatch_send(
         K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
     )  # fmt: skip
     tl.debug_barrier()  # every store of this program is issued before its release signals
-    _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W)
+    _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W, False)
     if t == 0:
         _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W)
 
@@ -462,6 +467,7 @@ def dispatch_send_kernel(
     INV_FP8_MAX: tl.constexpr,
     EPS: tl.constexpr,
     BATCH: tl.constexpr,  # tokens a program stores before it raises their flags
+    FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
 ):
     """The send half alone (split phase; ``symm_ht``'s dispatch). Program p sends tokens
     p, p + N, ... of T (N programs: one per token for ``symm_ll``, the SM budget for
@@ -480,12 +486,10 @@ def dispatch_send_kernel(
                 K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
             )  # fmt: skip
         tl.debug_barrier()
-        # a batch: one fence for its rows, then relaxed flags (the interpreter: releases)
-        FENCED: tl.constexpr = BATCH > 1 and not _INTERPRET
-        if FENCED:
+        if FENCE:  # a batch: one fence for its rows, then relaxed flags
             _fence_sys()
         for j in tl.static_range(BATCH):
-            _flag_token(t0 + j * N, bases_ptr, T, M, W, src, off_flags, BLOCK_W, FENCED)
+            _flag_token(t0 + j * N, bases_ptr, T, M, W, src, off_flags, BLOCK_W, FENCE)
     if pid == 0:
         _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W)
 
@@ -818,7 +822,7 @@ def _ht_combine_row(
 
 
 @triton.jit
-def _ht_combine_flag(s, t, sent, bases_ptr, M, W, me, off_flags, FENCED: tl.constexpr = False):
+def _ht_combine_flag(s, t, sent, bases_ptr, M, W, me, off_flags, FENCED: tl.constexpr):
     if sent:
         flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
         src_row = tl.cast(me, tl.int64) * M + t
@@ -844,6 +848,7 @@ def ht_combine_send_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BATCH: tl.constexpr,  # rows a program stores before it raises their flags
+    FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
 ):
     """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
     (s, 0) first clears ``expect[s]`` and raises ``started`` at s (as ``_combine_send``)."""
@@ -864,9 +869,8 @@ def ht_combine_send_kernel(
             )  # fmt: skip
             sent = tl.where(tl.arange(0, BATCH) == j, ok.to(tl.int32), sent)
         tl.debug_barrier()
-        FENCED: tl.constexpr = BATCH > 1 and not _INTERPRET  # (see dispatch_send_kernel)
-        if FENCED:
+        if FENCE:  # (see dispatch_send_kernel)
             _fence_sys()
         for j in tl.static_range(BATCH):
             ok = _pick(sent, tl.arange(0, BATCH), j) > 0
-            _ht_combine_flag(s, t0 + j * N, ok, bases_ptr, M, W, me, off_flags, FENCED)
+            _ht_combine_flag(s, t0 + j * N, ok, bases_ptr, M, W, me, off_flags, FENCE)

@@ -141,7 +141,7 @@ class SymmLLBackend(SymmBackend):
                 x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
                 T, tr.H, spec.num_physical, tr.M, W, tr.G, self.rank,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                BATCH=1, num_warps=tr.num_warps, **c,
+                BATCH=1, FENCE=False, num_warps=tr.num_warps, **c,
             )  # fmt: skip
         except BaseException:  # nothing was sent: the parity is free again
             tr.give_back(b)
