@@ -235,6 +235,10 @@ class SymmBackend(AllToAll):
     # whether the transport's buffers grow with the largest local expert count (symm_ll's
     # [e, C, H]; symm_ht's rows do not): part of the transport's key, re-acquired on growth
     sized_by_local_experts = True
+    # rows a send program stores per barrier, and whether it then fences once for them
+    # (kernels.batch_fence) instead of a release per flag: symm_ht's tokens_per_flag
+    _batch = 1
+    _fence = False
 
     @classmethod
     def unavailable_reason(cls, device, group=None) -> str | None:
@@ -326,6 +330,25 @@ class SymmBackend(AllToAll):
                 INV_FP8_MAX=INV_FP8_MAX, EPS=FP8_EPS,
             )  # fmt: skip
         return x, ids, w, tr.take_parity(), consts
+
+    def _send(self, x, ids, w, b: int, consts: dict, programs: int) -> None:
+        """The dispatch's send half (``_dispatch_prologue``'s outputs) on ``programs``
+        programs; gives parity ``b`` back when the launch fails (nothing was sent)."""
+        from epmoe.comm.symm import kernels as k
+
+        tr, spec = self._live(), self.spec
+        reg = tr.regions[b]
+        try:
+            launch(k.dispatch_send_kernel)(
+                (programs,),
+                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
+                x.shape[0], tr.H, spec.num_physical, tr.M, self.world_size, tr.G, self.rank,
+                reg.flags, reg.x, reg.s, reg.ids, reg.w,
+                BATCH=self._batch, FENCE=self._fence, num_warps=tr.num_warps, **consts,
+            )  # fmt: skip
+        except BaseException:
+            tr.give_back(b)
+            raise
 
     def _handle(self, parity: int, ids_TK: torch.Tensor, T: int) -> SymmHandle:
         tr = self._live()

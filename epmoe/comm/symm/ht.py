@@ -105,8 +105,10 @@ class SymmHTBackend(SymmBackend):
             raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
         if tokens_per_flag not in (1, 2, 4, 8) or type(tokens_per_flag) is not int:
             raise ValueError(f"tokens_per_flag must be 1, 2, 4 or 8, got {tokens_per_flag!r}")
+        from epmoe.comm.symm.kernels import batch_fence
+
         self._sms = num_sms
-        self._batch = tokens_per_flag
+        self._batch, self._fence = tokens_per_flag, batch_fence(tokens_per_flag)
         super().__init__(spec, group, layout)
 
     @property
@@ -123,19 +125,9 @@ class SymmHTBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, spec, W, T = self._live(), self.spec, self.world_size, x.shape[0]
+        tr, W, T = self._live(), self.world_size, x.shape[0]
         reg = tr.regions[b]
-        try:
-            launch(k.dispatch_send_kernel)(
-                (self._grid(max(T, 1)),),
-                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
-                T, tr.H, spec.num_physical, tr.M, W, tr.G, self.rank,
-                reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                BATCH=self._batch, FENCE=k.batch_fence(self._batch), num_warps=tr.num_warps, **c,
-            )  # fmt: skip
-        except BaseException:  # nothing was sent: the parity is free again
-            tr.give_back(b)
-            raise
+        self._send(x, ids, w, b, c, self._grid(max(T, 1)))
 
         def receive() -> DispatchResult:
             launch(k.ht_dispatch_recv_kernel)(
@@ -168,7 +160,7 @@ class SymmHTBackend(SymmBackend):
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
-            BATCH=self._batch, FENCE=k.batch_fence(self._batch), num_warps=tr.num_warps, **c,
+            BATCH=self._batch, FENCE=self._fence, num_warps=tr.num_warps, **c,
         )  # fmt: skip
 
         def receive() -> torch.Tensor:

@@ -133,19 +133,9 @@ class SymmLLBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, spec, W, T = self._live(), self.spec, self.world_size, x.shape[0]
+        tr, W, T = self._live(), self.world_size, x.shape[0]
         reg = tr.regions[b]
-        try:
-            launch(k.dispatch_send_kernel)(
-                (max(1, T),),
-                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
-                T, tr.H, spec.num_physical, tr.M, W, tr.G, self.rank,
-                reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                BATCH=1, FENCE=False, num_warps=tr.num_warps, **c,
-            )  # fmt: skip
-        except BaseException:  # nothing was sent: the parity is free again
-            tr.give_back(b)
-            raise
+        self._send(x, ids, w, b, c, max(1, T))  # one program per token
 
         def receive() -> DispatchResult:
             launch(k.ll_dispatch_recv_kernel)(
