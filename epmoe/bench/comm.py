@@ -71,7 +71,14 @@ from epmoe.bench.common import (
     time_fn,
 )
 from epmoe.comm import available_backends, backend_class, create_backend
-from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, AllToAll, CommSpec, DispatchResult, Layout
+from epmoe.comm.base import (
+    FP8_GROUP,
+    AllToAll,
+    CommSpec,
+    DispatchResult,
+    Layout,
+    wire_row_bytes,
+)
 from epmoe.reference import relative_error
 from epmoe.routing import RoutingSimulator
 
@@ -154,14 +161,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------ arithmetic
-
-
-def wire_row_bytes(hidden_size: int, wire_dtype: torch.dtype) -> int:
-    """Bytes of one dispatched row on the wire: ``H`` values, plus for FP8 one float32
-    scale per 128 columns (7168 → 14336 B in bf16, 7392 B in FP8)."""
-    if wire_dtype == FP8_DTYPE:
-        return hidden_size + 4 * -(-hidden_size // FP8_GROUP)
-    return hidden_size * wire_dtype.itemsize
 
 
 def table(records: list[dict], columns: list[str]) -> str:

@@ -378,12 +378,19 @@ class AllToAll(ABC):
         """Release buffers. The backend must not be used afterwards."""
 
 
+def wire_row_bytes(hidden_size: int, wire_dtype: torch.dtype) -> int:
+    """Bytes of one dispatched row on the wire: ``H`` values, plus for FP8 one float32
+    scale per 128 columns (7168 → 14336 B in bf16, 7392 B in FP8)."""
+    if wire_dtype == FP8_DTYPE:
+        return hidden_size + 4 * -(-hidden_size // FP8_GROUP)
+    return hidden_size * wire_dtype.itemsize
+
+
 def expert_batched_bytes(spec: CommSpec, copies: int = 1) -> int:
     """Bytes of ``copies`` ExpertBatched receive buffers ``[e, C = W·M, H]`` (wire dtype, and
     FP8 scales ``[e, C, G]`` float32): each local expert's slot holds every token of every
     rank, the worst case of routing, so they grow with ``e·W·M_max``."""
-    H = spec.hidden_size
-    row = H * spec.wire_dtype.itemsize + (4 * -(-H // FP8_GROUP) if spec.fp8_dispatch else 0)
+    row = wire_row_bytes(spec.hidden_size, spec.wire_dtype)
     return copies * max(spec.max_local, 1) * spec.world_size * spec.max_num_tokens * row
 
 
