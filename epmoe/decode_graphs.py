@@ -85,13 +85,9 @@ class DecodeGraphs:
             raise ValueError(
                 f"sizes must be positive token counts, e.g. (1, 2, 4, 8), got {sizes!r}"
             )
-        self.forward, self.sizes, self.layers, self.group = (
-            forward,
-            tuple(clean),
-            list(layers),
-            group,
-        )
-        self.hidden_size, self.dtype, self.device, self.warmup = hidden_size, dtype, device, warmup
+        self.forward, self.sizes, self.layers = forward, tuple(clean), list(layers)
+        self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.group, self.warmup = group, warmup
         self.replays = 0  # decode calls served by a graph
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self._ranks = group_ranks(group)  # what a step on the same group holds

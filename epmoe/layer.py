@@ -513,11 +513,13 @@ class EPMoE(nn.Module):
         # graph-safe fixed-buffer backends: low-latency ones deliver ExpertBatched rows
         # (decode), high-throughput ones Standard rows (prefill, and decode where no
         # low-latency one serves the layer's layout)
-        caps = [(c, c.capabilities) for c in usable]
-        fixed = [c for c, cap in caps if cap.graph_safe and cap.default_max_tokens]
+        fixed = [
+            c for c in usable if c.capabilities.graph_safe and c.capabilities.default_max_tokens
+        ]
         decode = [c for c in fixed if Layout.EXPERT_BATCHED in c.capabilities.layouts]
-        prefill = [c for c in fixed if Layout.STANDARD in c.capabilities.layouts]
-        prefill = [c for c in prefill if c not in decode[:1]]
+        prefill = [
+            c for c in fixed if Layout.STANDARD in c.capabilities.layouts and c not in decode[:1]
+        ]
         if prefill:  # the largest buffers
             general = [max(prefill, key=lambda c: c.capabilities.default_max_tokens)]
         return general[0], (decode[0] if decode else None)
