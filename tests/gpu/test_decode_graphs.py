@@ -76,11 +76,16 @@ def decode_graph_replays(rank: int, world: int) -> dict:
             assert s.decode, f"step {i}: not a graph step"
             h = ga(x)
             got = gb(h)
-            eager = fb(fa(x))
-        assert_close(got, eager, 5e-3, name=f"rank {rank} step {i}: graph vs eager")
-        ref = ob(oa(x))
-        assert_close(got, ref, 2 * TOLERANCES[BF16], name=f"rank {rank} step {i}: vs oracle")
-        worst = max(worst, relative_error(got, ref))
+            eager_h = fa(x)
+            eager = fb(h)
+        assert_close(h, eager_h, 5e-3, name=f"rank {rank} step {i}: layer a, graph vs eager")
+        assert_close(got, eager, 5e-3, name=f"rank {rank} step {i}: layer b, graph vs eager")
+        # each layer against the oracle on its own input: layer b's router sees layer a's
+        # output, and with a few tokens a bf16 difference there can flip a near-tie in its
+        # top-k (a different expert, not an error), so the oracle routes what b was given
+        for name, out, ref in (("a", h, oa(x)), ("b", got, ob(h))):
+            assert_close(out, ref, TOLERANCES[BF16], name=f"rank {rank} step {i}: {name} vs oracle")
+            worst = max(worst, relative_error(out, ref))
     assert ga.replays == gb.replays == 4
 
     # the padding rows of a replay are no load: one replay of T rows records T·K picks
@@ -93,7 +98,10 @@ def decode_graph_replays(rank: int, world: int) -> dict:
     assert recorded == T * K, f"rank {rank}: {recorded} expert picks recorded, want {T * K}"
 
     # a re-plan makes the graphs stale: refused, then good after recapture
-    la.rebalance(epmoe.ExpertPlacement.round_robin(E, world))
+    # (one replica more per rank: a new placement at every W, where round-robin is the
+    # same as linear on one rank)
+    hot = torch.arange(E, 0, -1, dtype=torch.float64)
+    la.rebalance(epmoe.ExpertPlacement.balanced(hot, world, num_redundant=world))
     assert ga.stale and not gb.stale
     stale = pytest.raises(RuntimeError, match="call recapture")
     with epmoe.step(num_tokens=T, decode=True, graph_max_tokens=ga.max_tokens), stale:
