@@ -10,8 +10,11 @@ Each kernel runs one ``[BLOCK_M, BLOCK_N]`` output tile of one expert per progra
   expert ``block_expert[b]`` from ``block_start[b]`` (0 rows past the last block: the
   program exits); ``sorted_pairs[pos]`` is the pair ``r·K + k`` at each position, ``P`` at
   padding. Hidden rows are gathered (row ``pair // K``).
-* ``BATCHED=True`` (ExpertBatched): a fixed grid of ``e · ceil(C / BLOCK_M)`` row blocks;
-  programs whose rows all lie past ``counts[expert]`` exit at once (CUDA-graph safe).
+* ``BATCHED=True`` (ExpertBatched): a fixed grid (CUDA-graph safe) of ``e · S`` row
+  programs per column block; program ``j < S`` of an expert takes its row blocks ``j, j + S,
+  ...`` up to ``counts[expert]``. The host picks ``S`` (``ops.batched_m_splits``) from the
+  shape alone: decode slabs hold ``C`` rows of capacity but a few valid ones, and a grid of
+  ``e · ceil(C / BLOCK_M)`` blocks would launch mostly programs with nothing to do.
 
 With ``HALF_TAIL`` a block of at most ``BLOCK_M / 2`` rows (an expert's last one) runs a
 half-height tile: at ≈ 1.1 blocks of rows per expert, 128-row tiles would otherwise compute
@@ -36,7 +39,7 @@ import triton.language as tl
 # Sizes that change with every batch: Triton would otherwise compile a variant per value
 # class (== 1, divisible by 16) of each, i.e. recompile as the batch size moves while
 # serving; they only bound loops and masks, so specialising on them gains nothing.
-ROW_COUNT_ARGS = ["num_pairs", "capacity", "num_m_blocks"]
+ROW_COUNT_ARGS = ["num_pairs", "capacity", "num_m_blocks", "m_splits"]
 
 
 @triton.jit
@@ -89,6 +92,7 @@ def _rescale(
 @triton.jit
 def _program_block(
     num_m_blocks,
+    m_splits,
     N,
     block_expert_ptr,
     block_start_ptr,
@@ -100,23 +104,25 @@ def _program_block(
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    """This program's column block and row block: (pid_n, expert, first row or position,
-    rows); rows ≤ 0: no work.
+    """This program's column block and rows: (pid_n, expert, first, step, end). It runs
+    the tiles starting at ``first, first + step, ...`` below ``end``, each of
+    ``min(end - start, BLOCK_M)`` rows (none when ``end <= first``).
 
-    Standard: the block table of ``align_pairs`` (rows = the block's padded positions).
-    Batched: block ``j`` of an expert starts at row ``j·BLOCK_M``; rows = the valid ones."""
+    Standard: one block of the ``align_pairs`` table (its padded positions).
+    Batched: program ``j`` of ``m_splits`` per expert takes the expert's row blocks
+    ``j, j + m_splits, ...`` up to its valid rows (never past ``C``)."""
     pid_m, pid_n = _tile_ids(tl.program_id(0), num_m_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     if BATCHED:
-        per_expert = tl.cdiv(capacity, BLOCK_M)
-        expert = pid_m // per_expert
-        first = (pid_m % per_expert) * BLOCK_M
-        count = tl.minimum(tl.load(counts_ptr + expert), capacity)  # never past C
-        rows = tl.minimum(count - first, BLOCK_M)
+        expert = pid_m // m_splits
+        first = (pid_m % m_splits) * BLOCK_M
+        step = m_splits * BLOCK_M
+        end = tl.minimum(tl.load(counts_ptr + expert), capacity)
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         first = tl.load(block_start_ptr + pid_m)
-        rows = tl.load(block_rows_ptr + pid_m)
-    return pid_n, expert.to(tl.int64), first.to(tl.int64), rows
+        step = BLOCK_M
+        end = first + tl.load(block_rows_ptr + pid_m)
+    return pid_n, expert.to(tl.int64), first.to(tl.int64), step, end.to(tl.int64)
 
 
 @triton.jit
@@ -311,6 +317,47 @@ def _gate_up_tile(
         tl.store(y_ptrs, h.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+@triton.jit
+def _gate_up_block(
+    x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
+    expert, first, rows, pid_n, N, K, num_pairs,
+    stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
+    stride_wn, stride_wk, stride_wsn, stride_wsk,
+    stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
+    TOP_K: tl.constexpr, BATCHED: tl.constexpr, ACTIVATION: tl.constexpr, FP8: tl.constexpr,
+    W_BLOCK_SCALE: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr, GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[first, first + rows)`` (``rows <= BLOCK_M``) as one tile. Two tile heights,
+    one inlined body each: a block of at most ``BLOCK_M / 2`` rows (an expert's last)
+    takes the half-height one; without ``HALF_TAIL`` that body is not compiled."""
+    if HALF_TAIL:  # noqa: SIM102
+        if rows <= BLOCK_M // 2:
+            _gate_up_tile(
+                x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
+                expert, first, rows, pid_n, N, K, num_pairs,
+                stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
+                stride_wn, stride_wk, stride_wsn, stride_wsk,
+                stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
+                TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+                FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
+                BLOCK_M // 2, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            return
+    _gate_up_tile(
+        x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
+        expert, first, rows, pid_n, N, K, num_pairs,
+        stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
+        stride_wn, stride_wk, stride_wsn, stride_wsk,
+        stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
+        TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+        FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def gate_up_kernel(
     # pointers
@@ -330,7 +377,8 @@ def gate_up_kernel(
     K,  # H
     num_pairs,  # Standard: P (the sentinel)
     capacity,  # Batched: C
-    num_m_blocks,  # Standard: B; Batched: e · ceil(C / BLOCK_M)
+    num_m_blocks,  # Standard: B; Batched: e · m_splits
+    m_splits,  # Batched: row programs per expert (S)
     # strides (elements), in groups of (expert, row, column)
     # x
     stride_xe,
@@ -374,40 +422,35 @@ def gate_up_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid_n, expert, first, rows = _program_block(
-        num_m_blocks, N, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr,
-        capacity, BATCHED, BLOCK_M, BLOCK_N, GROUP_M,
+    pid_n, expert, first, step, end = _program_block(
+        num_m_blocks, m_splits, N, block_expert_ptr, block_start_ptr, block_rows_ptr,
+        counts_ptr, capacity, BATCHED, BLOCK_M, BLOCK_N, GROUP_M,
     )  # fmt: skip
-    if rows <= 0:
-        return
     w_base = w_ptr + expert * stride_we
     ws_base = w_scale_ptr + expert * stride_wse
-    # Two tile heights, one inlined body each; a block of at most BLOCK_M / 2 rows (an
-    # expert's last) takes the half-height one. HALF_TAIL is tested alone (a constexpr
-    # `if`), so without it the half-height body is not compiled.
-    if HALF_TAIL:  # noqa: SIM102
-        if rows <= BLOCK_M // 2:
-            _gate_up_tile(
+    if BATCHED:
+        for start in range(first, end, step):
+            _gate_up_block(
                 x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
-                expert, first, rows, pid_n, N, K, num_pairs,
+                expert, start, tl.minimum(end - start, BLOCK_M), pid_n, N, K, num_pairs,
                 stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
                 stride_wn, stride_wk, stride_wsn, stride_wsk,
                 stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
-                TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, FP8_MAX,
-                INV_FP8_MAX, DOT_PRECISION, EVEN_K,
-                BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+                FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
+                HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            return
-    _gate_up_tile(
-        x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
-        expert, first, rows, pid_n, N, K, num_pairs,
-        stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
-        stride_wn, stride_wk, stride_wsn, stride_wsk,
-        stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
-        TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, FP8_MAX,
-        INV_FP8_MAX, DOT_PRECISION, EVEN_K,
-        BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    elif end > first:
+        _gate_up_block(
+            x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
+            expert, first, end - first, pid_n, N, K, num_pairs,
+            stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
+            stride_wn, stride_wk, stride_wsn, stride_wsk,
+            stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
+            TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+            FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
+            HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -500,6 +543,41 @@ def _down_tile(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _down_block(
+    h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+    expert, first, rows, pid_n, N, K, num_pairs,
+    stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
+    stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
+    BATCHED: tl.constexpr, FP8: tl.constexpr, W_BLOCK_SCALE: tl.constexpr,
+    W_SCALE_PER_TILE: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[first, first + rows)`` (``rows <= BLOCK_M``) as one tile. Two tile heights,
+    one inlined body each: a block of at most ``BLOCK_M / 2`` rows (an expert's last)
+    takes the half-height one; without ``HALF_TAIL`` that body is not compiled."""
+    if HALF_TAIL:  # noqa: SIM102
+        if rows <= BLOCK_M // 2:
+            _down_tile(
+                h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+                expert, first, rows, pid_n, N, K, num_pairs,
+                stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
+                stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
+                BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
+                BLOCK_M // 2, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+            return
+    _down_tile(
+        h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+        expert, first, rows, pid_n, N, K, num_pairs,
+        stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
+        stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
+        BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def down_kernel(
     # pointers
@@ -519,7 +597,8 @@ def down_kernel(
     K,  # I
     num_pairs,  # Standard: P (the sentinel)
     capacity,  # Batched: C
-    num_m_blocks,  # Standard: B; Batched: e · ceil(C / BLOCK_M)
+    num_m_blocks,  # Standard: B; Batched: e · m_splits
+    m_splits,  # Batched: row programs per expert (S)
     # strides (elements), in groups of (expert, row, column)
     # h
     stride_he,
@@ -555,33 +634,28 @@ def down_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid_n, expert, first, rows = _program_block(
-        num_m_blocks, N, block_expert_ptr, block_start_ptr, block_rows_ptr, counts_ptr,
-        capacity, BATCHED, BLOCK_M, BLOCK_N, GROUP_M,
+    pid_n, expert, first, step, end = _program_block(
+        num_m_blocks, m_splits, N, block_expert_ptr, block_start_ptr, block_rows_ptr,
+        counts_ptr, capacity, BATCHED, BLOCK_M, BLOCK_N, GROUP_M,
     )  # fmt: skip
-    if rows <= 0:
-        return
     w_base = w_ptr + expert * stride_we
     ws_base = w_scale_ptr + expert * stride_wse
-    # Two tile heights, one inlined body each; a block of at most BLOCK_M / 2 rows (an
-    # expert's last) takes the half-height one. HALF_TAIL is tested alone (a constexpr
-    # `if`), so without it the half-height body is not compiled.
-    if HALF_TAIL:  # noqa: SIM102
-        if rows <= BLOCK_M // 2:
-            _down_tile(
+    if BATCHED:
+        for start in range(first, end, step):
+            _down_block(
                 h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
-                expert, first, rows, pid_n, N, K, num_pairs,
+                expert, start, tl.minimum(end - start, BLOCK_M), pid_n, N, K, num_pairs,
                 stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
                 stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
                 BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
-                BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            return
-    _down_tile(
-        h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
-        expert, first, rows, pid_n, N, K, num_pairs,
-        stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
-        stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
-        BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
-        BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+    elif end > first:
+        _down_block(
+            h_ptr, h_scale_ptr, w_base, ws_base, out_ptr, topk_weights_ptr, sorted_pairs_ptr,
+            expert, first, end - first, pid_n, N, K, num_pairs,
+            stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
+            stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
+            BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
+            HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip

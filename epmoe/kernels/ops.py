@@ -262,7 +262,7 @@ class _Rows(NamedTuple):
     tensor: the kernels never read them for the other layout)."""
 
     batched: bool
-    num_m_blocks: int  # Standard: B; Batched: e · ceil(C / block_m)
+    num_m_blocks: int  # Standard: B; Batched: e · ceil(C / block_m) (grids: _launch_rows)
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
     block_start: torch.Tensor
@@ -291,6 +291,44 @@ def _rows(rows: AlignedPairs | torch.Tensor, config: MoEConfig, e: int, x: torch
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
     C = x.shape[1]
     return _Rows(True, e * triton.cdiv(C, config.block_m), rows, rows, rows, rows, rows, 0, C, 1)
+
+
+# ExpertBatched GEMMs: how many row programs per expert (S) the fixed grid holds. A decode
+# slab has C = W·M rows of capacity per expert but a few valid ones; one program per
+# BLOCK_M rows of capacity launched mostly programs with nothing to do (at the DeepSeek-V3
+# decode shape, 65536 + 458752 programs for C = 512, about 250 µs of a 2.6 ms step). Each
+# program instead loops over its expert's row blocks j, j + S, ... up to the valid rows.
+BATCHED_PROGRAMS_PER_SM = 4  # S at least fills this many programs per SM ...
+BATCHED_MAX_SERIAL = 8  # ... and no program runs more than this many row blocks
+
+
+def batched_m_splits(
+    capacity: int, block_m: int, num_experts: int, num_n_blocks: int, num_sms: int
+) -> int:
+    """Row programs per expert (S) of an ExpertBatched GEMM of ``num_n_blocks`` column
+    blocks: enough programs to fill the GPU, and at most ``BATCHED_MAX_SERIAL`` row blocks
+    per program when one expert's slab is full (all rows to one expert), never more than
+    the ``ceil(capacity / block_m)`` blocks there are. Chosen from the shape alone, so the
+    grid is the same on every call (CUDA-graph safe)."""
+    blocks = triton.cdiv(capacity, block_m)
+    fill = triton.cdiv(BATCHED_PROGRAMS_PER_SM * num_sms, max(1, num_experts * num_n_blocks))
+    return max(1, min(blocks, max(fill, triton.cdiv(blocks, BATCHED_MAX_SERIAL))))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch_rows(r: _Rows, block_m: int, e: int, num_n_blocks: int, device) -> tuple[int, int]:
+    """``(num_m_blocks, m_splits)`` for a GEMM's grid: Standard's row blocks (S unused),
+    or ``e · S`` row programs (``batched_m_splits``)."""
+    if not r.batched:
+        return r.num_m_blocks, 1
+    S = batched_m_splits(r.capacity, block_m, e, num_n_blocks, _num_sms(device))
+    return e * S, S
 
 
 def _check_operands(
@@ -352,7 +390,9 @@ def gate_up(
             (*y_shape[:-1], triton.cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device
         )
     w_block, ws_strides = _weight_scale_strides(w13_scale, w13, "w13_scale")
-    grid = (r.num_m_blocks * triton.cdiv(N, cfg.block_n),)
+    n_blocks = triton.cdiv(N, cfg.block_n)
+    m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, x.device)
+    grid = (m_blocks * n_blocks,)
     if grid[0] > 0:
         grouped_gemm.gate_up_kernel[grid](
             x,
@@ -370,7 +410,8 @@ def gate_up(
             H,
             r.num_pairs,
             r.capacity,
-            r.num_m_blocks,
+            m_blocks,
+            m_splits,
             *_row_strides(x, r.batched),
             *_row_strides(x_scale, r.batched),
             w13.stride(0),
@@ -434,7 +475,9 @@ def down(
         out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
     w_block, ws_strides = _weight_scale_strides(w2_scale, w2, "w2_scale")
-    grid = (r.num_m_blocks * triton.cdiv(H, cfg.block_n),)
+    n_blocks = triton.cdiv(H, cfg.block_n)
+    m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, h.device)
+    grid = (m_blocks * n_blocks,)
     if grid[0] == 0:
         return out
     grouped_gemm.down_kernel[grid](
@@ -453,7 +496,8 @@ def down(
         I,
         r.num_pairs,
         r.capacity,
-        r.num_m_blocks,
+        m_blocks,
+        m_splits,
         *_row_strides(h, r.batched),
         *_row_strides(h_scale, r.batched),
         w2.stride(0),

@@ -181,6 +181,38 @@ def test_batched_matches_oracle(counts, C, H, I, dtype):
     )
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 5])
+def test_batched_row_programs_loop_over_their_blocks(monkeypatch, splits):
+    """Each expert's slab is covered by S row programs (``ops.batched_m_splits``), program
+    j taking row blocks j, j + S, ...: every S from one program per expert (a full slab
+    of 5 blocks in one program) to one per block gives the oracle's rows, also for a
+    full slab, an empty one and counts past C, with half-height tails."""
+    monkeypatch.setattr(ops, "batched_m_splits", lambda *args: splits)
+    counts = [80, 0, 17, 33, 99]  # C = 80 rows: 5 blocks of 16
+    e, C, H, I = len(counts), 80, 64, 48
+    f32 = torch.float32
+    x = torch.randn(e, C, H, generator=_gen(61), dtype=torch.float64).to(f32)
+    w13, w2 = (w.to(f32) for w in _weights(e, H, I, seed=62))
+    capped = [min(n, C) for n in counts]
+    for config in (SMALL, HALF):
+        out = ops.fused_moe_batched(
+            x.to(DEVICE), torch.tensor(counts, dtype=torch.int32, device=DEVICE),
+            w13.to(DEVICE), w2.to(DEVICE), config=config,
+        )  # fmt: skip
+        _check_batched(out, x, capped, w13, w2, "silu", TOLERANCES[f32], f"S={splits}")
+
+
+def test_batched_m_splits_fills_the_gpu_and_bounds_serial_blocks():
+    # DeepSeek-V3 decode on H200 (e 128, C 512, block_m 16: 32 blocks): the grid already
+    # holds 128 · 16 column programs, so S is what bounds a full slab to 8 serial blocks
+    assert ops.batched_m_splits(512, 16, 128, 16, 132) == 4
+    assert ops.batched_m_splits(512, 16, 128, 112, 132) == 4
+    # few experts and columns: S grows to fill 4 programs per SM, capped at the blocks
+    assert ops.batched_m_splits(4096, 64, 2, 2, 132) == 64
+    assert ops.batched_m_splits(64, 64, 2, 2, 132) == 1
+    assert ops.batched_m_splits(0, 16, 4, 4, 132) == 1  # C = 0: nothing to run
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["standard", "batched"])
 def test_half_tail_matches_oracle(layout, dtype):
