@@ -54,6 +54,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=8, help="K")
     p.add_argument("--decode-tokens", type=int, default=128, help="decode tokens per rank M")
     p.add_argument("--decode-ranks", type=int, default=2, help="decode ranks W")
+    p.add_argument(
+        "--decode-full-expert",
+        action="store_true",
+        help="decode: expert 0 gets a full slab (C rows), the worst case for one expert",
+    )
+    p.add_argument(
+        "--m-splits",
+        type=int,
+        nargs="+",
+        default=[],
+        help="decode: also time these row programs per expert (S; default: the heuristic)",
+    )
     p.add_argument("--activation", default="silu", choices=("silu", "gelu"))
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -217,6 +229,8 @@ class _Decode:
         ids = ids.reshape(-1)
         self.counts = torch.bincount(ids[ids < e], minlength=e).to(torch.int32)
         self.C = M * W
+        if args.decode_full_expert:
+            self.counts[0] = self.C
         self.m = self.C
         x = torch.randn(e, self.C, args.hidden, generator=gen, device=device)
         self.hidden = x.to(torch.bfloat16)
@@ -233,8 +247,9 @@ def _inputs(problem, dtype: str):
     return problem.hidden.to(torch.float16 if dtype == "fp16" else torch.bfloat16), None
 
 
-def _runner(problem, args, dtype: str, weights):
-    """``run(config)``: one forward of the Triton layer on prepared inputs."""
+def _runner(problem, args, dtype: str, weights, m_splits: int | None = None):
+    """``run(config)``: one forward of the Triton layer on prepared inputs (ExpertBatched:
+    ``m_splits`` row programs per expert, default the heuristic's)."""
     from epmoe.kernels import ops
 
     w13, w2, s13, s2 = weights
@@ -247,7 +262,7 @@ def _runner(problem, args, dtype: str, weights):
         )
     counts = problem.counts
     return lambda cfg: ops.batched_with_config(
-        x, xs, counts, w13, w2, s13, s2, args.activation, out_dtype, cfg
+        x, xs, counts, w13, w2, s13, s2, args.activation, out_dtype, cfg, m_splits
     )
 
 
@@ -272,11 +287,13 @@ def _default_config(problem, args, weights, run):
     )  # fmt: skip
 
 
-def _measure(problem, args, dtype: str, weights, cfg, impl: str) -> dict[str, Any]:
-    """One record of the Triton layer with ``cfg``."""
+def _measure(
+    problem, args, dtype: str, weights, cfg, impl: str, m_splits: int | None = None
+) -> dict[str, Any]:
+    """One record of the Triton layer with ``cfg`` (and ``m_splits``, ExpertBatched)."""
     from epmoe.kernels import ops
 
-    run = _runner(problem, args, dtype, weights)
+    run = _runner(problem, args, dtype, weights, m_splits)
     ms = _ms(lambda: run(cfg), args)
     rec: dict[str, Any] = {"scenario": "prefill" if problem.layout == "standard" else "decode"}
     rec.update(dtype=dtype, impl=impl, ms=ms, config=cfg.short())
@@ -324,8 +341,23 @@ def _measure(problem, args, dtype: str, weights, cfg, impl: str) -> dict[str, An
         if s13 is not None:
             per_expert += (s13[0].numel() + s2[0].numel()) * 4
         rec.update(C=problem.C, active_experts=active, max_count=max(problem.counts_host))
+        rec["m_splits"] = "auto" if m_splits is None else m_splits
         rec["weight_GBps"] = active * per_expert / (ms * 1e-3) / 1e9
     return rec
+
+
+def _split_records(problem, args, dtype: str, weights, cfg, run) -> list[dict[str, Any]]:
+    """The decode records with each ``--m-splits`` S (row programs per expert), each
+    checked against the default grid's output."""
+    recs = []
+    for S in args.m_splits:
+        rec = _measure(problem, args, dtype, weights, cfg, f"epmoe triton S={S}", S)
+        split = _runner(problem, args, dtype, weights, S)
+        rec["diff_vs_default"] = relative_error(
+            _valid_rows(split(cfg), problem), _valid_rows(run(cfg), problem)
+        )
+        recs.append(rec)
+    return recs
 
 
 def _dense_ms(N: int, H: int, I: int, device: torch.device, args) -> float:
@@ -623,6 +655,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                     recs.append(tuned)
                     if tuned["ms"] < best_ms and diff < 1e-2:
                         best_cfg, best_ms = other, tuned["ms"]
+                if problem.layout == "batched":
+                    recs += _split_records(problem, args, dtype, weights, cfg, run)
                 if args.configs:
                     cfg = best_cfg
                     key = problem_key(
@@ -651,7 +685,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     main_recs = [r for r in records if "sweep" not in r]
     cols = ["scenario", "dtype", "impl", "ms", "tflops", "gemm_tflops", "vs_dense",
             "vs_grouped_mm", "vs_cublas_loop", "roofline_ms", "vs_roofline", "weight_GBps",
-            "frac_of_copy", "fp8_speedup", "config", "error"]  # fmt: skip
+            "frac_of_copy", "m_splits", "fp8_speedup", "config", "error"]  # fmt: skip
     print(format_table(main_recs, [c for c in cols if any(c in r for r in main_recs)]))
     steps = [r for r in main_recs if "gate_up_ms" in r]
     if steps:  # where the prefill layer's time goes

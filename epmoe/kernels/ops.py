@@ -322,13 +322,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch_rows(r: _Rows, block_m: int, e: int, num_n_blocks: int, device) -> tuple[int, int]:
+def _launch_rows(
+    r: _Rows, block_m: int, e: int, num_n_blocks: int, device, m_splits: int | None
+) -> tuple[int, int]:
     """``(num_m_blocks, m_splits)`` for a GEMM's grid: Standard's row blocks (S unused),
-    or ``e · S`` row programs (``batched_m_splits``)."""
+    or ``e · S`` row programs (``m_splits``, default ``batched_m_splits``)."""
     if not r.batched:
         return r.num_m_blocks, 1
-    S = batched_m_splits(r.capacity, block_m, e, num_n_blocks, _num_sms(device))
-    return e * S, S
+    if m_splits is None:
+        m_splits = batched_m_splits(r.capacity, block_m, e, num_n_blocks, _num_sms(device))
+    elif type(m_splits) is not int or m_splits < 1:
+        raise ValueError(
+            f"m_splits must be a positive int (row programs per expert), got {m_splits!r}"
+        )
+    return e * m_splits, m_splits
 
 
 def _check_operands(
@@ -361,6 +368,7 @@ def gate_up(
     activation: str = "silu",
     x_scale: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
+    m_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM 1 with the activation fused: ``act(x @ gate.T) · (x @ up.T)`` per expert.
 
@@ -370,6 +378,7 @@ def gate_up(
     ``w13_scale`` is given. Returns ``(y, y_scale)``: ``y`` is ``[B·block_m, I]`` by padded
     position (Standard) or ``[e, C, I]``, in ``x``'s dtype, or FP8 with ``y_scale [...,
     ceil(I/128)]`` float32 (otherwise ``None``). Rows that hold no pair are unspecified.
+    ``m_splits``: ExpertBatched row programs per expert (default ``batched_m_splits``).
     """
     fp8 = _check_operands(x, w13, x_scale, w13_scale)
     check_config(config, fp8)
@@ -391,7 +400,7 @@ def gate_up(
         )
     w_block, ws_strides = _weight_scale_strides(w13_scale, w13, "w13_scale")
     n_blocks = triton.cdiv(N, cfg.block_n)
-    m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, x.device)
+    m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, x.device, m_splits)
     grid = (m_blocks * n_blocks,)
     if grid[0] > 0:
         grouped_gemm.gate_up_kernel[grid](
@@ -453,13 +462,14 @@ def down(
     h_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     topk_weights_RK: torch.Tensor | None = None,
+    m_splits: int | None = None,
 ) -> torch.Tensor:
     """GEMM 2: ``h @ w2[expert].T`` per row, from ``gate_up``'s output.
 
     ``h`` and ``rows`` as returned by / given to ``gate_up``; ``w2 [e, H, I]``. Standard:
     returns ``[B·block_m, H]`` by padded position, each row scaled by its router weight
     (``topk_weights_RK [R, K]`` float32, required). ExpertBatched: ``[e, C, H]`` unweighted.
-    Rows that hold no pair are unspecified.
+    Rows that hold no pair are unspecified. ``m_splits`` as for ``gate_up``.
     """
     fp8 = _check_operands(h, w2, h_scale, w2_scale)
     check_config(config, fp8)
@@ -476,7 +486,7 @@ def down(
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
     w_block, ws_strides = _weight_scale_strides(w2_scale, w2, "w2_scale")
     n_blocks = triton.cdiv(H, cfg.block_n)
-    m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, h.device)
+    m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, h.device, m_splits)
     grid = (m_blocks * n_blocks,)
     if grid[0] == 0:
         return out
@@ -660,10 +670,12 @@ def batched_with_config(
     activation: str,
     out_dtype: torch.dtype,
     config: MoEConfig,
+    m_splits: int | None = None,
 ) -> torch.Tensor:
-    """The ExpertBatched pipeline on prepared inputs (no checks): GEMM 1, GEMM 2."""
-    y, y_scale = gate_up(x, w13, counts_e, config, activation, x_scale, w13_scale)
-    return down(y, w2, counts_e, config, out_dtype, y_scale, w2_scale)
+    """The ExpertBatched pipeline on prepared inputs (no checks): GEMM 1, GEMM 2.
+    ``m_splits`` fixes the row programs per expert (default ``batched_m_splits``)."""
+    y, y_scale = gate_up(x, w13, counts_e, config, activation, x_scale, w13_scale, m_splits)
+    return down(y, w2, counts_e, config, out_dtype, y_scale, w2_scale, m_splits=m_splits)
 
 
 def fused_moe_standard(

@@ -51,3 +51,35 @@ def test_ratios_roofline_and_fp8_speedup():
     assert bf16["vs_grouped_mm"] == pytest.approx(5.0 / 4.0)
     assert fp8["roofline_ms"] == pytest.approx(1.2)  # the FP8 dense rate bounds it here
     assert fp8["fp8_speedup"] == pytest.approx(best["ms"] / 2.4)
+
+
+def test_decode_row_splits_are_timed_and_checked_against_the_default(capsys):
+    """``--m-splits`` adds one decode record per S (row programs per expert), each with its
+    output's difference from the default grid's; ``--decode-full-expert`` fills expert 0's
+    slab (the serial worst case)."""
+    if not experts_ops_interpreted():
+        pytest.skip("runs the kernels under TRITON_INTERPRET=1")
+    import argparse
+    import shlex
+
+    p = argparse.ArgumentParser()
+    experts.add_arguments(p)
+    args = p.parse_args(
+        shlex.split(
+            "--device cpu --scenario decode --dtypes fp16 --hidden 64 --intermediate 32 "
+            "--num-experts 8 --local-experts 4 --top-k 2 --decode-tokens 8 --decode-ranks 2 "
+            "--decode-full-expert --m-splits 1 3 --iters 1 --warmup 0 --no-baselines"
+        )
+    )
+    records = experts.main(args)
+    runs = [r for r in records if r.get("impl", "").startswith("epmoe triton")]
+    assert [r["m_splits"] for r in runs] == ["auto", 1, 3]
+    assert all(r["max_count"] == 16 for r in runs)  # C = 8 tokens x 2 ranks, all in expert 0
+    assert all(r["diff_vs_default"] < 1e-3 for r in runs[1:])
+    assert "S=3" in capsys.readouterr().out
+
+
+def experts_ops_interpreted() -> bool:
+    from epmoe.kernels import ops
+
+    return ops.interpreted()
