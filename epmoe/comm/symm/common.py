@@ -331,9 +331,10 @@ class SymmBackend(AllToAll):
             )  # fmt: skip
         return x, ids, w, tr.take_parity(), consts
 
-    def _send(self, x, ids, w, b: int, consts: dict, programs: int) -> None:
+    def _send(self, x, ids, w, b: int, consts: dict, programs: int, x_scale=None) -> None:
         """The dispatch's send half (``_dispatch_prologue``'s outputs) on ``programs``
-        programs; gives parity ``b`` back when the launch fails (nothing was sent)."""
+        programs; gives parity ``b`` back when the launch fails (nothing was sent).
+        ``x_scale [T, G]``: ``x`` is FP8 already, quantized with these scales."""
         from epmoe.comm.symm import kernels as k
 
         tr, spec = self._live(), self.spec
@@ -341,10 +342,12 @@ class SymmBackend(AllToAll):
         try:
             launch(k.dispatch_send_kernel)(
                 (programs,),
-                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
+                x, x if x_scale is None else x_scale, ids, w, self._owner_P, self._local_P,
+                tr.bases, tr.err_addr,
                 x.shape[0], tr.H, spec.num_physical, tr.M, self.world_size, tr.G, self.rank,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                BATCH=self._batch, FENCE=self._fence, num_warps=tr.num_warps, **consts,
+                BATCH=self._batch, FENCE=self._fence, PREQUANT=x_scale is not None,
+                num_warps=tr.num_warps, **consts,
             )  # fmt: skip
         except BaseException:
             tr.give_back(b)

@@ -129,7 +129,18 @@ class SymmHTBackend(SymmBackend):
         x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
         tr, W, T = self._live(), self.world_size, x.shape[0]
         reg = tr.regions[b]
-        self._send(x, ids, w, b, c, self._grid(max(T, 1)))
+        x_scale = None
+        if tr.fp8 and T > 0:
+            # quantized by a kernel of its own on every SM (bandwidth-bound) rather than
+            # row by row in the send programs, where it lengthened each row's latency
+            from epmoe.kernels.ops import per_token_group_quant_fp8
+
+            try:
+                x, x_scale = per_token_group_quant_fp8(x)
+            except BaseException:
+                tr.give_back(b)
+                raise
+        self._send(x, ids, w, b, c, self._grid(max(T, 1)), x_scale)
 
         def receive() -> DispatchResult:
             launch(k.ht_dispatch_recv_kernel)(

@@ -214,15 +214,19 @@ def _quantize_fp8(
 # ------------------------------------------------------------------------------ dispatch
 @triton.jit
 def _send_step(
-    x, h0, row, bases, rr, has_W, H, G, W, off_x, off_s,
-    BLOCK_H: tl.constexpr, FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr,
-    INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+    x, sv, h0, row, bases, rr, has_W, H, G, W, off_x, off_s,
+    BLOCK_H: tl.constexpr, FP8: tl.constexpr, PREQUANT: tl.constexpr, WIRE: tl.constexpr,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
-    """Columns ``[h0, h0 + BLOCK_H)`` of one token's row ``x``, quantized if FP8, stored into
-    every rank that holds one of its experts (read once, stored up to W times)."""
+    """Columns ``[h0, h0 + BLOCK_H)`` of one token's row ``x``, quantized if FP8 (unless
+    ``PREQUANT``: ``x`` is FP8 already, ``sv`` its scales), stored into every rank that
+    holds one of its experts (read once, stored up to W times)."""
     cols = h0 + tl.arange(0, BLOCK_H)
     c_mask = cols < H
-    if FP8:
+    if PREQUANT:
+        q, scale = x, sv
+        gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+    elif FP8:
         q, scale = _quantize_fp8(x.to(tl.float32), BLOCK_H, FP8_MAX, INV_FP8_MAX, EPS)
         gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
     else:
@@ -266,11 +270,11 @@ def _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W: tl.constexpr):
 
 @triton.jit
 def _send_token(
-    t, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+    t, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
     T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-    FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-    EPS: tl.constexpr,
+    FP8: tl.constexpr, PREQUANT: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
     """Token ``t``'s row to every rank holding one of its experts and its routing to every
     rank (stores only: its flag follows a barrier, see ``_flag_token``).
@@ -295,14 +299,16 @@ def _send_token(
         row = tl.cast(src, tl.int64) * M + t64  # this token's row in every receiver's tok_*
         # the row, then its routing metadata to every rank (-1 where it holds none of them)
         _send_step(
-            x_first, 0, row, bases, rr, has_W, H, G, W, off_x, off_s,
-            BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+            x_first, _load_scales(xs_ptr, t64, 0, G, BLOCK_H, PREQUANT), 0, row, bases, rr,
+            has_W, H, G, W, off_x, off_s,
+            BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
         )  # fmt: skip
         for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
             x = tl.load(x_ptr + t64 * H + h0 + first, mask=h0 + first < H, other=0.0)
             _send_step(
-                x, h0, row, bases, rr, has_W, H, G, W, off_x, off_s,
-                BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+                x, _load_scales(xs_ptr, t64, h0, G, BLOCK_H, PREQUANT), h0, row, bases, rr,
+                has_W, H, G, W, off_x, off_s,
+                BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
             )  # fmt: skip
         for r in range(W):
             base = _pick(bases, rr, r)
@@ -344,9 +350,9 @@ def _dispatch_send(
     if t == 0:
         _clear_started(bases_ptr, W, src, off_flags, BLOCK_W)
     _send_token(
-        t, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+        t, x_ptr, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
         T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
-        K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+        K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, False, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
     )  # fmt: skip
     tl.debug_barrier()  # every store of this program is issued before its release signals
     _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W, False)
@@ -373,8 +379,8 @@ def _recv_step(
 
 @triton.jit
 def _load_scales(tok_s, row, h0, G, BLOCK_H: tl.constexpr, FP8: tl.constexpr):
-    """The FP8 scales of columns ``[h0, h0 + BLOCK_H)`` of a received row (zeros, unused,
-    without FP8: that region is empty)."""
+    """The FP8 scales of columns ``[h0, h0 + BLOCK_H)`` of row ``row`` of ``tok_s [rows, G]``
+    (a received row, or a pre-quantized one being sent; zeros, unused, without FP8)."""
     gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
     if FP8:
         sv = tl.load(tok_s + row * G + gg, mask=gg < G)
@@ -435,7 +441,8 @@ def _dispatch_recv(
 @triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
 def dispatch_send_kernel(
     # pointers
-    x_ptr,  # [T, H] hidden states (bf16/fp16/fp32)
+    x_ptr,  # [T, H] hidden states (bf16/fp16/fp32; FP8 with PREQUANT)
+    xs_ptr,  # PREQUANT: [T, G] float32 scales of x (else unused)
     ids_ptr,  # [T, K] int32/int64 physical expert ids, -1: none
     w_ptr,  # [T, K] float32 router weights
     owner_ptr,  # [P] int32 rank holding each physical expert
@@ -468,6 +475,7 @@ def dispatch_send_kernel(
     EPS: tl.constexpr,
     BATCH: tl.constexpr,  # tokens a program stores before it raises their flags
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
+    PREQUANT: tl.constexpr,  # x is FP8 already (quantized by a kernel of its own)
 ):
     """The send half alone (split phase; ``symm_ht``'s dispatch). Program p sends tokens
     p, p + N, ... of T (N programs: one per token for ``symm_ll``, the SM budget for
@@ -481,9 +489,9 @@ def dispatch_send_kernel(
     for t0 in range(pid, T, N * BATCH):
         for j in tl.static_range(BATCH):
             _send_token(
-                t0 + j * N, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
-                T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
-                K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+                t0 + j * N, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr,
+                err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
+                K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
             )  # fmt: skip
         tl.debug_barrier()
         if FENCE:  # a batch: one fence for its rows, then relaxed flags
