@@ -437,9 +437,13 @@ def main(argv: list[str] | None = None) -> None:
                 n = sum(r[0] for r in rows)
                 step_ms = statistics.median(r[1] for r in rows)
                 moe_ms = statistics.median(r[2] for r in rows)
+                # a rank's MoE time includes its wait in the dispatch for ranks that come
+                # later: the rank that waits least shows the blocks' own time best
+                lo, hi = min(r[2] for r in rows), max(r[2] for r in rows)
                 print(
                     f"{kind} steps: {n}, step {step_ms:.2f} ms, MoE blocks {moe_ms:.2f} ms "
-                    f"({moe_ms / step_ms:.0%} of the step; medians of the ranks' medians)",
+                    f"({moe_ms / step_ms:.0%} of the step; medians of the ranks' medians; "
+                    f"per rank {lo:.2f}-{hi:.2f} ms)",
                     flush=True,
                 )
         print(
