@@ -116,6 +116,16 @@ def default_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def num_sms(device: torch.device | str) -> int | None:
+    """The streaming multiprocessors of CUDA ``device`` (what sizes persistent grids and SM
+    budgets), or ``None`` off CUDA. The one home of this query: kernels, backends and
+    benchmarks call it."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def normalize_device(device: torch.device | str) -> torch.device:
     """``device`` in the one spelling epmoe compares and keys caches by: ``"cuda"`` becomes
     the current CUDA device (``cuda:<index>``), ``"cpu:0"`` becomes ``cpu`` (CPU tensors

@@ -79,6 +79,7 @@ from epmoe.comm.base import (
     Layout,
     wire_row_bytes,
 )
+from epmoe.distributed import num_sms
 from epmoe.reference import relative_error
 from epmoe.routing import RoutingSimulator
 
@@ -659,12 +660,12 @@ def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
     row_bytes = wire_row_bytes(ctx["shape"]["H"], wire_dtype)
     payload_TB = torch.randint(0, 256, (T, row_bytes), dtype=torch.uint8, device=device)
     owner_TK = placement.owner_rank.to(device)[ids_TK]
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    device_sms = num_sms(device)
     loop = _phase_timing(ctx["timing"])
     records = []
     for pattern in ceiling.PATTERNS:
         messages = ceiling.peer_messages(owner_TK, rank, W, pattern)
-        store = ceiling.PeerStore(ctx["ceiling"], payload_TB, messages, num_sms)
+        store = ceiling.PeerStore(ctx["ceiling"], payload_TB, messages, device_sms)
         stored = int(over_ranks(float(store.bytes_stored), device))  # the busiest sender's
         sms = int(over_ranks(float(store.num_programs), device))
         times = {

@@ -44,6 +44,7 @@ from epmoe.comm.base import (
     expert_batched_memory_reason,
     one_nvlink_node_reason,
 )
+from epmoe.distributed import num_sms
 
 INSTALL_HINT = (
     "pplx-kernels is not installed: build it from https://github.com/perplexityai/pplx-kernels "
@@ -85,13 +86,6 @@ def _ensure_nvshmem(group: dist.ProcessGroup | None, device: torch.device) -> No
         device=device, uid=objects[0] or uid, rank=rank, nranks=world, initializer_method="uid"
     )
     _ensure_nvshmem.done = True
-
-
-def _num_sms(device: torch.device) -> int | None:
-    """The SMs of ``device`` (pplx's dispatch grid), or ``None`` off CUDA."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # pplx-kernels' group name -> the gloo group registered under it (one per EP group)
@@ -154,7 +148,7 @@ class PPLXBackend(AllToAll):
     @classmethod
     def default_tokens(cls, device: torch.device) -> int | None:
         """128, or fewer on a GPU with fewer SMs (one token per SM: see ``supports``)."""
-        sms = _num_sms(device)
+        sms = num_sms(device)
         default = cls.capabilities.default_max_tokens
         return default if sms is None else min(default, sms)
 
@@ -168,7 +162,7 @@ class PPLXBackend(AllToAll):
             return (
                 f"pplx-kernels moves rows of whole 16 bytes: H * {wire.itemsize} % 16 != 0 (H={H})"
             )
-        sms = _num_sms(spec.device)
+        sms = num_sms(spec.device)
         if sms is not None and spec.max_num_tokens > sms:
             # its dispatch send loop has no barrier between a block's tokens: a block that
             # sends a second token overwrites the first in shared memory while it is still

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from epmoe.distributed import num_sms
 from epmoe.kernels import align, grouped_gemm, quant, reduce
 from epmoe.kernels.configs import FP8_GROUP, MoEConfig, check_config, select_config
 
@@ -316,10 +317,9 @@ def batched_m_splits(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _grid_sms(device: torch.device) -> int:
+    """The SMs a grid fills on ``device`` (per device: read once); 4 under the interpreter."""
+    return num_sms(device) or 4
 
 
 def _launch_rows(
@@ -330,7 +330,7 @@ def _launch_rows(
     if not r.batched:
         return r.num_m_blocks, 1
     if m_splits is None:
-        m_splits = batched_m_splits(r.capacity, block_m, e, num_n_blocks, _num_sms(device))
+        m_splits = batched_m_splits(r.capacity, block_m, e, num_n_blocks, _grid_sms(device))
     elif type(m_splits) is not int or m_splits < 1:
         raise ValueError(
             f"m_splits must be a positive int (row programs per expert), got {m_splits!r}"

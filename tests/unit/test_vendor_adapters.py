@@ -393,13 +393,13 @@ def test_pplx_refuses_rows_and_scales_of_partial_16_bytes_and_a_new_slot_count(f
     assert "whole 16 bytes" in cls.supports(at(2044, False))
     from types import SimpleNamespace
 
-    from epmoe.comm import pplx as pplx_module
+    from epmoe.distributed import num_sms
 
     gpu = SimpleNamespace(multi_processor_count=132, total_memory=140 * 2**30)  # an H200
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)
         m.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
-        assert pplx_module._num_sms(cuda) == 132
+        assert num_sms(cuda) == 132
         assert cls.supports(CommSpec(7168, 8, (0, 8), 132, torch.bfloat16, cuda)) is None
         big = CommSpec(7168, 8, (0, 8), 512, torch.bfloat16, cuda)  # wrong results at 512
         assert "at most 132 tokens per rank" in cls.supports(big)

@@ -36,6 +36,7 @@ from epmoe.comm.base import (
     check_dispatch_args,
     one_nvlink_node_reason,
 )
+from epmoe.distributed import num_sms
 
 ALIGN = 256  # bytes between regions (the kernels need 16)
 NUM_PARITIES = 2
@@ -142,7 +143,7 @@ class SymmTransport:
         self._err_word = self.err_host.numpy()  # read without torch's indexing overhead
         self.err_addr = self.err_host.data_ptr()
         self.timeout_ns = int(_timeout_s() * 1e9)
-        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if on_gpu else 4
+        self.num_sms = num_sms(dev) if on_gpu else 4
         # a whole row (up to 8192 columns) per step of a program
         self.block_h = min(max(pow2(H), FP8_GROUP), 8192)
         self.num_warps = 8 if self.block_h >= 4096 else 4
