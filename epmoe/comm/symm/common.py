@@ -240,6 +240,9 @@ class SymmBackend(AllToAll):
     # (kernels.batch_fence) instead of a release per flag: symm_ht's tokens_per_flag
     _batch = 1
     _fence = False
+    # FP8 dispatch: rows quantized by a kernel of their own (every SM) before the send,
+    # instead of row by row in the send programs (symm_ht: there it set each row's latency)
+    _quantize_first = False
 
     @classmethod
     def unavailable_reason(cls, device, group=None) -> str | None:
@@ -332,15 +335,20 @@ class SymmBackend(AllToAll):
             )  # fmt: skip
         return x, ids, w, tr.take_parity(), consts
 
-    def _send(self, x, ids, w, b: int, consts: dict, programs: int, x_scale=None) -> None:
+    def _send(self, x, ids, w, b: int, consts: dict, programs: int) -> None:
         """The dispatch's send half (``_dispatch_prologue``'s outputs) on ``programs``
-        programs; gives parity ``b`` back when the launch fails (nothing was sent).
-        ``x_scale [T, G]``: ``x`` is FP8 already, quantized with these scales."""
+        programs, FP8 rows quantized first with ``_quantize_first``; gives parity ``b``
+        back when that or the launch fails (nothing was sent)."""
         from epmoe.comm.symm import kernels as k
 
         tr, spec = self._live(), self.spec
         reg = tr.regions[b]
         try:
+            x_scale = None  # [T, G]: x is FP8 already, quantized with these scales
+            if self._quantize_first and tr.fp8 and x.shape[0] > 0:
+                from epmoe.kernels.ops import per_token_group_quant_fp8
+
+                x, x_scale = per_token_group_quant_fp8(x)
             launch(k.dispatch_send_kernel)(
                 (programs,),
                 x, x if x_scale is None else x_scale, ids, w, self._owner_P, self._local_P,
@@ -353,6 +361,25 @@ class SymmBackend(AllToAll):
         except BaseException:
             tr.give_back(b)
             raise
+
+    def _combine_receive(self, h: SymmHandle, consts: dict, programs: int) -> torch.Tensor:
+        """The combine's receive half on ``programs`` programs: ``[T, H]``, the sum of the
+        partial rows each rank sent back for this rank's tokens; ends the call (parity
+        given back, errors reported)."""
+        from epmoe.comm.symm import kernels as k
+
+        tr, spec, W, T = self._live(), self.spec, self.world_size, h.num_tokens
+        reg = tr.regions[h.parity]
+        out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
+        launch(k.combine_recv_kernel)(
+            (programs,),
+            out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
+            T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
+            reg.flags, reg.y,
+            BLOCK_W=pow2(W), num_warps=tr.num_warps, **consts,
+        )  # fmt: skip
+        self._combine_done(h)
+        return out
 
     def _handle(self, parity: int, ids_TK: torch.Tensor, T: int) -> SymmHandle:
         tr = self._live()

@@ -176,7 +176,7 @@ class SymmLLBackend(SymmBackend):
         from epmoe.comm.symm import kernels as k
 
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, spec, W, b = self._live(), self.spec, self.world_size, h.parity
+        tr, W, b = self._live(), self.world_size, h.parity
         reg = tr.regions[b]
         launch(k.ll_combine_send_kernel)(
             (W, tr.M),
@@ -186,17 +186,5 @@ class SymmLLBackend(SymmBackend):
             BLOCK_E=BLOCK_E, num_warps=tr.num_warps, **c,
         )  # fmt: skip
 
-        def receive() -> torch.Tensor:
-            T = h.num_tokens
-            out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
-            launch(k.combine_recv_kernel)(
-                (max(1, T),),
-                out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
-                T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
-                reg.flags, reg.y,
-                BLOCK_W=pow2(W), num_warps=tr.num_warps, **c,
-            )  # fmt: skip
-            self._combine_done(h)
-            return out
-
-        return Pending(receive)
+        # one program per token
+        return Pending(lambda: self._combine_receive(h, c, max(1, h.num_tokens)))
