@@ -350,12 +350,11 @@ def _split_records(problem, args, dtype: str, weights, cfg, run) -> list[dict[st
     """The decode records with each ``--m-splits`` S (row programs per expert), each
     checked against the default grid's output."""
     recs = []
+    default = _valid_rows(run(cfg), problem) if args.m_splits else None
     for S in args.m_splits:
         rec = _measure(problem, args, dtype, weights, cfg, f"epmoe triton S={S}", S)
         split = _runner(problem, args, dtype, weights, S)
-        rec["diff_vs_default"] = relative_error(
-            _valid_rows(split(cfg), problem), _valid_rows(run(cfg), problem)
-        )
+        rec["diff_vs_default"] = relative_error(_valid_rows(split(cfg), problem), default)
         recs.append(rec)
     return recs
 

@@ -263,7 +263,7 @@ class _Rows(NamedTuple):
     tensor: the kernels never read them for the other layout)."""
 
     batched: bool
-    num_m_blocks: int  # Standard: B; Batched: e · ceil(C / block_m) (grids: _launch_rows)
+    num_m_blocks: int  # Standard: B (Batched: 0, its grid is _launch_rows')
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
     block_start: torch.Tensor
@@ -291,14 +291,15 @@ def _rows(rows: AlignedPairs | torch.Tensor, config: MoEConfig, e: int, x: torch
     if rows.shape != (e,) or rows.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
     C = x.shape[1]
-    return _Rows(True, e * triton.cdiv(C, config.block_m), rows, rows, rows, rows, rows, 0, C, 1)
+    return _Rows(True, 0, rows, rows, rows, rows, rows, 0, C, 1)
 
 
 # ExpertBatched GEMMs: how many row programs per expert (S) the fixed grid holds. A decode
 # slab has C = W·M rows of capacity per expert but a few valid ones; one program per
 # BLOCK_M rows of capacity launched mostly programs with nothing to do (at the DeepSeek-V3
-# decode shape, 65536 + 458752 programs for C = 512, about 250 µs of a 2.6 ms step). Each
-# program instead loops over its expert's row blocks j, j + S, ... up to the valid rows.
+# decode shape, 65536 + 458752 programs for C = 512: 2804 against 2669 µs bf16, 1729
+# against 1453 µs FP8 on H200). Each program instead loops over its expert's row blocks
+# j, j + S, ... up to the valid rows.
 BATCHED_PROGRAMS_PER_SM = 4  # S at least fills this many programs per SM ...
 BATCHED_MAX_SERIAL = 8  # ... and no program runs more than this many row blocks
 
