@@ -178,6 +178,20 @@ def settings() -> dict[str, dict[str, Any]]:
         "note": "bound on every wait in the symm_ll kernels"
         + ("" if ok else f"; {raw!r} is not a positive number: symm_ll will refuse it"),
     }
+    raw = os.environ.get("EPMOE_SYMM_LL_ROWS")
+    ok = raw is None or raw.strip() in ("", "in_place", "copy")
+    out["EPMOE_SYMM_LL_ROWS"] = {
+        "value": raw,
+        "recommended": "unset (in_place)",
+        "ok": ok,
+        "note": (
+            "symm_ll's experts read the received rows where they landed"
+            if raw is None or raw.strip() in ("", "in_place")
+            else "symm_ll copies received rows into [e, C, H] slabs (slower; for comparison)"
+            if ok
+            else f"{raw!r} is neither in_place nor copy: symm_ll will refuse it"
+        ),
+    }
     raw = os.environ.get("EPMOE_TRITON_AUTOTUNE")
     off = raw is not None and raw.strip().lower() in ("0", "false", "no", "off")
     out["EPMOE_TRITON_AUTOTUNE"] = {

@@ -27,6 +27,10 @@
 #     info               python -m epmoe.info (text and --json) on the GPU machine
 #     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
 #                        symm_ll's ExpertBatched one (rows read in place vs expanded)
+#     rows               symm_ll's two receive designs side by side: rows read in place
+#                        through an index (default) and rows copied into [e, C, H] slabs;
+#                        comm at 1, 128 and 512 tokens, the layer at 128 (bf16 and FP8
+#                        expert weights, EPMOE_SYMM_LL_ROWS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source launch/gpu_env.sh
@@ -162,6 +166,22 @@ for s in "${STEPS[@]}"; do
         timeout "${DECODE_HT_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 --max-num-tokens 128 --experts triton \
             --backends symm_ll symm_ht --iters 10 --out "$OUT/layer_decode_ht.json" >"$OUT/decode_ht.log" 2>&1
+        ;;
+    rows)
+        timeout "${ROWS_COMM_LIMIT_S:-150}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
+            --tokens 1 128 512 --backends symm_ll:expert_batched symm_ll:expert_batched:copy \
+            --iters 20 --warmup 5 --out "$OUT/comm_rows.json" >"$OUT/rows.log" 2>&1
+        failed=$?
+        for rows in in_place copy; do
+            for wd in bf16 fp8; do
+                extra=(); [ "$wd" = fp8 ] && extra=(--weight-dtype float8_e4m3fn)
+                EPMOE_SYMM_LL_ROWS=$rows timeout "${ROWS_LAYER_LIMIT_S:-100}" python3 launch/run.py \
+                    --nproc "$NGPU" -m epmoe.bench layer --parts layer --tokens 128 \
+                    --max-num-tokens 128 --experts triton --backends symm_ll "${extra[@]}" \
+                    --iters 10 --out "$OUT/layer_${rows}_$wd.json" >>"$OUT/rows.log" 2>&1 || failed=1
+            done
+        done
+        [ "$failed" -eq 0 ]
         ;;
     *) echo "unknown step $s"; status=1; continue ;;
     esac

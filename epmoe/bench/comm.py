@@ -386,10 +386,12 @@ def identity_expert_out(result: DispatchResult, dtype: torch.dtype) -> torch.Ten
     (FP8 rows times their scales), in the Standard layout weighted by the row's local router
     weights (its experts return weighted partial sums). Combine then returns
     ``x[t] · Σ_k w[t, k]`` whatever the layout."""
-    rows = result.hidden
-    if result.hidden_scale is not None:
-        scale = result.hidden_scale.repeat_interleave(FP8_GROUP, -1)[..., : rows.shape[-1]]
-        rows = rows.float() * scale
+    if result.layout is Layout.STANDARD:
+        rows, scale = result.hidden, result.hidden_scale
+    else:  # (gathered when the rows were left in place)
+        rows, scale = result.expert_rows()
+    if scale is not None:
+        rows = rows.float() * scale.repeat_interleave(FP8_GROUP, -1)[..., : rows.shape[-1]]
     if result.layout is Layout.STANDARD:
         local_RK = result.topk_ids >= 0
         rows = rows.float() * (result.topk_weights * local_RK).sum(-1, keepdim=True)
@@ -527,7 +529,9 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
     """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
     name, layout_name, *budget = entry.split(":")
     layout = Layout(layout_name)
-    options = {}  # name:layout:SMs[:rows per flag] (symm_ht)
+    options = {}  # name:layout:SMs[:rows per flag] (symm_ht), name:layout:copy (symm_ll)
+    if budget == ["copy"]:  # symm_ll's first design: received rows copied into slabs
+        options["rows_in_place"], budget = False, []
     if budget and budget[0]:
         options["num_sms"] = int(budget[0])
     if len(budget) > 1:
@@ -537,13 +541,15 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
     base = dict(kind="comm", backend=name, layout=layout.value, wire=wire, **ctx["shape"], T=T)
     if "tokens_per_flag" in options:
         base["per_flag"] = options["tokens_per_flag"]
+    if "rows_in_place" in options:  # its own series (the goals are held to the default)
+        base["backend"] = f"{name}/copy"
     reason = backend_skip_reason(name, layout, spec, x_TH.device, ctx["group"])
     if reason is not None:
         return [dict(base, mode="-", note=f"skipped: {reason}")]
     device = x_TH.device
     if not options:
         comm = create_backend(name, spec, ctx["group"], layout)
-    else:  # an SM budget (and rows per flag): backends whose constructor takes them
+    else:  # an SM budget (and rows per flag), copies: backends whose constructor takes them
         comm = backend_class(name)(spec, ctx["group"], layout, **options)
     try:
         m = measure_dispatch_combine(comm, x_TH, ids_TK, weights_TK, ctx["timing"])
@@ -633,7 +639,7 @@ def _profile(comm, x_TH, ids_TK, weights_TK, rank: int, title: str) -> None:
     with profile(activities=activities) as prof:
         for _ in range(5):
             result = comm.dispatch(x_TH, ids_TK, weights_TK)
-            comm.combine(result.hidden.to(comm.spec.dtype), result)
+            comm.combine(identity_expert_out(result, comm.spec.dtype), result)
         if x_TH.is_cuda:
             torch.cuda.synchronize()
     if rank == 0:

@@ -165,7 +165,12 @@ class DispatchResult:
     Standard: ``hidden [R, H]``, ``topk_ids [R, K]`` int64 local slots (-1: elsewhere),
     ``topk_weights [R, K]`` float32; ``counts`` is ``None`` or tokens per local slot.
     ExpertBatched: ``hidden [e, C, H]``, ``counts [e]`` int32 (rows ``[:counts[i]]``
-    valid), ``topk_ids`` and ``topk_weights`` are ``None``.
+    valid), ``topk_ids`` and ``topk_weights`` are ``None``. A backend that leaves the
+    received rows where they landed (``symm_ll``) sets ``row_index [e, C]`` int32 instead:
+    ``hidden`` is then the received rows ``[R, H]`` and row ``c < counts[i]`` of slot
+    ``i`` is ``hidden[row_index[i, c]]``; ``expert_rows()`` gathers the ``[e, C, H]`` slabs
+    for code that wants them, and the experts' output is ``[e, C, H]`` either way
+    (``out_shape``).
     ``hidden_scale`` is set when the hidden states arrive quantized (FP8): float32
     ``[..., ceil(H / 128)]`` per-token-group scales matching ``hidden``'s leading dims.
     ``handle`` is backend state that ``combine`` needs; treat it as opaque.
@@ -178,11 +183,40 @@ class DispatchResult:
     counts: torch.Tensor | None = None
     hidden_scale: torch.Tensor | None = None
     handle: Any = field(default=None, repr=False)
+    row_index: torch.Tensor | None = None  # ExpertBatched rows read in place: [e, C] int32
 
     @property
     def num_rows(self) -> int:
         """R for Standard, C (capacity per expert) for ExpertBatched."""
-        return self.hidden.shape[0] if self.layout is Layout.STANDARD else self.hidden.shape[1]
+        if self.layout is Layout.STANDARD:
+            return self.hidden.shape[0]
+        return self.hidden.shape[1] if self.row_index is None else self.row_index.shape[1]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The shape of the experts' output that ``combine`` takes: ``[R, H]`` (Standard)
+        or ``[e, C, H]`` (ExpertBatched, also with ``row_index``)."""
+        if self.row_index is None:
+            return tuple(self.hidden.shape)
+        return (*self.row_index.shape, self.hidden.shape[-1])
+
+    def expert_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ExpertBatched ``(hidden [e, C, H], hidden_scale [e, C, G] or None)``: the
+        slabs themselves, or gathered through ``row_index`` (a copy; rows past
+        ``counts[i]`` hold some received row)."""
+        if self.layout is not Layout.EXPERT_BATCHED:
+            raise ValueError("expert_rows() is for ExpertBatched results")
+        if self.row_index is None:
+            return self.hidden, self.hidden_scale
+        idx = self.row_index.to(torch.int64).clamp(0, max(self.hidden.shape[0] - 1, 0))
+        e, C = idx.shape
+        flat = idx.reshape(-1)
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, flat).view(e, C, t.shape[-1])
+
+        scale = None if self.hidden_scale is None else gather(self.hidden_scale)
+        return gather(self.hidden), scale
 
 
 R = TypeVar("R")
@@ -395,9 +429,9 @@ def expert_batched_bytes(spec: CommSpec, copies: int = 1) -> int:
 
 
 def expert_batched_memory_reason(name: str, spec: CommSpec, copies: int = 1) -> str | None:
-    """Why ``copies`` ExpertBatched receive buffers for ``spec`` do not fit on its GPU (more
-    than a quarter of its memory, leaving the rest to weights), with the fix; ``None`` when
-    they fit or the device is not a CUDA GPU."""
+    """Why ``copies`` ExpertBatched buffers for ``spec`` (received rows, the experts'
+    outputs) do not fit on its GPU (more than a quarter of its memory, leaving the rest to
+    weights), with the fix; ``None`` when they fit or the device is not a CUDA GPU."""
     if spec.device.type != "cuda" or not torch.cuda.is_available():
         return None
     gib = expert_batched_bytes(spec, copies) / 2**30
@@ -405,7 +439,7 @@ def expert_batched_memory_reason(name: str, spec: CommSpec, copies: int = 1) -> 
     if gib <= have / 4:
         return None
     return (
-        f"{name}'s receive buffers [{copies}, e={spec.max_local}, W·M={spec.world_size}·"
+        f"{name}'s ExpertBatched buffers [{copies}, e={spec.max_local}, W·M={spec.world_size}·"
         f"{spec.max_num_tokens}, H={spec.hidden_size}] take {gib:.1f} GiB of the GPU's "
         f"{have:.0f} GiB; lower max_num_tokens (the layer chunks larger batches) or use a "
         "Standard-layout backend (symm_ht) for prefill"
@@ -491,10 +525,10 @@ def check_combine_args(expert_out: torch.Tensor, result: DispatchResult) -> None
             f"{type(result).__name__}"
         )
     check_tensor("expert_out", expert_out)
-    if expert_out.shape != result.hidden.shape or not expert_out.is_floating_point():
+    if tuple(expert_out.shape) != result.out_shape or not expert_out.is_floating_point():
         raise ValueError(
             f"expert_out must be a floating tensor of the dispatched shape "
-            f"{tuple(result.hidden.shape)}, got {expert_out.dtype} {tuple(expert_out.shape)}"
+            f"{result.out_shape}, got {expert_out.dtype} {tuple(expert_out.shape)}"
         )
 
 

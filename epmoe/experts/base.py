@@ -62,6 +62,9 @@ class Experts(ABC):
     """
 
     name: str = ""
+    # whether expert_batched takes ``row_index_eC`` (rows read in place through an index,
+    # ``DispatchResult.row_index``); others get the gathered ``[e, C, H]`` slabs
+    reads_row_index: bool = False
 
     def __init__(self, activation: str = "silu") -> None:
         self.activation = check_activation(activation)
@@ -71,7 +74,15 @@ class Experts(ABC):
             return self.standard(
                 result.hidden, result.topk_ids, result.topk_weights, weights, result.hidden_scale
             )
-        return self.expert_batched(result.hidden, result.counts, weights, result.hidden_scale)
+        if result.row_index is None:
+            return self.expert_batched(result.hidden, result.counts, weights, result.hidden_scale)
+        if self.reads_row_index:
+            return self.expert_batched(
+                result.hidden, result.counts, weights, result.hidden_scale,
+                row_index_eC=result.row_index,
+            )  # fmt: skip
+        hidden, scale = result.expert_rows()
+        return self.expert_batched(hidden, result.counts, weights, scale)
 
     @abstractmethod
     def standard(

@@ -38,6 +38,7 @@ class TritonExperts(Experts):
     """
 
     name = "triton"
+    reads_row_index = True  # GEMM 1 gathers rows through DispatchResult.row_index
 
     def __init__(
         self,
@@ -92,11 +93,15 @@ class TritonExperts(Experts):
         counts_e: torch.Tensor,
         weights: ExpertWeights,
         hidden_scale: torch.Tensor | None = None,
+        row_index_eC: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``row_index_eC``: ``hidden_eCH`` is the received rows ``[R, H]``, read in place
+        by GEMM 1 (see ``ops.fused_moe_batched``)."""
         return ops.fused_moe_batched(
             hidden_eCH,
             counts_e,
             weights.w13,
             weights.w2,
+            row_index_eC=row_index_eC,
             **self._options(hidden_eCH, hidden_scale, weights),
         )

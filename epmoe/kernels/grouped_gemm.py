@@ -14,7 +14,10 @@ Each kernel runs one ``[BLOCK_M, BLOCK_N]`` output tile of one expert per progra
   programs per column block; program ``j < S`` of an expert takes its row blocks ``j, j + S,
   ...`` up to ``counts[expert]``. The host picks ``S`` (``ops.batched_m_splits``) from the
   shape alone: decode slabs hold ``C`` rows of capacity but a few valid ones, and a grid of
-  ``e · ceil(C / BLOCK_M)`` blocks would launch mostly programs with nothing to do.
+  ``e · ceil(C / BLOCK_M)`` blocks would launch mostly programs with nothing to do. With
+  ``GATHER`` (GEMM 1 only) the input is the received rows ``[R, H]`` where they landed and
+  ``sorted_pairs`` the row index ``[e, C]``: row ``c`` of expert ``i`` reads
+  ``x[index[i, c]]`` (``symm_ll`` does not copy rows into ``[e, C, H]`` slabs).
 
 With ``HALF_TAIL`` a block of at most ``BLOCK_M / 2`` rows (an expert's last one) runs a
 half-height tile: at ≈ 1.1 blocks of rows per expert, 128-row tiles would otherwise compute
@@ -133,16 +136,22 @@ def _tile_rows(
     num_pairs,
     TOP_K: tl.constexpr,
     BATCHED: tl.constexpr,
+    GATHER: tl.constexpr,
     BM: tl.constexpr,
 ):
     """The ``BM`` rows of a tile: (valid mask, source row in the input, destination row in
     the output, pair index), int64. Standard: the input row is the pair's token (gathered),
-    the output row its padded position. Batched: both are the row in the expert's slab."""
+    the output row its padded position. Batched: both are the row in the expert's slab;
+    with ``GATHER`` the input row is ``sorted_pairs_ptr[dst]`` instead (the expert's row
+    index, received rows read in place)."""
     if BATCHED:
         offs = tl.arange(0, BM)
         valid = offs < rows
         dst = first + offs
-        src = dst
+        if GATHER:
+            src = tl.load(sorted_pairs_ptr + dst, mask=valid, other=0).to(tl.int64)
+        else:
+            src = dst
         pair = dst
     else:
         dst = first + tl.arange(0, BM)
@@ -226,6 +235,7 @@ def _gate_up_tile(
     stride_ysn,
     TOP_K: tl.constexpr,
     BATCHED: tl.constexpr,
+    GATHER: tl.constexpr,
     ACTIVATION: tl.constexpr,
     FP8: tl.constexpr,
     W_BLOCK_SCALE: tl.constexpr,
@@ -240,7 +250,9 @@ def _gate_up_tile(
     BLOCK_K: tl.constexpr,
 ):
     """One ``[BM, BLOCK_N]`` tile of ``act(x @ gate.T) · (x @ up.T)`` (see gate_up_kernel)."""
-    row_mask, src, dst, _ = _tile_rows(first, rows, sorted_pairs_ptr, num_pairs, TOP_K, BATCHED, BM)
+    row_mask, src, dst, _ = _tile_rows(
+        first, rows, sorted_pairs_ptr, num_pairs, TOP_K, BATCHED, GATHER, BM
+    )
     x_rows = expert * stride_xe + src * stride_xm
     y_rows = expert * stride_ye + dst * stride_ym
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -324,7 +336,8 @@ def _gate_up_block(
     stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
     stride_wn, stride_wk, stride_wsn, stride_wsk,
     stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
-    TOP_K: tl.constexpr, BATCHED: tl.constexpr, ACTIVATION: tl.constexpr, FP8: tl.constexpr,
+    TOP_K: tl.constexpr, BATCHED: tl.constexpr, GATHER: tl.constexpr,
+    ACTIVATION: tl.constexpr, FP8: tl.constexpr,
     W_BLOCK_SCALE: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr, GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, DOT_PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -341,7 +354,7 @@ def _gate_up_block(
                 stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
                 stride_wn, stride_wk, stride_wsn, stride_wsk,
                 stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
-                TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+                TOP_K, BATCHED, GATHER, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
                 FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
                 BLOCK_M // 2, BLOCK_N, BLOCK_K,
             )  # fmt: skip
@@ -352,7 +365,7 @@ def _gate_up_block(
         stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
         stride_wn, stride_wk, stride_wsn, stride_wsk,
         stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
-        TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+        TOP_K, BATCHED, GATHER, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
         FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
         BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
@@ -407,6 +420,7 @@ def gate_up_kernel(
     # meta-parameters
     TOP_K: tl.constexpr,
     BATCHED: tl.constexpr,
+    GATHER: tl.constexpr,  # Batched: x is [R, H] received rows, sorted_pairs [e, C] indices
     ACTIVATION: tl.constexpr,  # "silu" or "gelu"
     FP8: tl.constexpr,
     W_BLOCK_SCALE: tl.constexpr,  # FP8 weights: 128×128 block scales (else one per expert)
@@ -429,14 +443,18 @@ def gate_up_kernel(
     w_base = w_ptr + expert * stride_we
     ws_base = w_scale_ptr + expert * stride_wse
     if BATCHED:
+        if GATHER:  # this expert's row index [C]
+            rows_ptr = sorted_pairs_ptr + expert * capacity
+        else:
+            rows_ptr = sorted_pairs_ptr
         for start in range(first, end, step):
             _gate_up_block(
-                x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, sorted_pairs_ptr,
+                x_ptr, x_scale_ptr, w_base, ws_base, y_ptr, y_scale_ptr, rows_ptr,
                 expert, start, tl.minimum(end - start, BLOCK_M), pid_n, N, K, num_pairs,
                 stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
                 stride_wn, stride_wk, stride_wsn, stride_wsk,
                 stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
-                TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+                TOP_K, BATCHED, GATHER, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
                 FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
                 HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
@@ -447,7 +465,7 @@ def gate_up_kernel(
             stride_xe, stride_xm, stride_xk, stride_xse, stride_xsm, stride_xsk,
             stride_wn, stride_wk, stride_wsn, stride_wsk,
             stride_ye, stride_ym, stride_yn, stride_yse, stride_ysm, stride_ysn,
-            TOP_K, BATCHED, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
+            TOP_K, BATCHED, GATHER, ACTIVATION, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP,
             FP8_MAX, INV_FP8_MAX, DOT_PRECISION, EVEN_K,
             HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
@@ -495,7 +513,9 @@ def _down_tile(
 ):
     """One ``[BM, BLOCK_N]`` tile of ``h @ w2[expert].T`` (see down_kernel). ``h`` is
     stored by output row (padded position or slab row), so both row offsets use ``dst``."""
-    row_mask, _, dst, pair = _tile_rows(first, rows, sorted_pairs_ptr, num_pairs, 1, BATCHED, BM)
+    row_mask, _, dst, pair = _tile_rows(
+        first, rows, sorted_pairs_ptr, num_pairs, 1, BATCHED, False, BM
+    )
     h_rows = expert * stride_he + dst * stride_hm
     out_rows = expert * stride_oe + dst * stride_om
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -272,9 +272,16 @@ class _Rows(NamedTuple):
     num_pairs: int  # Standard: P, the sentinel
     capacity: int  # Batched: C
     top_k: int
+    gather: bool = False  # Batched: x is [R, H], sorted_pairs the row index [e, C]
 
 
-def _rows(rows: AlignedPairs | torch.Tensor, config: MoEConfig, e: int, x: torch.Tensor) -> _Rows:
+def _rows(
+    rows: AlignedPairs | torch.Tensor,
+    config: MoEConfig,
+    e: int,
+    x: torch.Tensor,
+    row_index: torch.Tensor | None = None,
+) -> _Rows:
     if isinstance(rows, AlignedPairs):
         pad_m = config.block_m // 2 if config.half_tail else config.block_m
         if (rows.block_m, rows.pad_m) != (config.block_m, pad_m):
@@ -290,8 +297,18 @@ def _rows(rows: AlignedPairs | torch.Tensor, config: MoEConfig, e: int, x: torch
         )  # fmt: skip
     if rows.shape != (e,) or rows.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
-    C = x.shape[1]
-    return _Rows(True, 0, rows, rows, rows, rows, rows, 0, C, 1)
+    if row_index is None:
+        return _Rows(True, 0, rows, rows, rows, rows, rows, 0, x.shape[1], 1)
+    if row_index.dim() != 2 or row_index.shape[0] != e or row_index.dtype != torch.int32:
+        raise ValueError(
+            f"row_index must be int32 [e={e}, C], got {row_index.dtype} {tuple(row_index.shape)}"
+        )
+    if x.dim() != 2:
+        raise ValueError(
+            f"with row_index, x must be the received rows [R, H], got {tuple(x.shape)}"
+        )
+    index = row_index.contiguous()
+    return _Rows(True, 0, index, rows, rows, rows, rows, 0, index.shape[1], 1, True)
 
 
 # ExpertBatched GEMMs: how many row programs per expert (S) the fixed grid holds. A decode
@@ -370,6 +387,7 @@ def gate_up(
     x_scale: torch.Tensor | None = None,
     w13_scale: torch.Tensor | None = None,
     m_splits: int | None = None,
+    row_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GEMM 1 with the activation fused: ``act(x @ gate.T) · (x @ up.T)`` per expert.
 
@@ -380,13 +398,15 @@ def gate_up(
     position (Standard) or ``[e, C, I]``, in ``x``'s dtype, or FP8 with ``y_scale [...,
     ceil(I/128)]`` float32 (otherwise ``None``). Rows that hold no pair are unspecified.
     ``m_splits``: ExpertBatched row programs per expert (default ``batched_m_splits``).
+    ``row_index [e, C]`` int32 (ExpertBatched): ``x`` is ``[R, H]`` and row ``c`` of expert
+    ``i`` is ``x[row_index[i, c]]`` (rows read where they landed; ``y`` is ``[e, C, I]``).
     """
     fp8 = _check_operands(x, w13, x_scale, w13_scale)
     check_config(config, fp8)
     e, two_i, H = w13.shape
     N = two_i // 2
     cfg = config.gate_up
-    r = _rows(rows, config, e, x)
+    r = _rows(rows, config, e, x, row_index)
     y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
     # FP8: tiles one quantization group wide quantize in their epilogue; other widths store
     # fp32 (what the epilogue quantizes) and are quantized below, one more pass over every
@@ -422,8 +442,8 @@ def gate_up(
             r.capacity,
             m_blocks,
             m_splits,
-            *_row_strides(x, r.batched),
-            *_row_strides(x_scale, r.batched),
+            *_row_strides(x, r.batched and not r.gather),
+            *_row_strides(x_scale, r.batched and not r.gather),
             w13.stride(0),
             w13.stride(1),
             w13.stride(2),
@@ -432,6 +452,7 @@ def gate_up(
             *_row_strides(y_scale, r.batched),
             TOP_K=r.top_k,
             BATCHED=r.batched,
+            GATHER=r.gather,
             ACTIVATION=activation,
             FP8=fp8,
             W_BLOCK_SCALE=w_block,
@@ -672,10 +693,14 @@ def batched_with_config(
     out_dtype: torch.dtype,
     config: MoEConfig,
     m_splits: int | None = None,
+    row_index_eC: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ExpertBatched pipeline on prepared inputs (no checks): GEMM 1, GEMM 2.
-    ``m_splits`` fixes the row programs per expert (default ``batched_m_splits``)."""
-    y, y_scale = gate_up(x, w13, counts_e, config, activation, x_scale, w13_scale, m_splits)
+    ``m_splits`` fixes the row programs per expert (default ``batched_m_splits``);
+    ``row_index_eC``: ``x`` is ``[R, H]`` rows read in place (see ``gate_up``)."""
+    y, y_scale = gate_up(
+        x, w13, counts_e, config, activation, x_scale, w13_scale, m_splits, row_index_eC
+    )
     return down(y, w2, counts_e, config, out_dtype, y_scale, w2_scale, m_splits=m_splits)
 
 
@@ -752,6 +777,7 @@ def fused_moe_batched(
     out_dtype: torch.dtype | None = None,
     config: MoEConfig | None = None,
     autotune: bool | None = None,
+    row_index_eC: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert MLPs of the ExpertBatched layout: ``[e, C, H]`` → ``[e, C, H]`` unweighted.
 
@@ -760,24 +786,47 @@ def fused_moe_batched(
     ``C``), read only on the device: no host synchronisation.
     ``hidden_scale [e, C, ceil(H/128)]`` for FP8 input; other arguments as for
     ``fused_moe_standard``.
+
+    ``row_index_eC [e, C]`` int32: the rows are read where they landed. ``hidden_eCH`` is
+    then the received rows ``[R, H]`` (``hidden_scale [R, ceil(H/128)]``) and row ``c`` of
+    slot ``i`` is ``hidden_eCH[row_index_eC[i, c]]`` (each below ``R``); the output is
+    ``[e, C, H]`` as without it.
     """
     _check_activation(activation)
     e, H, I = _check_weights(w13, w2, w13_scale, w2_scale)
-    if hidden_eCH.dim() != 3 or hidden_eCH.shape[0] != e or hidden_eCH.shape[2] != H:
-        raise ValueError(f"hidden_eCH must be [e={e}, C, H={H}], got {tuple(hidden_eCH.shape)}")
+    if row_index_eC is None:
+        if hidden_eCH.dim() != 3 or hidden_eCH.shape[0] != e or hidden_eCH.shape[2] != H:
+            raise ValueError(f"hidden_eCH must be [e={e}, C, H={H}], got {tuple(hidden_eCH.shape)}")
+        C = hidden_eCH.shape[1]
+    else:
+        if hidden_eCH.dim() != 2 or hidden_eCH.shape[1] != H:
+            raise ValueError(
+                f"with row_index_eC, hidden_eCH must be the received rows [R, H={H}], got "
+                f"{tuple(hidden_eCH.shape)}"
+            )
+        if row_index_eC.dim() != 2 or row_index_eC.shape[0] != e:
+            raise ValueError(f"row_index_eC must be [e={e}, C], got {tuple(row_index_eC.shape)}")
+        if row_index_eC.dtype != torch.int32:
+            raise TypeError(f"row_index_eC must be int32, got {row_index_eC.dtype}")
+        C = row_index_eC.shape[1]
     if counts_e.shape != (e,) or counts_e.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"counts_e must be an int32 [e={e}] tensor, got {counts_e.dtype} "
             f"{tuple(counts_e.shape)}"
         )
-    device = _check_device(hidden_eCH, counts_e, w13, w2, hidden_scale, w13_scale, w2_scale)
+    device = _check_device(
+        hidden_eCH, counts_e, w13, w2, hidden_scale, w13_scale, w2_scale, row_index_eC
+    )
     out_dtype = _out_dtype(hidden_eCH, out_dtype)
-    C = hidden_eCH.shape[1]
     counts = counts_e.to(torch.int32)
-    x, x_scale = _prepare_hidden(hidden_eCH, hidden_scale, w13.dtype, counts)
+    # (in place, every received row is quantized: which ones hold a token is on the device)
+    x, x_scale = _prepare_hidden(
+        hidden_eCH, hidden_scale, w13.dtype, counts if row_index_eC is None else None
+    )
     run = functools.partial(
         batched_with_config,
         x, x_scale, counts, w13, w2, w13_scale, w2_scale, activation, out_dtype,
+        row_index_eC=row_index_eC,
     )  # fmt: skip
     if config is None:
         config = select_config("batched", w13.dtype, C, H, I, e, 1, device, run, autotune)

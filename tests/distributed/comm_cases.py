@@ -158,7 +158,7 @@ def float64_experts(res: DispatchResult, w13_e, w2_e, out_dtype) -> torch.Tensor
     """The local experts in float64 on what the dispatch delivered, in its layout:
     Standard ``[R, H]`` weighted sums over local entries, ExpertBatched ``[e, C, H]``
     unweighted outputs (rows past counts zero). Returned in ``out_dtype``."""
-    x = dequantize_rows(res.hidden, res.hidden_scale)
+    x = dequantize_rows(*_delivered(res))
     w13_e, w2_e = w13_e.double(), w2_e.double()
     out = torch.zeros_like(x)
     if res.layout is Layout.STANDARD:
@@ -211,19 +211,29 @@ def _row_bytes(hidden: torch.Tensor, scale: torch.Tensor | None) -> list[bytes]:
     return [bytes(row) for row in b.cpu().tolist()]
 
 
+def _delivered(res: DispatchResult) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(hidden, hidden_scale)`` in the result's layout: ExpertBatched ``[e, C, H]`` slabs,
+    gathered through ``row_index`` where the backend left the rows in place."""
+    if res.layout is Layout.STANDARD:
+        return res.hidden, res.hidden_scale
+    return res.expert_rows()
+
+
 def snapshot(res: DispatchResult) -> DispatchResult:
-    """A copy of what ``res`` delivered (its tensors cloned), to check after the combine."""
+    """A copy of what ``res`` delivered (its tensors cloned; ExpertBatched rows as slabs),
+    to check after the combine."""
 
     def copy(t):
         return None if t is None else t.clone()
 
+    hidden, scale = _delivered(res)
     return DispatchResult(
         layout=res.layout,
-        hidden=res.hidden.clone(),
+        hidden=hidden.clone(),
         topk_ids=copy(res.topk_ids),
         topk_weights=copy(res.topk_weights),
         counts=copy(res.counts),
-        hidden_scale=copy(res.hidden_scale),
+        hidden_scale=copy(scale),
     )
 
 
@@ -248,6 +258,10 @@ def check_delivery(res: DispatchResult, want, spec: CommSpec, exact_fp8: bool = 
     ``exact_fp8=False`` within one FP8 step of the source rows), with the wire dtype and
     the scale shape of the spec."""
     fp8, layout = spec.fp8_dispatch, res.layout
+    if res.row_index is not None:  # rows read in place: check the slabs they stand for
+        assert layout is Layout.EXPERT_BATCHED and res.row_index.dtype == torch.int32
+        assert res.hidden.dim() == 2 and res.row_index.shape[0] == res.counts.shape[0]
+        res = snapshot(res)
     assert res.hidden.dtype == spec.wire_dtype, (
         f"hidden is {res.hidden.dtype}, expected {spec.wire_dtype}"
     )
@@ -565,13 +579,9 @@ def check_skewed_and_full(rank, world, backend, device="cpu", dtype_name="float3
 def _identity_out(res: DispatchResult, dtype) -> torch.Tensor:
     """Experts that return their input, capturable (no host reads): Standard rows weighted
     by their local entries' weights, ExpertBatched rows as they are."""
-    x = res.hidden.to(torch.float32)
-    if res.hidden_scale is not None:
-        H = x.shape[-1]
-        x = x * res.hidden_scale.repeat_interleave(FP8_GROUP, -1)[..., :H]
-    if res.layout is Layout.STANDARD:
-        x = x * torch.where(res.topk_ids >= 0, res.topk_weights, 0.0).sum(-1, keepdim=True)
-    return x.to(dtype)
+    from epmoe.bench.comm import identity_expert_out
+
+    return identity_expert_out(res, dtype)
 
 
 @usable_here

@@ -10,6 +10,7 @@ Run in the GPU tier: ``EPMOE_TEST_DEVICE=cuda python -m pytest tests/gpu/test_sy
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -19,7 +20,7 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import epmoe  # noqa: E402
-from epmoe.comm import create_backend  # noqa: E402
+from epmoe.comm import backend_class, create_backend  # noqa: E402
 from epmoe.comm.base import FP8_DTYPE, CommSpec, Layout  # noqa: E402
 from epmoe.reference import TOLERANCES, assert_close, quantize_groups  # noqa: E402
 from tests.harness import Sweep, requires_world, run_on_ranks  # noqa: E402
@@ -51,17 +52,19 @@ def _routing(rank, T, g, one_expert=None):
 
 def exact_dispatch(rank, world):
     """Every (token, expert) pair lands once in its expert's rows; combine of the identity
-    expert gives back the token (weights sum to 1). bf16 and FP8 on the wire."""
+    expert gives back the token (weights sum to 1). bf16 and FP8 on the wire; received
+    rows read in place (the default) and copied into slabs."""
     dev = torch.device("cuda", torch.cuda.current_device())
     placement = epmoe.ExpertPlacement.linear(E, world)
     lo, hi = placement.rank_offsets[rank], placement.rank_offsets[rank + 1]
     sweep = Sweep()
     cases = {"T=11": 11, "T=0 on rank 1": 0 if rank == 1 else 7, "T=M_max": M}
-    for fp8 in (False, True):
-        comm = create_backend("symm_ll", _spec(placement, dev, fp8), None, Layout.EXPERT_BATCHED)
+    for fp8, in_place in itertools.product((False, True), (True, False)):
+        spec = _spec(placement, dev, fp8)
+        comm = backend_class("symm_ll")(spec, None, Layout.EXPERT_BATCHED, rows_in_place=in_place)
         for name, T in cases.items():
             for one in (None, E - 1):
-                with sweep.case(f"{name} fp8={fp8} one_expert={one}"):
+                with sweep.case(f"{name} fp8={fp8} one_expert={one} in_place={in_place}"):
                     g = torch.Generator().manual_seed(100 * rank + T)
                     ids = _routing(rank, T, g, one)
                     w = torch.softmax(torch.randn(T, K, generator=g), -1)
@@ -73,8 +76,10 @@ def exact_dispatch(rank, world):
                     res = comm.dispatch(x, ids.to(dev), w.to(dev))
                     # combine first (the identity expert), check afterwards: a failing
                     # check must not leave a dispatch uncombined on one rank only
-                    hidden, counts = res.hidden.clone(), res.counts.cpu().tolist()
-                    scale = res.hidden_scale.clone() if fp8 else None
+                    assert (res.row_index is not None) == in_place
+                    hidden, scale = res.expert_rows()  # (gathered: copies)
+                    hidden, counts = hidden.clone(), res.counts.cpu().tolist()
+                    scale = None if scale is None else scale.clone()
                     hid = hidden.float()
                     if fp8:
                         hid = hid * scale.repeat_interleave(128, -1)[..., :H]

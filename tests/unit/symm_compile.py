@@ -34,11 +34,14 @@ def main() -> None:
         if fp8:  # symm_ht's FP8 send of rows quantized beforehand
             consts = dict(blocks, BLOCK_W=2, BATCH=4, FENCE=True, PREQUANT=True, **quant)
             _compile(k.dispatch_send_kernel, dict(send, x_ptr=wire_ptr, xs_ptr="*fp32"), consts)
-        recv = dict(xo_ptr=wire_ptr, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
-        recv.update(recv_t_ptr="*i32", **shared)
-        _compile(k.ll_dispatch_recv_kernel, recv, blocks)
-        _compile(k.ll_dispatch_kernel, dict(send, **recv), dict(blocks, BLOCK_W=2, **quant))
-        compiled += 4 + fp8
+        for in_place in (True, False):  # rows read where they landed, or copied
+            out = "*i32" if in_place else wire_ptr
+            recv = dict(xo_ptr=out, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
+            recv.update(recv_t_ptr="*i32", **shared)
+            consts = dict(blocks, IN_PLACE=in_place)
+            _compile(k.ll_dispatch_recv_kernel, recv, consts)
+            _compile(k.ll_dispatch_kernel, dict(send, **recv), dict(consts, BLOCK_W=2, **quant))
+        compiled += 6 + fp8
     csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", cnt_ptr="*i32", **shared)
     _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)

@@ -327,8 +327,13 @@ def test_symm_ll_refuses_receive_buffers_too_large_for_the_gpu(monkeypatch):
     # [2, 128, 2·M, 7168] bf16: 7 GiB at M = 1024; 112 GiB at M = 16384
     assert expert_batched_bytes(at(1024), copies=2) == 2 * 128 * 2 * 1024 * 7168 * 2
     assert ll.supports(at(1024)) is None
+    # rows read in place: only the experts' outputs [128, 2·M, 7168] grow with e·W·M
     reason = ll.supports(at(16384))
-    assert "112.0 GiB of the GPU's 140 GiB" in reason and "lower max_num_tokens" in reason
+    assert "56.0 GiB of the GPU's 140 GiB" in reason and "lower max_num_tokens" in reason
+    assert ll.supports(at(8192)) is None
+    # rows copied into slabs: two parities of them too, refused before any buffer is taken
+    with pytest.raises(ValueError, match="84.0 GiB of the GPU's 140 GiB"):
+        ll(at(8192), None, Layout.EXPERT_BATCHED, rows_in_place=False)
     # FP8 rows are half as large, plus one float32 scale per 128 values
     fp8 = at(1024, dispatch_dtype=FP8_DTYPE)
     assert expert_batched_bytes(fp8, copies=2) == 2 * 128 * 2 * 1024 * (7168 + 224)
@@ -383,3 +388,22 @@ def test_rebind_refuses_another_world_size_and_keeps_the_spec():
     with pytest.raises(ValueError, match="rank_offsets must have 2 entries"):
         comm.rebind((0, 2, 5))
     assert comm.spec.rank_offsets == (0, 5)
+
+
+def test_symm_ll_rows_design_from_the_environment(monkeypatch):
+    """``EPMOE_SYMM_LL_ROWS`` picks symm_ll's receive design when the constructor is not
+    told (in place by default, ``copy`` for comparison); anything else is refused by name,
+    and ``epmoe.info`` flags it."""
+    from epmoe.comm.symm.ll import _rows_in_place_default
+    from epmoe.info import settings
+
+    monkeypatch.delenv("EPMOE_SYMM_LL_ROWS", raising=False)
+    assert _rows_in_place_default() is True and settings()["EPMOE_SYMM_LL_ROWS"]["ok"]
+    monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "copy")
+    assert _rows_in_place_default() is False and settings()["EPMOE_SYMM_LL_ROWS"]["ok"]
+    monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "slabs")
+    with pytest.raises(ValueError, match="EPMOE_SYMM_LL_ROWS must be in_place or copy"):
+        _rows_in_place_default()
+    assert not settings()["EPMOE_SYMM_LL_ROWS"]["ok"]
+    with pytest.raises(TypeError, match="rows_in_place must be a bool"):
+        backend_class("symm_ll")(None, None, rows_in_place="yes")

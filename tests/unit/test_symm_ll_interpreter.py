@@ -2,9 +2,9 @@
 
 The kernels are written for peers over NVLink; with W = 1 the "peer" is this rank's own
 buffer, so the interpreter runs every code path of dispatch (metadata, FP8 quantization in
-the send kernel, the expansion into ``[e, C, H]``) and combine (weighted reduction on the
-expert's side, the sum of partial rows) against the oracle, in CI. Multi-GPU behaviour
-(two ranks, graphs, timeouts) is tested in ``tests/gpu/test_symm_ll.py``.
+the send kernel, the row index or the copies into ``[e, C, H]``) and combine (weighted
+reduction on the expert's side, the sum of partial rows) against the oracle, in CI.
+Multi-GPU behaviour (two ranks, graphs, timeouts) is tested in ``tests/gpu/test_symm_ll.py``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _backend(spec):
+def _backend(spec, rows_in_place: bool = True):
     from epmoe.comm.symm.ll import SymmLLBackend
 
     class OnCPU(SymmLLBackend):  # the same kernels, on CPU tensors through the interpreter
@@ -38,22 +38,29 @@ def _backend(spec):
             max_in_flight=2,
         )
 
-    return OnCPU(spec, None, Layout.EXPERT_BATCHED)
+    return OnCPU(spec, None, Layout.EXPERT_BATCHED, rows_in_place=rows_in_place)
 
 
+def _identity(res):
+    """Identity experts' outputs ``[e, C, H]`` (combine's input) of an fp32-wire result."""
+    return res.expert_rows()[0].clone()
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["rows in place", "rows copied"])
 @pytest.mark.parametrize("split", [False, True], ids=["one launch", "split phase"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32 wire", "fp8 wire"])
 @pytest.mark.parametrize(("T", "H"), [(5, 256), (0, 256), (8, 200)], ids=["T=5", "T=0", "H=200"])
-def test_dispatch_expands_every_pair_and_combine_weights_them(fp8, T, H, split):
+def test_dispatch_delivers_every_pair_and_combine_weights_them(fp8, T, H, split, in_place):
     """Both paths: the blocking calls (send and receive fused in one kernel) and the split
-    ones (a kernel per half)."""
+    ones (a kernel per half); both designs: received rows read in place through
+    ``row_index``, and rows copied into ``[e, C, H]`` slabs."""
     E, K = 8, 3
     placement = epmoe.ExpertPlacement.linear(E, 1)
     spec = CommSpec(
         H, K, placement.rank_offsets, 8, torch.float32, torch.device("cpu"),
         dispatch_dtype=FP8_DTYPE if fp8 else None,
     )  # fmt: skip
-    comm = _backend(spec)
+    comm = _backend(spec, in_place)
     g = torch.Generator().manual_seed(T + H)
     x = torch.randn(T, H, generator=g)
     ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
@@ -68,10 +75,14 @@ def test_dispatch_expands_every_pair_and_combine_weights_them(fp8, T, H, split):
         want_x = (q.float() * s.repeat_interleave(128, -1)[:, :H]).float()
     counts = res.counts.tolist()
     assert counts == [int((ids == e).sum()) for e in range(E)]
+    assert (res.row_index is not None) == in_place and res.out_shape == (E, 8, H)
+    if in_place:  # the rows where the sender wrote them, nothing else
+        assert res.hidden.shape == (8, H) and res.row_index.shape == (E, 8)
+    hidden, scale = res.expert_rows()
     for e in range(E):
-        rows = res.hidden[e, : counts[e]].float()
+        rows = hidden[e, : counts[e]].float()
         if fp8:
-            rows = rows * res.hidden_scale[e, : counts[e]].repeat_interleave(128, -1)[:, :H]
+            rows = rows * scale[e, : counts[e]].repeat_interleave(128, -1)[:, :H]
         want = want_x[(ids == e).any(1)]
         # each expert's rows are its tokens, in some order: match them up exactly
         order = torch.cdist(rows, want).argmin(1) if len(rows) else torch.empty(0, dtype=int)
@@ -82,7 +93,7 @@ def test_dispatch_expands_every_pair_and_combine_weights_them(fp8, T, H, split):
         else:
             torch.testing.assert_close(rows, want[order], rtol=0, atol=0)
     # identity experts: combine returns Σ_k w · x over the used slots
-    y = res.hidden.float() * (res.hidden_scale.repeat_interleave(128, -1)[..., :H] if fp8 else 1)
+    y = hidden.float() * (scale.repeat_interleave(128, -1)[..., :H] if fp8 else 1)
     out = comm.combine_async(y, res).wait() if split else comm.combine(y, res)
     want_out = want_x * (w * (ids >= 0)).sum(1, keepdim=True)
     assert out.shape == (T, H)
@@ -101,8 +112,8 @@ def test_two_in_flight_then_a_third_refused():
     second = comm.dispatch_async(2 * x, ids, w).wait()
     with pytest.raises(RuntimeError, match="at most 2 dispatch results"):
         comm.dispatch_async(x, ids, w)
-    torch.testing.assert_close(comm.combine(first.hidden.clone(), first), x)
-    torch.testing.assert_close(comm.combine(second.hidden.clone(), second), 2 * x)
+    torch.testing.assert_close(comm.combine(_identity(first), first), x)
+    torch.testing.assert_close(comm.combine(_identity(second), second), 2 * x)
     with pytest.raises(ValueError, match="max_num_tokens"):
         comm.dispatch(torch.randn(5, H), torch.zeros(5, K, dtype=torch.int64), torch.ones(5, K))
     comm.close()
@@ -119,7 +130,7 @@ def test_kernels_compile_for_sm90_outside_the_interpreter():
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled 15 symm kernels" in proc.stdout
+    assert "compiled 19 symm kernels" in proc.stdout
 
 
 def test_bad_ids_and_overflow_are_reported_and_every_token_still_combines():
@@ -134,18 +145,18 @@ def test_bad_ids_and_overflow_are_reported_and_every_token_still_combines():
     # C = W·M = 2 rows per expert; 6 (token, k) pairs all pick expert 0
     res = comm.dispatch(x, torch.zeros(2, K, dtype=torch.int64), w)
     with pytest.raises(RuntimeError, match="overflowed an expert's rows"):
-        comm.combine(res.hidden.clone(), res)  # the combine completes, then reports
+        comm.combine(_identity(res), res)  # the combine completes, then reports
     # the call completed in step on every rank: reported once, and the transport goes on
     comm.check(sync=False)
     ids = torch.tensor([[0, 1, 2], [1, 2, 3]])
     res = comm.dispatch(x, ids, w)
-    torch.testing.assert_close(comm.combine(res.hidden.clone(), res), x)
+    torch.testing.assert_close(comm.combine(_identity(res), res), x)
     comm.close()
 
     comm = _backend(spec)
     res = comm.dispatch(x, torch.tensor([[0, 1, E], [2, -1, 3]]), w)
     with pytest.raises(RuntimeError, match="expert id outside"):
-        comm.combine(res.hidden.clone(), res)
+        comm.combine(_identity(res), res)
     comm.close()
 
 
@@ -154,17 +165,17 @@ def test_a_result_combines_once():
     spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
     comm = _backend(spec)
     res = comm.dispatch(torch.randn(3, H), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.ones(3, K))
-    comm.combine(res.hidden.clone(), res)
+    comm.combine(_identity(res), res)
     with pytest.raises(RuntimeError, match="exactly once"):
-        comm.combine(res.hidden.clone(), res)
+        comm.combine(_identity(res), res)
     # ... also once its parity serves a later dispatch: A (parity 0), B (1), C (0 again)
     mk = lambda T: (torch.randn(T, H), torch.randint(0, E, (T, K)), torch.ones(T, K))  # noqa: E731
     b = comm.dispatch(*mk(2))
     c = comm.dispatch(*mk(4))
     with pytest.raises(RuntimeError, match="exactly once"):
-        comm.combine(res.hidden.clone(), res)  # A's handle on C's buffers
+        comm.combine(_identity(res), res)  # A's handle on C's buffers
     for r in (b, c):
-        comm.combine(r.hidden.clone(), r)
+        comm.combine(_identity(r), r)
     comm.close()
 
 
@@ -180,7 +191,7 @@ def test_closed_backends_and_closed_transports_refuse_calls():
     with pytest.raises(RuntimeError, match="symm_ll backend is closed"):
         first.dispatch(*args)
     res = second.dispatch(*args)  # the other hold still has its buffers
-    second.combine(res.hidden.clone(), res)
+    second.combine(_identity(res), res)
     transport.close_all()  # e.g. before destroy_process_group
     with pytest.raises(RuntimeError, match="symm_ll backend is closed"):
         second.dispatch(*args)

@@ -202,6 +202,60 @@ def test_batched_row_programs_loop_over_their_blocks(monkeypatch, splits):
         _check_batched(out, x, capped, w13, w2, "silu", TOLERANCES[f32], f"S={splits}")
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_batched_reads_rows_in_place_through_an_index(fp8):
+    """``row_index_eC``: GEMM 1 reads expert i's row c from ``x[row_index[i, c]]`` of the
+    received rows ``[R, H]`` (``symm_ll``'s layout, nothing copied into slabs): the same
+    outputs as the slabs gathered from it, bit for bit, in fp32 and in FP8 (rows quantized
+    once, where they landed), with a row shared by two experts, an empty expert, counts
+    past C and half-height tails; the Experts interface takes it from a DispatchResult."""
+    from epmoe.experts.torch_experts import TorchExperts
+    from epmoe.experts.triton_experts import TritonExperts
+
+    counts = [5, 0, 17, 40]  # C = 33: one count past it
+    e, C, R, H, I = len(counts), 33, 24, 256, 160
+    g = _gen(71)
+    x_RH = torch.randn(R, H, generator=g)
+    index = torch.randint(0, R, (e, C), generator=g, dtype=torch.int32)
+    index[3, :2] = index[0, 0]  # one received row used by two experts
+    w13, w2 = (w.float() for w in _weights(e, H, I, seed=72))
+    scales = {}
+    if fp8:
+        (w13, scales["w13_scale"]), (w2, scales["w2_scale"]) = (
+            quantize_block(w13),
+            quantize_block(w2),
+        )
+    c = torch.tensor(counts, dtype=torch.int32)
+    cfg = HALF_FP8 if fp8 else HALF
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    kw = dict(config=cfg, **{k: dev(v) for k, v in scales.items()})
+    got = ops.fused_moe_batched(dev(x_RH), dev(c), dev(w13), dev(w2), row_index_eC=dev(index), **kw)
+    slabs = x_RH[index.long()]  # [e, C, H]
+    want = ops.fused_moe_batched(dev(slabs), dev(c), dev(w13), dev(w2), **kw)
+    assert got.shape == (e, C, H)
+    for i, n in enumerate(counts):
+        torch.testing.assert_close(got[i, :n], want[i, : min(n, C)], rtol=0, atol=0)
+
+    # through the Experts interface: Triton reads in place, torch gets gathered slabs
+    res = DispatchResult(Layout.EXPERT_BATCHED, dev(x_RH), counts=dev(c), row_index=dev(index))
+    assert res.num_rows == C and res.out_shape == (e, C, H)
+    weights = ExpertWeights(dev(w13), dev(w2), *(dev(scales[k]) for k in sorted(scales)))
+    via = TritonExperts(config=cfg)(res, weights)
+    for i, n in enumerate(counts):  # (rows past the counts are unspecified)
+        torch.testing.assert_close(via[i, :n], got[i, :n], rtol=0, atol=0)
+    if not fp8:
+        ref = TorchExperts()(res, weights)
+        for i, n in enumerate(counts):
+            n = min(n, C)
+            assert_close(ref[i, :n].cpu(), got[i, :n].cpu(), 1e-4, name=f"torch expert {i}")
+    with pytest.raises(ValueError, match="row_index_eC must be"):
+        ops.fused_moe_batched(
+            dev(x_RH), dev(c), dev(w13), dev(w2), row_index_eC=dev(index[:2]), **kw
+        )
+    with pytest.raises(ValueError, match="received rows"):
+        ops.fused_moe_batched(dev(slabs), dev(c), dev(w13), dev(w2), row_index_eC=dev(index), **kw)
+
+
 def test_batched_m_splits_fills_the_gpu_and_bounds_serial_blocks():
     # DeepSeek-V3 decode on H200 (e 128, C 512, block_m 16: 32 blocks): the grid already
     # holds 128 · 16 column programs, so S is what bounds a full slab to 8 serial blocks

@@ -151,6 +151,7 @@ class SymmTransport:
         self.generation = [0] * NUM_PARITIES  # dispatches taken on each parity so far
         self.next_parity = 0
         self.broken: str | None = None
+        self._row_views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._allocate_local(spec)
         if on_gpu:
             torch.cuda.synchronize(dev)
@@ -168,6 +169,18 @@ class SymmTransport:
             count *= n
         nbytes = count * dtype.itemsize
         return self._buffer[start : start + nbytes].view(dtype).view(shape)
+
+    def rows(self, parity: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The received rows ``[R = W·M, H]`` (wire dtype) and FP8 scales ``[R, G]`` of
+        ``parity``, where the peers wrote them: views of this rank's symmetric buffer (made
+        once per parity: a dispatch's host time is what eager decode waits for)."""
+        views = self._row_views.get(parity)
+        if views is None:
+            R = self.world_size * self.M
+            x = self.region(parity, "x", self.wire, (R, self.H))
+            scale = self.region(parity, "s", torch.float32, (R, self.G)) if self.fp8 else None
+            views = self._row_views[parity] = (x, scale)
+        return views
 
     # ------------------------------------------------------------------ parities
     def take_parity(self) -> int:
@@ -213,6 +226,7 @@ class SymmTransport:
     def close(self) -> None:
         self._handle = None
         self._buffer = None
+        self._row_views = {}
 
 
 @dataclass(frozen=True)
@@ -269,6 +283,7 @@ class SymmBackend(AllToAll):
         spec = self.spec
         key = (
             self.name,
+            self.transport_class.__name__,
             transport.group_key(self.group),
             spec.hidden_size,
             spec.top_k,

@@ -46,14 +46,6 @@ class HTTransport(SymmTransport):
             torch.zeros(self.world_size, dtype=torch.int32, device=dev) for _ in range(2)
         ]
 
-    def rows(self, parity: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The received rows ``[R, H]`` (wire dtype) and FP8 scales ``[R, G]`` of ``parity``:
-        views of this rank's symmetric buffer."""
-        R = self.world_size * self.M
-        x = self.region(parity, "x", self.wire, (R, self.H))
-        scale = self.region(parity, "s", torch.float32, (R, self.G)) if self.fp8 else None
-        return x, scale
-
     def close(self) -> None:
         super().close()
         self.ids_out = self.w_out = self.recv_t = []

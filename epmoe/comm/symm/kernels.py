@@ -20,8 +20,10 @@ holds, at byte offsets the host passes:
 
 Design: one message per (token, destination rank). The sender writes each token once per
 rank that holds one of its experts (halving NVLink bytes against one per (token, expert)
-at top-8 over 2 ranks) plus its routing metadata to every rank; the receiver expands the
-rows into the ``[e, C, H]`` ExpertBatched layout locally. Combine reduces the top-k
+at top-8 over 2 ranks) plus its routing metadata to every rank; the receiver takes a row of
+each local expert for it and writes the token's place in ``tok_x`` into the index ``[e, C]``
+(the experts read the rows where they landed), or, with ``IN_PLACE`` off, copies the row
+into ``[e, C, H]`` slabs. Combine reduces the top-k
 outputs of a token on the expert's rank (router weights applied there) and sends one row
 per (token, rank) back; the source adds the W partial sums in float32.
 
@@ -394,11 +396,13 @@ def _dispatch_recv(
     s, t, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
     H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
-    WIRE: tl.constexpr,
+    WIRE: tl.constexpr, IN_PLACE: tl.constexpr,
 ):  # fmt: skip
     """Program (source ``s``, token ``t``) of the dispatch's receive half: waits for the
-    token, takes a row of each of its local experts and copies it there (the row's first
-    columns are read while the expert rows are being taken)."""
+    token and takes a row of each of its local experts. ``IN_PLACE``: that row's entry of
+    the index ``xo_ptr [e_max, C]`` int32 gets the token's row in ``tok_x`` (the experts
+    read it there); else the row is copied into ``xo_ptr [e_max, C, H]`` (its first
+    columns read while the expert rows are being taken)."""
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     base = tl.load(bases_ptr + me)
@@ -414,8 +418,10 @@ def _dispatch_recv(
         slot_ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
         tok_x = _at(base, off_x, WIRE)
         tok_s = _at(base, off_s, tl.float32)
-        v_first = tl.load(tok_x + row * H + tl.arange(0, BLOCK_H), mask=tl.arange(0, BLOCK_H) < H)
-        s_first = _load_scales(tok_s, row, 0, G, BLOCK_H, FP8)
+        if not IN_PLACE:
+            h_first = tl.arange(0, BLOCK_H)
+            v_first = tl.load(tok_x + row * H + h_first, mask=h_first < H)
+            s_first = _load_scales(tok_s, row, 0, G, BLOCK_H, FP8)
         valid = k_mask & (slot_ids >= 0)
         slot = tl.atomic_add(
             cnt_ptr + tl.maximum(slot_ids, 0), 1, mask=valid, sem="relaxed", scope="gpu"
@@ -430,12 +436,16 @@ def _dispatch_recv(
         dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
         if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
             _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
-        _recv_step(v_first, s_first, 0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
-        for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
-            cols = h0 + tl.arange(0, BLOCK_H)
-            v = tl.load(tok_x + row * H + cols, mask=cols < H)
-            sv = _load_scales(tok_s, row, h0, G, BLOCK_H, FP8)
-            _recv_step(v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
+        if IN_PLACE:
+            here = tl.zeros((BLOCK_K,), tl.int32) + row.to(tl.int32)
+            tl.store(xo_ptr + tl.maximum(dst, 0), here, mask=k_mask & (dst >= 0))
+        else:
+            _recv_step(v_first, s_first, 0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
+            for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
+                cols = h0 + tl.arange(0, BLOCK_H)
+                v = tl.load(tok_x + row * H + cols, mask=cols < H)
+                sv = _load_scales(tok_s, row, h0, G, BLOCK_H, FP8)
+                _recv_step(v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
 
 
 @triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
@@ -506,8 +516,8 @@ def dispatch_send_kernel(
 def ll_dispatch_recv_kernel(
     # pointers
     bases_ptr,  # [W] int64
-    xo_ptr,  # [e_max, C, H] wire dtype: rows per local expert (out)
-    so_ptr,  # FP8: [e_max, C, G] float32 scales (out)
+    xo_ptr,  # IN_PLACE: [e_max, C] int32 row index (out); else [e_max, C, H] wire rows (out)
+    so_ptr,  # FP8 and not IN_PLACE: [e_max, C, G] float32 scales (out)
     cnt_ptr,  # [e_max] int32 rows per local expert (out; zero on entry)
     pos_ptr,  # [W, M, K] int32 row of [e·C] each (source, token, k) went to, -1 (out)
     recv_t_ptr,  # [W] int32 tokens each source dispatched (out)
@@ -531,12 +541,13 @@ def ll_dispatch_recv_kernel(
     BLOCK_H: tl.constexpr,
     FP8: tl.constexpr,
     WIRE: tl.constexpr,
+    IN_PLACE: tl.constexpr,  # received rows stay in tok_x; xo_ptr is their index
 ):
     """The receive half alone (split phase): a program per (source rank, token slot)."""
     _dispatch_recv(
         tl.program_id(0), tl.program_id(1), bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr,
         recv_t_ptr, err_addr, H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
-        K, BLOCK_K, BLOCK_H, FP8, WIRE,
+        K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE,
     )  # fmt: skip
 
 
@@ -548,7 +559,7 @@ def ll_dispatch_kernel(
     off_flags, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-    EPS: tl.constexpr,
+    EPS: tl.constexpr, IN_PLACE: tl.constexpr,
 ):  # fmt: skip
     """Send and receive in one launch (the blocking dispatch; arguments as in the two
     halves): programs ``[0, max(T, 1))`` send, the next ``W·M`` receive. The senders come
@@ -567,7 +578,7 @@ def ll_dispatch_kernel(
         _dispatch_recv(
             q // M, q % M, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
             H, M, W, G, C, src, timeout_ns, off_flags, off_x, off_s, off_ids,
-            K, BLOCK_K, BLOCK_H, FP8, WIRE,
+            K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE,
         )  # fmt: skip
 
 

@@ -7,6 +7,11 @@ tokens per rank. Dispatch can quantize to FP8 inside the send kernel; combine ap
 router weights on the expert's rank and returns the input dtype. The blocking calls run
 send and receive in one kernel launch; the split ones (``*_async``) a kernel per half.
 
+The received rows stay where they landed: the receiver only writes each expert's row index
+``[e, C]`` (``DispatchResult.row_index``) and the experts' first GEMM reads the rows
+through it. ``rows_in_place=False`` copies them into ``[e, C, H]`` slabs instead (the
+first design, kept for comparison: docs/benchmarks.md).
+
 Shape legend: T tokens on this rank · H hidden · G = ceil(H/128) · K top-k · W ranks ·
 M = M_max · e local experts (e_max the largest over ranks) · C = W·M rows per expert.
 
@@ -14,6 +19,8 @@ Buffers, parities and errors: ``common.py`` (shared with ``symm_ht``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -37,38 +44,69 @@ from epmoe.comm.symm.common import (
 
 class LLTransport(SymmTransport):
     """``symm_ll``'s buffers for one shape, shared by layers: the symmetric regions
-    (``common.SymmTransport``) and, per parity, the expanded rows ``x_out [e_max, C, H]``
-    (wire dtype), ``s_out [e_max, C, G]`` float32 (FP8), ``counts [e_max]`` int32,
-    ``pos [W, M, K]`` int32 and ``recv_t [W]`` int32."""
+    (``common.SymmTransport``; the received rows stay there) and, per parity, the row index
+    ``out [e_max, C]`` int32, ``counts [e_max]`` int32, ``pos [W, M, K]`` int32 and
+    ``recv_t [W]`` int32."""
 
     name = "symm_ll"
+    in_place = True
 
     def _allocate_local(self, spec: CommSpec) -> None:
-        W, M, H, K, G = self.world_size, self.M, self.H, self.K, self.G
-        self.C = C = W * M
+        W, M, K = self.world_size, self.M, self.K
+        self.C = W * M
         e, dev = max(self.e_max, 1), self.device
-        self.x_out = [torch.empty(e, C, H, dtype=self.wire, device=dev) for _ in range(2)]
-        self.s_out = [
-            torch.empty(e, C, G, dtype=torch.float32, device=dev) if self.fp8 else None
-            for _ in range(2)
-        ]
         i32 = dict(dtype=torch.int32, device=dev)
+        # (the kernels' out_scale pointer is unused in place: any tensor)
+        self.out = self.out_scale = [self._expert_rows(e) for _ in range(2)]
         self.counts = [torch.zeros(e, **i32) for _ in range(2)]
         self.pos = [torch.empty(W, M, K, **i32) for _ in range(2)]
         self.recv_t = [torch.zeros(W, **i32) for _ in range(2)]
 
+    def _expert_rows(self, e: int) -> torch.Tensor:
+        """One parity's per-expert rows: the index into the received rows."""
+        return torch.zeros(e, self.C, dtype=torch.int32, device=self.device)
+
     def close(self) -> None:
         super().close()
-        self.x_out = self.s_out = self.counts = self.pos = []
+        self.out = self.out_scale = self.counts = self.pos = []
+
+
+class LLCopyTransport(LLTransport):
+    """``rows_in_place=False``: ``out [e_max, C, H]`` holds copies of the received rows
+    (wire dtype) and ``out_scale [e_max, C, G]`` float32 their FP8 scales."""
+
+    in_place = False
+
+    def _allocate_local(self, spec: CommSpec) -> None:
+        super()._allocate_local(spec)
+        e, C, dev = max(self.e_max, 1), self.C, self.device
+        self.out_scale = [
+            torch.empty(e, C, self.G, dtype=torch.float32, device=dev) if self.fp8 else x
+            for x in self.out
+        ]
+
+    def _expert_rows(self, e: int) -> torch.Tensor:
+        return torch.empty(e, self.C, self.H, dtype=self.wire, device=self.device)
+
+
+def _rows_in_place_default() -> bool:
+    raw = os.environ.get("EPMOE_SYMM_LL_ROWS", "in_place").strip() or "in_place"
+    if raw not in ("in_place", "copy"):
+        raise ValueError(f"EPMOE_SYMM_LL_ROWS must be in_place or copy, got {raw!r}")
+    return raw == "in_place"
 
 
 class SymmLLBackend(SymmBackend):
     """Low-latency ExpertBatched backend on torch symmetric memory (one NVLink node).
 
-    ``DispatchResult.hidden [e, C, H]`` (FP8 with ``hidden_scale [e, C, G]`` when
-    ``spec.dispatch_dtype`` is FP8) and ``counts [e]`` are views into the shared
-    transport, valid until the combine of that result; rows ``[:counts[i]]`` of slot i
-    are its tokens in no fixed order. ``T <= spec.max_num_tokens`` on every call.
+    ``DispatchResult.hidden [R, H]`` with ``R = W·M``: the received rows where they
+    landed (FP8 with ``hidden_scale [R, G]`` when ``spec.dispatch_dtype`` is FP8),
+    ``row_index [e, C]`` and ``counts [e]``: views into the shared transport, valid until
+    the combine of that result; rows ``row_index[i, :counts[i]]`` are slot i's tokens in no
+    fixed order (``expert_rows()`` gathers the ``[e, C, H]`` slabs). With
+    ``rows_in_place=False``: ``hidden [e, C, H]`` copies (``hidden_scale [e, C, G]``) and no
+    index. ``expert_out`` for combine is ``[e, C, H]`` either way.
+    ``T <= spec.max_num_tokens`` on every call.
     """
 
     name = "symm_ll"
@@ -83,11 +121,28 @@ class SymmLLBackend(SymmBackend):
         default_max_tokens=256,  # decode batches; larger ones go to a prefill backend
     )
 
+    def __init__(self, spec, group, layout=None, *, rows_in_place: bool | None = None):
+        """``rows_in_place``: the experts read the received rows through ``row_index``
+        (the default); ``False`` copies them into ``[e, C, H]`` slabs (two parities of
+        them). ``None`` reads ``EPMOE_SYMM_LL_ROWS`` (``in_place`` or ``copy``), so that a
+        layer benchmark can compare the two without code."""
+        if rows_in_place is None:
+            rows_in_place = _rows_in_place_default()
+        if type(rows_in_place) is not bool:
+            raise TypeError(f"rows_in_place must be a bool, got {rows_in_place!r}")
+        if not rows_in_place:  # (checked before the transport is taken)
+            reason = expert_batched_memory_reason(self.name, spec, 1 + NUM_PARITIES)
+            if reason is not None:
+                raise ValueError(f"backend {self.name!r} cannot serve this layer: {reason}")
+        self.rows_in_place = rows_in_place
+        self.transport_class = LLTransport if rows_in_place else LLCopyTransport
+        super().__init__(spec, group, layout)
+
     @classmethod
     def supports(cls, spec: CommSpec) -> str | None:
-        """Also refuses receive buffers too large for the GPU (two parities of
-        ``[e, W·M, H]``: see ``expert_batched_memory_reason``)."""
-        return super().supports(spec) or expert_batched_memory_reason(cls.name, spec, NUM_PARITIES)
+        """Also refuses expert outputs too large for the GPU (the experts' ``[e, W·M, H]``:
+        see ``expert_batched_memory_reason``)."""
+        return super().supports(spec) or expert_batched_memory_reason(cls.name, spec)
 
     @property
     def num_sms(self) -> int:
@@ -98,12 +153,19 @@ class SymmLLBackend(SymmBackend):
     # ------------------------------------------------------------------ dispatch
     def _dispatch_result(self, b: int, ids: torch.Tensor, T: int) -> DispatchResult:
         tr, e = self._live(), self._num_local
+        if tr.in_place:
+            rows, scale = tr.rows(b)
+            index = tr.out[b][:e]
+        else:
+            rows, index = tr.out[b][:e], None
+            scale = tr.out_scale[b][:e] if tr.fp8 else None
         return DispatchResult(
             layout=Layout.EXPERT_BATCHED,
-            hidden=tr.x_out[b][:e],
+            hidden=rows,
             counts=tr.counts[b][:e],
-            hidden_scale=tr.s_out[b][:e] if tr.fp8 else None,
+            hidden_scale=scale,
             handle=self._handle(b, ids, T),
+            row_index=index,
         )
 
     def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
@@ -117,11 +179,10 @@ class SymmLLBackend(SymmBackend):
             launch(k.ll_dispatch_kernel)(
                 (max(1, T) + W * tr.M,),
                 x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
-                tr.x_out[b], tr.s_out[b] if tr.fp8 else tr.x_out[b], tr.counts[b], tr.pos[b],
-                tr.recv_t[b],
+                tr.out[b], tr.out_scale[b], tr.counts[b], tr.pos[b], tr.recv_t[b],
                 T, tr.H, spec.num_physical, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                num_warps=tr.num_warps, **c,
+                IN_PLACE=tr.in_place, num_warps=tr.num_warps, **c,
             )  # fmt: skip
         except BaseException:
             tr.give_back(b)
@@ -140,12 +201,12 @@ class SymmLLBackend(SymmBackend):
         def receive() -> DispatchResult:
             launch(k.ll_dispatch_recv_kernel)(
                 (W, tr.M),
-                tr.bases, tr.x_out[b], tr.s_out[b] if tr.fp8 else tr.x_out[b], tr.counts[b],
+                tr.bases, tr.out[b], tr.out_scale[b], tr.counts[b],
                 tr.pos[b], tr.recv_t[b], tr.err_addr,
                 tr.H, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
                 reg.flags, reg.x, reg.s, reg.ids,
                 K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK_H=c["BLOCK_H"], FP8=c["FP8"],
-                WIRE=c["WIRE"], num_warps=tr.num_warps,
+                WIRE=c["WIRE"], IN_PLACE=tr.in_place, num_warps=tr.num_warps,
             )  # fmt: skip
             return self._dispatch_result(b, ids, T)
 
