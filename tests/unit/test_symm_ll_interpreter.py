@@ -169,7 +169,12 @@ def test_a_result_combines_once():
     with pytest.raises(RuntimeError, match="exactly once"):
         comm.combine(_identity(res), res)
     # ... also once its parity serves a later dispatch: A (parity 0), B (1), C (0 again)
-    mk = lambda T: (torch.randn(T, H), torch.randint(0, E, (T, K)), torch.ones(T, K))  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    # K distinct experts per token: at most M = C rows per expert (no overflow to report)
+    mk = lambda T: (  # noqa: E731
+        torch.randn(T, H, generator=g), torch.rand(T, E, generator=g).argsort(1)[:, :K],
+        torch.ones(T, K),
+    )  # fmt: skip
     b = comm.dispatch(*mk(2))
     c = comm.dispatch(*mk(4))
     with pytest.raises(RuntimeError, match="exactly once"):

@@ -27,12 +27,15 @@ into ``[e, C, H]`` slabs. Combine reduces the top-k
 outputs of a token on the expert's rank (router weights applied there) and sends one row
 per (token, rank) back; the source adds the W partial sums in float32.
 
-Synchronisation: one flag per token and direction, set with a release atomic (system
-scope) after the stores it covers and polled with acquire loads, so no two programs fight
-over one address; every wait is bounded by ``timeout_ns`` of the GPU's global timer and
-writes an error code to host memory instead of hanging. A flag is reset by the program
-that consumed it, ``expect`` by the combine of the same call, ``started`` by the next
-dispatch on the same parity; the receive counters are zeroed by the combine (the experts
+Synchronisation: one flag per token and direction, set after a system-scope fence over
+the stores it covers (one fence for all of a token's flags, or for a batch of tokens) and
+polled with acquire loads, so no two programs fight over one address; every wait is
+bounded by ``timeout_ns`` of the GPU's global timer and writes an error code to host
+memory instead of hanging. A dispatch announces its token count (``expect``) before any
+row, so receivers of tokens that do not come leave at once; a receiver polls its token's
+flag and the count in one loop. A flag is reset by the program that consumed it, after
+it is done with the token, ``expect`` by the combine of the same call, ``started`` by the
+next dispatch on the same parity; the receive counters are zeroed by the combine (the experts
 have read them) for the parity's next dispatch. The "started" flag each rank raises at the
 start of its combine (after that reset) is what every source waits for before its next
 dispatch can run: no peer writes a parity's buffers before their last reader is done.
@@ -139,33 +142,78 @@ def _report(err_addr, kind, op, peer):
 
 
 @triton.jit
+def _give_up(start, timeout_ns, err_addr, op, peer):
+    """1 if a wait begun at ``start`` stops now: past ``timeout_ns`` (it reports
+    ``ERR_TIMEOUT`` naming ``peer``), or past ``GIVE_UP_AFTER_NS`` once any wait of this
+    rank has timed out (read from the error word only then: the fast path never touches
+    host memory); else 0 after a pause before the next poll."""
+    waited = _now_ns() - start
+    stop = tl.full((), 0, tl.int32)
+    if waited > timeout_ns:
+        stop = tl.full((), 1, tl.int32)
+        _report(err_addr, ERR_TIMEOUT, op, peer)
+    else:
+        if waited > GIVE_UP_AFTER_NS:
+            # another wait of this rank has timed out already: the call is lost, and a
+            # program that waits for many flags must not pay the timeout for each
+            err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
+            if (tl.load(err_ptr, volatile=True) >> 24) == ERR_TIMEOUT:
+                stop = tl.full((), 1, tl.int32)
+        _pause()
+    return stop
+
+
+@triton.jit
 def _wait_at_least(flag_ptr, target, timeout_ns, err_addr, op, peer):
-    """Spin until ``*flag_ptr >= target`` (acquire, system scope); returns the value seen.
-    Past ``timeout_ns`` it reports ``ERR_TIMEOUT`` naming ``peer`` and gives up; past
-    ``GIVE_UP_AFTER_NS`` it also gives up once any wait of this rank has timed out (read
-    from the error word only then: the fast path never touches host memory)."""
+    """Spin until ``*flag_ptr >= target`` (acquire, system scope); returns the value seen
+    (bounded: see ``_give_up``)."""
     value = _load_acquire(flag_ptr)
     start = _now_ns()
     timed_out = tl.full((), 0, tl.int32)
     while (value < target) & (timed_out == 0):
-        waited = _now_ns() - start
-        if waited > timeout_ns:
-            timed_out = tl.full((), 1, tl.int32)
-            _report(err_addr, ERR_TIMEOUT, op, peer)
-        else:
-            if waited > GIVE_UP_AFTER_NS:
-                # another wait of this rank has timed out already: the call is lost, and a
-                # program that waits for many flags must not pay the timeout for each
-                err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
-                if (tl.load(err_ptr, volatile=True) >> 24) == ERR_TIMEOUT:
-                    timed_out = tl.full((), 1, tl.int32)
-            _pause()
-            value = _load_acquire(flag_ptr)
+        timed_out = _give_up(start, timeout_ns, err_addr, op, peer)
+        value = _load_acquire(flag_ptr)
     # Every thread polls on its own and may leave the loop at another moment: none goes on
     # (e.g. to reset the flag it waited for) until all have left, and the value returned
     # is one read that the whole program shares (an atomic reads once and broadcasts).
     tl.debug_barrier()
     return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
+    """Whether token ``t`` of a source came (program-uniform): spin until its flag
+    (``flag_ptr``) is raised or the source's ``expect`` (``T_s + 1``) says it sent no
+    token ``t``, polling both at once (one wait, not ``expect``'s and then the flag's).
+    Bounded as ``_wait_at_least``; a timeout reads as "did not come"."""
+    flag = _load_acquire(flag_ptr)
+    expect = _load_acquire(expect_ptr)
+    start = _now_ns()
+    timed_out = tl.full((), 0, tl.int32)
+    while (flag < 1) & ((expect < 1) | (t < expect - 1)) & (timed_out == 0):
+        timed_out = _give_up(start, timeout_ns, err_addr, OP_DISPATCH, peer)
+        flag = _load_acquire(flag_ptr)
+        expect = _load_acquire(expect_ptr)
+    # threads leave the loop at their own moments; one shared read decides (only this
+    # program resets the flag, after it is done with the token)
+    tl.debug_barrier()
+    return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") >= 1
+
+
+@triton.jit
+def _wait_all(ptrs, need, lanes, timeout_ns, err_addr, op):
+    """Spin until ``*ptrs >= 1`` in every lane where ``need`` (acquire, system scope;
+    ``ptrs`` valid in every lane), one poll for all of them; a timeout names the first
+    lane (rank) still missing. The loop's test is a reduction over the program, so every
+    thread leaves it together."""
+    missing = need & (_load_acquire(ptrs) < 1)
+    start = _now_ns()
+    timed_out = tl.full((), 0, tl.int32)
+    while (tl.max(missing.to(tl.int32)) > 0) & (timed_out == 0):
+        peer = tl.min(tl.where(missing, lanes, 1 << 16))
+        timed_out = _give_up(start, timeout_ns, err_addr, op, peer)
+        missing = need & (_load_acquire(ptrs) < 1)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -244,11 +292,14 @@ def _send_step(
 
 
 @triton.jit
-def _clear_started(bases_ptr, W, src, off_flags, BLOCK_W: tl.constexpr):
-    """Program 0 of a dispatch's send half, first: clear this parity's ``started`` flags
-    (before this call's ``expect`` goes out: a peer that sees it may raise them)."""
+def _announce(bases_ptr, T, W, src, off_flags, BLOCK_W: tl.constexpr):
+    """Program 0 of a dispatch's send half, first: clear this parity's ``started`` flags,
+    then tell every rank how many tokens come (``expect[src] = T + 1``). Before any row:
+    each row has a flag of its own, so the count only has to reach the receivers of
+    tokens that do not come (and the combine's bookkeeping), and they leave at once."""
     rr = tl.arange(0, BLOCK_W)
     base = tl.load(bases_ptr + src)
+    bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
     tl.atomic_xchg(
         _at(base, off_flags, tl.int32) + W + rr,
         tl.zeros((BLOCK_W,), tl.int32),
@@ -256,18 +307,13 @@ def _clear_started(bases_ptr, W, src, off_flags, BLOCK_W: tl.constexpr):
         sem="relaxed",
         scope="sys",
     )
-
-
-@triton.jit
-def _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W: tl.constexpr):
-    """Program 0 of a dispatch's send half, last: tell every rank how many tokens came
-    (``expect[src] = T + 1``), after a barrier over the program's own stores and flags."""
-    rr = tl.arange(0, BLOCK_W)
-    bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
+    # the clear before any rank sees `expect` (a peer that sees it may raise `started`),
+    # one fence for the W writes
     tl.debug_barrier()
+    _fence_sys()
     for r in range(W):
         flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
-        tl.atomic_xchg(flags + src, T + 1, sem="release", scope="sys")  # expect[src]
+        tl.atomic_xchg(flags + src, T + 1, sem="relaxed", scope="sys")  # expect[src]
 
 
 @triton.jit
@@ -347,19 +393,17 @@ def _dispatch_send(
     EPS: tl.constexpr,
 ):  # fmt: skip
     """Program ``t`` of a one-token-per-program send half (``symm_ll``'s fused dispatch):
-    each sends its token and raises its flag; program 0 clears ``started`` first and
-    releases ``expect`` last."""
+    each sends its token and raises its flag; program 0 announces the count first."""
     if t == 0:
-        _clear_started(bases_ptr, W, src, off_flags, BLOCK_W)
+        _announce(bases_ptr, T, W, src, off_flags, BLOCK_W)
     _send_token(
         t, x_ptr, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
         T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
         K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, False, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
     )  # fmt: skip
-    tl.debug_barrier()  # every store of this program is issued before its release signals
-    _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W, False)
-    if t == 0:
-        _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W)
+    tl.debug_barrier()  # every store of this program is issued before the fence
+    _fence_sys()  # one fence for the token's flags at every rank (not a release per rank)
+    _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W, True)
 
 
 @triton.jit
@@ -407,14 +451,11 @@ def _dispatch_recv(
     k_mask = kk < K
     base = tl.load(bases_ptr + me)
     flags = _at(base, off_flags, tl.int32)
-    expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-    T_s = tl.maximum(expect - 1, 0)
-    if t == 0:
-        tl.store(recv_t_ptr + s, T_s)
-    if t < T_s:
-        row = tl.cast(s, tl.int64) * M + t
-        _wait_at_least(flags + 2 * W + row, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
+    if t == 0:  # the count, for the combine
+        expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+        tl.store(recv_t_ptr + s, tl.maximum(expect - 1, 0))
+    row = tl.cast(s, tl.int64) * M + t
+    if _wait_token(flags + 2 * W + row, flags + s, t, timeout_ns, err_addr, s):
         slot_ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
         tok_x = _at(base, off_x, WIRE)
         tok_s = _at(base, off_s, tl.float32)
@@ -446,6 +487,9 @@ def _dispatch_recv(
                 v = tl.load(tok_x + row * H + cols, mask=cols < H)
                 sv = _load_scales(tok_s, row, h0, G, BLOCK_H, FP8)
                 _recv_step(v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
+        # consumed: reset last, off the path to the index (nothing raises it again before
+        # this call's combine: see the module docstring)
+        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")
 
 
 @triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
@@ -495,7 +539,7 @@ def dispatch_send_kernel(
     pid = tl.program_id(0)
     N = tl.num_programs(0)
     if pid == 0:
-        _clear_started(bases_ptr, W, src, off_flags, BLOCK_W)
+        _announce(bases_ptr, T, W, src, off_flags, BLOCK_W)
     for t0 in range(pid, T, N * BATCH):
         for j in tl.static_range(BATCH):
             _send_token(
@@ -508,8 +552,6 @@ def dispatch_send_kernel(
             _fence_sys()
         for j in tl.static_range(BATCH):
             _flag_token(t0 + j * N, bases_ptr, T, M, W, src, off_flags, BLOCK_W, FENCE)
-    if pid == 0:
-        _release_expect(bases_ptr, T, W, src, off_flags, BLOCK_W)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_x", "off_s", "off_ids"])
@@ -651,15 +693,16 @@ def _combine_recv(
         _, _, _, _, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
     else:
         has_W = tl.zeros((BLOCK_W,), tl.int32)
-    for r in range(W):  # every rank started its combine (see the module docstring)
-        _wait_at_least(flags + W + r, 1, timeout_ns, err_addr, OP_COMBINE, r)
+    r_ok = rr < W
+    r_any = tl.minimum(rr, W - 1)  # (a valid address in every lane)
+    # every rank started its combine (see the module docstring), then the partial rows
+    # of this token's ranks: one poll loop each over all ranks
+    _wait_all(flags + W + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE)
     if t < T:
         cflags = flags + 2 * W + W * M
         comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
-        for r in range(W):
-            if _pick(has_W, rr, r) > 0:
-                _wait_at_least(cflags + r * M + t, 1, timeout_ns, err_addr, OP_COMBINE, r)
-                tl.atomic_xchg(cflags + r * M + t, 0, sem="relaxed", scope="sys")  # consumed
+        mine = r_ok & (has_W > 0)
+        _wait_all(cflags + r_any * M + t, mine, rr, timeout_ns, err_addr, OP_COMBINE)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             c_mask = cols < H
@@ -669,6 +712,9 @@ def _combine_recv(
                 part = tl.load(comb_y + (r * M + t64) * H + cols, mask=on, other=0.0)
                 acc += part.to(tl.float32)
             tl.store(out_ptr + t64 * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
+        # consumed (the ranks raise them again only in this parity's next combine)
+        tl.atomic_xchg(cflags + r_any * M + t, tl.zeros((BLOCK_W,), tl.int32), mask=mine,
+                       sem="relaxed", scope="sys")  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_w", "off_y"])
