@@ -60,6 +60,21 @@ def _timeout_s() -> float:
     return value
 
 
+_KERNELS = None
+
+
+def kernels():
+    """``epmoe.comm.symm.kernels`` (imports triton), imported on first use: kept out of
+    import time, and looked up from a global after that (an import statement in every
+    call costs host time that eager decode waits for)."""
+    global _KERNELS
+    if _KERNELS is None:
+        from epmoe.comm.symm import kernels as module
+
+        _KERNELS = module
+    return _KERNELS
+
+
 def pow2(n: int) -> int:
     """The next power of two ≥ ``n`` (1 for 0 and 1)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -277,6 +292,8 @@ class SymmBackend(AllToAll):
         super().__init__(spec, group, layout)
         self._hold: transport.Hold | None = None
         self._dispatch_consts: dict | None = None  # the dispatch kernels' meta-parameters
+        self._combine_consts: dict | None = None  # ... and the combine kernels'
+        self._views: dict = {}  # per parity: a result's views of the transport (see ll.py)
         self._bind()
 
     def _bind(self) -> None:
@@ -312,7 +329,9 @@ class SymmBackend(AllToAll):
         # each physical expert's slot among its rank's experts (one lookup in the kernel)
         self._local_P = torch.cat([torch.arange(n, dtype=torch.int32) for n in sizes]).to(dev)
         self._num_local = spec.num_local(self.rank)
-        self._dispatch_consts = None  # (the transport may have changed)
+        # (the transport may have changed)
+        self._dispatch_consts = self._combine_consts = None
+        self._views = {}
 
     @property
     def num_sms(self) -> int:
@@ -330,8 +349,9 @@ class SymmBackend(AllToAll):
         self._live().check(sync=sync)
 
     def _dispatch_prologue(self, hidden_TH, topk_ids_TK, topk_weights_TK):
-        """Checks and contiguous inputs; takes a parity: ``(x, ids, w, b, consts)``, the
-        consts being the send half's meta-parameters."""
+        """Checks and contiguous inputs; takes a parity: ``(tr, x, ids, w, b, consts)``,
+        ``tr`` the live transport, the consts the send half's meta-parameters. (Host time
+        is what an eager decode step waits for: the transport is looked up once per call.)"""
         spec, tr = self.spec, self._live()
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
         tr.check()
@@ -348,15 +368,14 @@ class SymmBackend(AllToAll):
                 FP8=tr.fp8, WIRE=TL_DTYPES[tr.wire], FP8_MAX=FP8_MAX,
                 INV_FP8_MAX=INV_FP8_MAX, EPS=FP8_EPS,
             )  # fmt: skip
-        return x, ids, w, tr.take_parity(), consts
+        return tr, x, ids, w, tr.take_parity(), consts
 
-    def _send(self, x, ids, w, b: int, consts: dict, programs: int) -> None:
+    def _send(self, tr, x, ids, w, b: int, consts: dict, programs: int) -> None:
         """The dispatch's send half (``_dispatch_prologue``'s outputs) on ``programs``
         programs, FP8 rows quantized first with ``_quantize_first``; gives parity ``b``
         back when that or the launch fails (nothing was sent)."""
-        from epmoe.comm.symm import kernels as k
-
-        tr, spec = self._live(), self.spec
+        k = kernels()
+        spec = self.spec
         reg = tr.regions[b]
         try:
             x_scale = None  # [T, G]: x is FP8 already, quantized with these scales
@@ -381,9 +400,8 @@ class SymmBackend(AllToAll):
         """The combine's receive half on ``programs`` programs: ``[T, H]``, the sum of the
         partial rows each rank sent back for this rank's tokens; ends the call (parity
         given back, errors reported)."""
-        from epmoe.comm.symm import kernels as k
-
-        tr, spec, W, T = self._live(), self.spec, self.world_size, h.num_tokens
+        k = kernels()
+        tr, spec, W, T = h.transport, self.spec, self.world_size, h.num_tokens
         reg = tr.regions[h.parity]
         out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
         launch(k.combine_recv_kernel)(
@@ -396,11 +414,12 @@ class SymmBackend(AllToAll):
         self._combine_done(h)
         return out
 
-    def _handle(self, parity: int, ids_TK: torch.Tensor, T: int) -> SymmHandle:
-        tr = self._live()
+    def _handle(self, tr, parity: int, ids_TK: torch.Tensor, T: int) -> SymmHandle:
         return SymmHandle(parity, ids_TK, T, tr, tr.generation[parity])
 
     def _combine_prologue(self, expert_out, result) -> tuple[SymmHandle, torch.Tensor, dict]:
+        """Checks; ``(h, y, consts)``: the result's handle (``h.transport`` is the live
+        transport once checked), contiguous expert outputs, the kernels' meta-parameters."""
         spec, tr = self.spec, self._live()
         check_combine_args(expert_out, result)
         h: SymmHandle = result.handle
@@ -417,12 +436,14 @@ class SymmBackend(AllToAll):
             raise TypeError(
                 f"expert_out must be {spec.dtype} (the layer's dtype), got {expert_out.dtype}"
             )
-        K = spec.top_k
-        c = dict(K=K, BLOCK_K=pow2(K), BLOCK_H=tr.block_h)
+        c = self._combine_consts
+        if c is None:
+            K = spec.top_k
+            c = self._combine_consts = dict(K=K, BLOCK_K=pow2(K), BLOCK_H=tr.block_h)
         return h, expert_out.contiguous(), c
 
     def _combine_done(self, h: SymmHandle) -> None:
-        tr = self._live()
+        tr = h.transport
         tr.give_back(h.parity)
         # the call is complete on every rank: now report what the kernels flagged (this
         # call's bad ids or overflow when they have finished, else at the next call)

@@ -27,6 +27,7 @@ from epmoe.comm.symm.common import (
     NUM_PARITIES,
     SymmBackend,
     SymmTransport,
+    kernels,
     launch,
 )
 
@@ -116,12 +117,11 @@ class SymmHTBackend(SymmBackend):
     # ------------------------------------------------------------------ dispatch
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The send kernel now, the receive kernel (publishing ids and weights) at ``wait()``."""
-        from epmoe.comm.symm import kernels as k
-
-        x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, W, T = self._live(), self.world_size, x.shape[0]
+        k = kernels()
+        tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
+        W, T = self.world_size, x.shape[0]
         reg = tr.regions[b]
-        self._send(x, ids, w, b, c, self._grid(max(T, 1)))
+        self._send(tr, x, ids, w, b, c, self._grid(max(T, 1)))
 
         def receive() -> DispatchResult:
             launch(k.ht_dispatch_recv_kernel)(
@@ -137,7 +137,7 @@ class SymmHTBackend(SymmBackend):
                 topk_ids=tr.ids_out[b],
                 topk_weights=tr.w_out[b],
                 hidden_scale=scale,
-                handle=self._handle(b, ids, T),
+                handle=self._handle(tr, b, ids, T),
             )
 
         return Pending(receive)
@@ -145,10 +145,9 @@ class SymmHTBackend(SymmBackend):
     # ------------------------------------------------------------------ combine
     def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
         """The send kernel (one row back per (token, rank)) now, the sum at ``wait()``."""
-        from epmoe.comm.symm import kernels as k
-
+        k = kernels()
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, W, b = self._live(), self.world_size, h.parity
+        tr, W, b = h.transport, self.world_size, h.parity
         reg = tr.regions[b]
         launch(k.ht_combine_send_kernel)(
             (W, self._grid(tr.M)),

@@ -37,6 +37,7 @@ from epmoe.comm.symm.common import (
     NUM_PARITIES,
     SymmBackend,
     SymmTransport,
+    kernels,
     launch,
     pow2,
 )
@@ -151,29 +152,28 @@ class SymmLLBackend(SymmBackend):
         return self._live().num_sms
 
     # ------------------------------------------------------------------ dispatch
-    def _dispatch_result(self, b: int, ids: torch.Tensor, T: int) -> DispatchResult:
-        tr, e = self._live(), self._num_local
-        if tr.in_place:
-            rows, scale = tr.rows(b)
-            index = tr.out[b][:e]
-        else:
-            rows, index = tr.out[b][:e], None
-            scale = tr.out_scale[b][:e] if tr.fp8 else None
+    def _dispatch_result(self, tr, b: int, ids: torch.Tensor, T: int) -> DispatchResult:
+        views = self._views.get(b)
+        if views is None:  # (made once per parity and binding: slicing costs host time)
+            e = self._num_local
+            if tr.in_place:
+                rows, scale = tr.rows(b)
+                index = tr.out[b][:e]
+            else:
+                rows, index = tr.out[b][:e], None
+                scale = tr.out_scale[b][:e] if tr.fp8 else None
+            views = self._views[b] = (rows, tr.counts[b][:e], scale, index)
+        rows, counts, scale, index = views
         return DispatchResult(
-            layout=Layout.EXPERT_BATCHED,
-            hidden=rows,
-            counts=tr.counts[b][:e],
-            hidden_scale=scale,
-            handle=self._handle(b, ids, T),
-            row_index=index,
-        )
+            Layout.EXPERT_BATCHED, rows, None, None, counts, scale,
+            self._handle(tr, b, ids, T), index,
+        )  # fmt: skip
 
     def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
         """The blocking dispatch: send and receive in one kernel launch."""
-        from epmoe.comm.symm import kernels as k
-
-        x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, spec, W, T = self._live(), self.spec, self.world_size, x.shape[0]
+        k = kernels()
+        tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
+        spec, W, T = self.spec, self.world_size, x.shape[0]
         reg = tr.regions[b]
         try:
             launch(k.ll_dispatch_kernel)(
@@ -187,16 +187,15 @@ class SymmLLBackend(SymmBackend):
         except BaseException:
             tr.give_back(b)
             raise
-        return self._dispatch_result(b, ids, T)
+        return self._dispatch_result(tr, b, ids, T)
 
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The split dispatch: the send kernel now, the receive kernel at ``wait()``."""
-        from epmoe.comm.symm import kernels as k
-
-        x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        tr, W, T = self._live(), self.world_size, x.shape[0]
+        k = kernels()
+        tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
+        W, T = self.world_size, x.shape[0]
         reg = tr.regions[b]
-        self._send(x, ids, w, b, c, max(1, T))  # one program per token
+        self._send(tr, x, ids, w, b, c, max(1, T))  # one program per token
 
         def receive() -> DispatchResult:
             launch(k.ll_dispatch_recv_kernel)(
@@ -208,17 +207,16 @@ class SymmLLBackend(SymmBackend):
                 K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK_H=c["BLOCK_H"], FP8=c["FP8"],
                 WIRE=c["WIRE"], IN_PLACE=tr.in_place, num_warps=tr.num_warps,
             )  # fmt: skip
-            return self._dispatch_result(b, ids, T)
+            return self._dispatch_result(tr, b, ids, T)
 
         return Pending(receive)
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_out, result) -> torch.Tensor:
         """The blocking combine: send and receive in one kernel launch."""
-        from epmoe.comm.symm import kernels as k
-
+        k = kernels()
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, spec, W, T, b = self._live(), self.spec, self.world_size, h.num_tokens, h.parity
+        tr, spec, W, T, b = h.transport, self.spec, self.world_size, h.num_tokens, h.parity
         reg = tr.regions[b]
         out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
         launch(k.ll_combine_kernel)(
@@ -234,10 +232,9 @@ class SymmLLBackend(SymmBackend):
 
     def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
         """The split combine: the send kernel now, the receive kernel at ``wait()``."""
-        from epmoe.comm.symm import kernels as k
-
+        k = kernels()
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, W, b = self._live(), self.world_size, h.parity
+        tr, W, b = h.transport, self.world_size, h.parity
         reg = tr.regions[b]
         launch(k.ll_combine_send_kernel)(
             (W, tr.M),
