@@ -282,6 +282,40 @@ class StepTimer:
         return out
 
 
+def aligned_moe_ms(
+    blocks: list[EPMoEBlock], batch: int, hidden_size: int, device, dtype, group, steps: int
+) -> float:
+    """Median ms of one pass of ``batch`` random rows per rank through every MoE block, as
+    a decode step runs it (its CUDA graphs where captured), with every rank starting
+    together (a barrier, and on GPUs a device sync, before each pass): the MoE layers' own
+    time, which the served steps' block times exceed by each rank's wait for slower ranks.
+    Collective: every rank."""
+    cuda = device.type == "cuda"
+    g = torch.Generator(device="cpu").manual_seed(0)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps + 3):  # 3 warm-up passes
+            x = torch.randn(batch, hidden_size, generator=g).to(device, dtype)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if group is not None:
+                dist.barrier(group=group)
+            with epmoe.step(group, num_tokens=batch, decode=True, graph_max_tokens=batch):
+                if cuda:
+                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    start.record()
+                t0 = time.perf_counter()
+                for block in blocks:  # (the same rows into each: random layers may blow up)
+                    block(x)
+                if cuda:
+                    end.record()
+                    torch.cuda.synchronize(device)
+                    times.append(start.elapsed_time(end))
+                else:
+                    times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[3:])
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "n/a"
@@ -326,6 +360,14 @@ def main(argv: list[str] | None = None) -> None:
         "--cuda-graphs",
         action="store_true",
         help="replay the MoE blocks' decode steps from CUDA graphs (batch-size buckets)",
+    )
+    p.add_argument(
+        "--aligned-moe-steps",
+        type=int,
+        default=None,
+        help="after serving, time this many decode-sized passes through the MoE blocks with "
+        "every rank starting together (the blocks' own time, without waiting for ranks "
+        "whose attention runs longer); default 20 on CUDA, 0 on CPU (host clock there)",
     )
     args = p.parse_args(argv)
 
@@ -409,6 +451,15 @@ def main(argv: list[str] | None = None) -> None:
             if block.decode_graphs.stale:
                 block.decode_graphs.recapture()
     elapsed = time.perf_counter() - start
+    aligned_steps = args.aligned_moe_steps
+    if aligned_steps is None:
+        aligned_steps = 20 if device.type == "cuda" else 0
+    aligned = None
+    if aligned_steps > 0:  # collective: every rank
+        batch = max(sizes) if sizes else args.max_batch
+        aligned = aligned_moe_ms(
+            blocks, batch, args.hidden_size, device, dtype, group, aligned_steps
+        )  # fmt: skip
 
     # every request of every rank: time to first token and inter-token latencies
     mine = [(r.token_times[0] - start, _gaps(r.token_times)) for r in requests if r.token_times]
@@ -454,6 +505,14 @@ def main(argv: list[str] | None = None) -> None:
         if sizes:
             replays = sum(b.decode_graphs.replays for b in blocks)
             print(f"MoE block forwards replayed from CUDA graphs on rank 0: {replays}")
+        if aligned is not None:
+            how = "CUDA graphs" if sizes else "eager"
+            print(
+                f"MoE blocks with the ranks aligned: {aligned:.2f} ms per decode pass of "
+                f"{max(sizes) if sizes else args.max_batch} rows per rank ({how}, "
+                f"{len(blocks)} blocks, median of {aligned_steps}; rank 0)",
+                flush=True,
+            )
         if args.check:
             n, bad = sum(e[2] for e in everyone), sum(e[3] for e in everyone)
             what = "the checkpoint on one rank" if args.checkpoint else "the unconverted model"

@@ -51,11 +51,13 @@ def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model():
     cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", "2",
            os.path.join(ROOT, "examples", "serving.py"), "--requests", "6", "--max-batch", "4",
            "--max-new-tokens", "6", "--rebalance-every", "8", "--log-every", "8",
-           "--check", "2"]  # fmt: skip
+           "--check", "2", "--aligned-moe-steps", "2"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert re.search(r"served \d+ requests, \d+ tokens .* on 2 rank\(s\) \(cpu\)", out), out
+    # the MoE blocks' own time, every rank starting together
+    assert re.search(r"MoE blocks with the ranks aligned: [\d.]+ ms per decode pass of 4 rows", out)
     assert "time to first token (from the start, queueing included): p50" in out, out
     assert "inter-token latency: p50" in out, out
     assert "EPLB step 8:" in out, out  # re-planned while serving
