@@ -407,3 +407,24 @@ def test_symm_ll_rows_design_from_the_environment(monkeypatch):
     assert not settings()["EPMOE_SYMM_LL_ROWS"]["ok"]
     with pytest.raises(TypeError, match="rows_in_place must be a bool"):
         backend_class("symm_ll")(None, None, rows_in_place="yes")
+
+
+def test_symm_ll_refuses_copies_too_large_when_the_environment_asks_for_them(monkeypatch):
+    """With ``EPMOE_SYMM_LL_ROWS=copy``, ``supports`` (what ``auto`` and the layer ask)
+    counts the two parities of received slabs as well, so the refusal comes before any
+    constructor; a bad value is a reason, not a crash."""
+    from types import SimpleNamespace
+
+    ll = backend_class("symm_ll")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=140 * 2**30)
+    )
+    offsets = epmoe.ExpertPlacement.linear(256, 2).rank_offsets
+    spec = CommSpec(7168, 8, offsets, 8192, torch.bfloat16, torch.device("cuda", 0))
+    monkeypatch.delenv("EPMOE_SYMM_LL_ROWS", raising=False)
+    assert ll.supports(spec) is None
+    monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "copy")
+    assert "84.0 GiB of the GPU's 140 GiB" in ll.supports(spec)
+    monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "bogus")
+    assert "EPMOE_SYMM_LL_ROWS must be in_place or copy" in ll.supports(spec)

@@ -297,6 +297,9 @@ class SymmBackend(AllToAll):
         self._bind()
 
     def _bind(self) -> None:
+        # what was derived from the old binding goes first (a failure below leaves none)
+        self._dispatch_consts = self._combine_consts = None
+        self._views = {}
         spec = self.spec
         key = (
             self.name,
@@ -329,9 +332,6 @@ class SymmBackend(AllToAll):
         # each physical expert's slot among its rank's experts (one lookup in the kernel)
         self._local_P = torch.cat([torch.arange(n, dtype=torch.int32) for n in sizes]).to(dev)
         self._num_local = spec.num_local(self.rank)
-        # (the transport may have changed)
-        self._dispatch_consts = self._combine_consts = None
-        self._views = {}
 
     @property
     def num_sms(self) -> int:

@@ -204,12 +204,13 @@ def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
 def _wait_all(ptrs, need, lanes, timeout_ns, err_addr, op):
     """Spin until ``*ptrs >= 1`` in every lane where ``need`` (acquire, system scope;
     ``ptrs`` valid in every lane), one poll for all of them; a timeout names the first
-    lane (rank) still missing. The loop's test is a reduction over the program, so every
-    thread leaves it together."""
+    lane (rank) still missing. The loop's test is a reduction over the program with each
+    thread's own timeout folded in, so every thread leaves it together (also on a
+    timeout: a thread that gave up waits for the others to give up too)."""
     missing = need & (_load_acquire(ptrs) < 1)
     start = _now_ns()
     timed_out = tl.full((), 0, tl.int32)
-    while (tl.max(missing.to(tl.int32)) > 0) & (timed_out == 0):
+    while tl.max((missing & (timed_out == 0)).to(tl.int32)) > 0:
         peer = tl.min(tl.where(missing, lanes, 1 << 16))
         timed_out = _give_up(start, timeout_ns, err_addr, op, peer)
         missing = need & (_load_acquire(ptrs) < 1)

@@ -90,6 +90,12 @@ class LLCopyTransport(LLTransport):
         return torch.empty(e, self.C, self.H, dtype=self.wire, device=self.device)
 
 
+def _memory_reason(spec: CommSpec, in_place: bool) -> str | None:
+    """Rows in place: the experts' outputs ``[e, W·M, H]``; copied: also two parities of
+    received slabs of that size."""
+    return expert_batched_memory_reason("symm_ll", spec, 1 if in_place else 1 + NUM_PARITIES)
+
+
 def _rows_in_place_default() -> bool:
     raw = os.environ.get("EPMOE_SYMM_LL_ROWS", "in_place").strip() or "in_place"
     if raw not in ("in_place", "copy"):
@@ -132,7 +138,7 @@ class SymmLLBackend(SymmBackend):
         if type(rows_in_place) is not bool:
             raise TypeError(f"rows_in_place must be a bool, got {rows_in_place!r}")
         if not rows_in_place:  # (checked before the transport is taken)
-            reason = expert_batched_memory_reason(self.name, spec, 1 + NUM_PARITIES)
+            reason = _memory_reason(spec, False)
             if reason is not None:
                 raise ValueError(f"backend {self.name!r} cannot serve this layer: {reason}")
         self.rows_in_place = rows_in_place
@@ -141,9 +147,18 @@ class SymmLLBackend(SymmBackend):
 
     @classmethod
     def supports(cls, spec: CommSpec) -> str | None:
-        """Also refuses expert outputs too large for the GPU (the experts' ``[e, W·M, H]``:
-        see ``expert_batched_memory_reason``)."""
-        return super().supports(spec) or expert_batched_memory_reason(cls.name, spec)
+        """Also refuses ExpertBatched buffers too large for the GPU: the experts' outputs
+        ``[e, W·M, H]``, and with ``EPMOE_SYMM_LL_ROWS=copy`` two parities of received
+        slabs too (see ``expert_batched_memory_reason``)."""
+        try:
+            in_place = _rows_in_place_default()
+        except ValueError as exc:
+            return str(exc)
+        return super().supports(spec) or _memory_reason(spec, in_place)
+
+    def rebind_reason(self, spec: CommSpec) -> str | None:
+        """As ``supports``, for this backend's own receive design."""
+        return super().supports(spec) or _memory_reason(spec, self.rows_in_place)
 
     @property
     def num_sms(self) -> int:
