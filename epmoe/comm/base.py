@@ -365,8 +365,7 @@ class AllToAll(ABC):
 
         ``expert_out`` has the layout of ``result`` (``[R, H]`` weighted partial sums for
         Standard, ``[e, C, H]`` unweighted for ExpertBatched). Collective. Leave
-        ``expert_out`` unchanged until ``wait()``: a backend may read part of it only then
-        (``symm_ht`` reads this rank's own partial sums in its receive half).
+        ``expert_out`` unchanged until ``wait()``: a backend may read part of it only then.
         """
 
     def dispatch(

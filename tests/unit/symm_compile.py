@@ -46,9 +46,7 @@ def main() -> None:
     _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
-    for self_rows in (False, True):  # symm_ll's split receive; symm_ht's (own rows in y)
-        recv = dict(crecv, self_y_ptr="*bf16")
-        _compile(k.combine_recv_kernel, recv, dict(combine, SELF_ROWS=self_rows))
+    _compile(k.combine_recv_kernel, crecv, combine)
     _compile(k.ll_combine_kernel, dict(csend, **crecv), dict(combine, BLOCK_E=256))
     ht = dict(ids_out_ptr="*i64", w_out_ptr="*fp32", recv_t_ptr="*i32", **shared)
     _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8))
@@ -56,7 +54,7 @@ def main() -> None:
     for batch, fence in ((1, False), (4, True)):
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence)
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 7} symm kernels for sm_90")
+    print(f"compiled {compiled + 6} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

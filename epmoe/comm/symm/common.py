@@ -396,13 +396,10 @@ class SymmBackend(AllToAll):
             tr.give_back(b)
             raise
 
-    def _combine_receive(
-        self, h: SymmHandle, consts: dict, programs: int, self_rows: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _combine_receive(self, h: SymmHandle, consts: dict, programs: int) -> torch.Tensor:
         """The combine's receive half on ``programs`` programs: ``[T, H]``, the sum of the
         partial rows each rank sent back for this rank's tokens; ends the call (parity
-        given back, errors reported). ``self_rows [W·M, H]``: this rank's own partial sums,
-        read there (``symm_ht``; its send half does not copy them)."""
+        given back, errors reported)."""
         k = kernels()
         tr, spec, W, T = h.transport, self.spec, self.world_size, h.num_tokens
         reg = tr.regions[h.parity]
@@ -410,11 +407,9 @@ class SymmBackend(AllToAll):
         launch(k.combine_recv_kernel)(
             (programs,),
             out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
-            out if self_rows is None else self_rows,
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
-            BLOCK_W=pow2(W), SELF_ROWS=self_rows is not None, num_warps=tr.num_warps,
-            **consts,
+            BLOCK_W=pow2(W), num_warps=tr.num_warps, **consts,
         )  # fmt: skip
         self._combine_done(h)
         return out

@@ -156,7 +156,4 @@ class SymmHTBackend(SymmBackend):
             BATCH=self._batch, FENCE=self._fence, num_warps=tr.num_warps, **c,
         )  # fmt: skip
 
-        # (the experts' rows for this rank's own tokens are read where they are, from y)
-        return Pending(
-            lambda: self._combine_receive(h, c, self._grid(max(h.num_tokens, 1)), self_rows=y)
-        )
+        return Pending(lambda: self._combine_receive(h, c, self._grid(max(h.num_tokens, 1))))

@@ -678,15 +678,12 @@ def _combine_send(
 
 @triton.jit
 def _combine_recv(
-    t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr, self_y_ptr,
+    t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
     T, H, P, W, M, me, timeout_ns, off_flags, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-    SELF_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Program ``t`` of the combine's receive half: waits for token ``t``'s partial sums
-    from the ranks holding its experts and adds them in float32. ``SELF_ROWS``
-    (``symm_ht``): this rank's own partial sum is read where its experts wrote it, row
-    ``me·M + t`` of ``self_y_ptr [W·M, H]``, not copied through ``comb_y`` and flagged."""
+    from the ranks holding its experts and adds them in float32."""
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     rr = tl.arange(0, BLOCK_W)
@@ -706,8 +703,6 @@ def _combine_recv(
         cflags = flags + 2 * W + W * M
         comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
         mine = r_ok & (has_W > 0)
-        if SELF_ROWS:
-            mine = mine & (rr != me)
         _wait_all(cflags + r_any * M + t, mine, rr, timeout_ns, err_addr, OP_COMBINE)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -715,11 +710,7 @@ def _combine_recv(
             acc = tl.zeros((BLOCK_H,), tl.float32)
             for r in range(W):
                 on = c_mask & (tl.broadcast_to(_pick(has_W, rr, r), cols.shape) > 0)
-                row_ptr = comb_y + (r * M + t64) * H
-                if SELF_ROWS:  # noqa: SIM102 (a constexpr test, then a runtime one)
-                    if r == me:
-                        row_ptr = self_y_ptr + (r * M + t64) * H
-                part = tl.load(row_ptr + cols, mask=on, other=0.0)
+                part = tl.load(comb_y + (r * M + t64) * H + cols, mask=on, other=0.0)
                 acc += part.to(tl.float32)
             tl.store(out_ptr + t64 * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
         # consumed (the ranks raise them again only in this parity's next combine)
@@ -766,7 +757,6 @@ def combine_recv_kernel(
     owner_ptr,  # [P] int32
     bases_ptr,  # [W] int64
     err_addr,
-    self_y_ptr,  # SELF_ROWS: [W·M, H] the experts' partial sums on this rank (symm_ht)
     # sizes
     T,
     H,
@@ -783,15 +773,13 @@ def combine_recv_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    SELF_ROWS: tl.constexpr,  # this rank's own partial sums read from self_y_ptr
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
     takes tokens p, p + G, ... of ``max(T, 1)``."""
     for t in range(tl.program_id(0), tl.maximum(T, 1), tl.num_programs(0)):
         _combine_recv(
-            t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr, self_y_ptr,
+            t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-            SELF_ROWS,
         )  # fmt: skip
 
 
@@ -814,9 +802,8 @@ def ll_combine_kernel(
         )  # fmt: skip
     else:
         _combine_recv(
-            pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr, y_ptr,
+            pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-            False,
         )  # fmt: skip
 
 
@@ -929,9 +916,8 @@ def ht_combine_send_kernel(
     BATCH: tl.constexpr,  # rows a program stores before it raises their flags
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
 ):
-    """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent (none to
-    this rank itself: its receive half reads them from ``y_ptr``); program (s, 0) first
-    clears ``expect[s]`` and raises ``started`` at s (as ``_combine_send``)."""
+    """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
+    (s, 0) first clears ``expect[s]`` and raises ``started`` at s (as ``_combine_send``)."""
     s = tl.program_id(0)
     T_s = tl.load(recv_t_ptr + s)
     if tl.program_id(1) == 0:
@@ -940,9 +926,7 @@ def ht_combine_send_kernel(
         src_flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
         tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
     N = tl.num_programs(1)
-    # this rank's own rows stay in y: the receive half reads them there (SELF_ROWS)
-    rows = tl.where(s == me, 0, T_s)
-    for t0 in range(tl.program_id(1), rows, N * BATCH):  # BATCH rows per barrier
+    for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
         sent = tl.zeros((BATCH,), tl.int32)
         for j in tl.static_range(BATCH):
             ok = _ht_combine_row(
