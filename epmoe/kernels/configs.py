@@ -151,6 +151,12 @@ def table_filename(device_name: str) -> str:
 
 
 @functools.cache
+def _device_name(index: int) -> str:
+    """The name of CUDA device ``index``, asked once (every forward picks a config)."""
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
 def load_table(device_name: str) -> dict[str, dict[int, MoEConfig]]:
     """The tuned table shipped for ``device_name`` (empty when there is none)."""
     path = resources.files("epmoe.kernels").joinpath("configs", table_filename(device_name))
@@ -353,7 +359,8 @@ def select_config(
     """
     dtype = dtype_name(weight_dtype)
     if device.type == "cuda":
-        table = load_table(torch.cuda.get_device_name(device))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        table = load_table(_device_name(index))
         key = problem_key(layout, dtype, hidden_size, intermediate_size, num_experts)
         hit = lookup(table, key, m)
         if hit is not None:

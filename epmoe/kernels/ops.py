@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
 
 from epmoe.distributed import num_sms
 from epmoe.kernels import align, grouped_gemm, quant, reduce
@@ -97,6 +96,12 @@ def _check_device(*tensors: torch.Tensor | None) -> torch.device:
     return device
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host (``triton.cdiv`` is a jitted function: a Python call
+    through Triton's launcher machinery, µs each, several per forward)."""
+    return -(-a // b)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
@@ -129,7 +134,7 @@ def align_pairs(
     ids = topk_ids_RK.contiguous().view(-1)
     # ceil(count / pad_m)·pad_m positions need ceil(count / block_m) blocks: the worst case
     # of B does not depend on pad_m.
-    num_blocks = triton.cdiv(P + min(num_experts, P) * (block_m - 1), block_m)
+    num_blocks = _cdiv(P + min(num_experts, P) * (block_m - 1), block_m)
     i32 = dict(dtype=torch.int32, device=device)
     counts = torch.zeros(num_experts, **i32)
     sorted_pairs = torch.empty(num_blocks * block_m, **i32)
@@ -146,12 +151,12 @@ def align_pairs(
     if P == 0:
         return aligned
     block = 1024
-    align.count_pairs_kernel[(triton.cdiv(P, block),)](
+    align.count_pairs_kernel[(_cdiv(P, block),)](
         ids, counts, rank, P, num_experts, BLOCK=block, num_warps=4
     )
     block_e = _pow2(num_experts)
     block_b = max(1, min(64, 8192 // max(block_e, block_m)))
-    align.block_table_kernel[(triton.cdiv(num_blocks, block_b),)](
+    align.block_table_kernel[(_cdiv(num_blocks, block_b),)](
         counts,
         *block_table,
         expert_start,
@@ -166,7 +171,7 @@ def align_pairs(
         BLOCK_E=block_e,
         num_warps=4,
     )
-    align.scatter_pairs_kernel[(triton.cdiv(P, block),)](
+    align.scatter_pairs_kernel[(_cdiv(P, block),)](
         ids, rank, expert_start, sorted_pairs, pair_pos, P, num_experts, BLOCK=block, num_warps=4
     )
     return aligned
@@ -199,14 +204,14 @@ def per_token_group_quant_fp8(
             )
         counts = counts.to(torch.int32)
     device = _check_device(x, counts)
-    groups = triton.cdiv(D, group_size)
+    groups = _cdiv(D, group_size)
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=device)
     scale = torch.empty(*x.shape[:-1], groups, dtype=torch.float32, device=device)
     if M == 0 or D == 0:
         return q, scale
     q2, s2 = q.view(-1, D), scale.view(-1, groups)
     block_m = 16
-    quant.per_token_group_quant_kernel[(triton.cdiv(M, block_m), groups)](
+    quant.per_token_group_quant_kernel[(_cdiv(M, block_m), groups)](
         x2,
         q2,
         s2,
@@ -236,7 +241,7 @@ def _weight_scale_strides(
     if scale is None:
         return True, (0, 0, 0)
     e, n, k = w.shape
-    block = (e, triton.cdiv(n, FP8_GROUP), triton.cdiv(k, FP8_GROUP))
+    block = (e, _cdiv(n, FP8_GROUP), _cdiv(k, FP8_GROUP))
     if scale.dtype != torch.float32:
         raise TypeError(f"{name} must be float32, got {scale.dtype}")
     if tuple(scale.shape) == block:
@@ -329,9 +334,9 @@ def batched_m_splits(
     per program when one expert's slab is full (all rows to one expert), never more than
     the ``ceil(capacity / block_m)`` blocks there are. Chosen from the shape alone, so the
     grid is the same on every call (CUDA-graph safe)."""
-    blocks = triton.cdiv(capacity, block_m)
-    fill = triton.cdiv(BATCHED_PROGRAMS_PER_SM * num_sms, max(1, num_experts * num_n_blocks))
-    return max(1, min(blocks, max(fill, triton.cdiv(blocks, BATCHED_MAX_SERIAL))))
+    blocks = _cdiv(capacity, block_m)
+    fill = _cdiv(BATCHED_PROGRAMS_PER_SM * num_sms, max(1, num_experts * num_n_blocks))
+    return max(1, min(blocks, max(fill, _cdiv(blocks, BATCHED_MAX_SERIAL))))
 
 
 @functools.cache
@@ -417,10 +422,10 @@ def gate_up(
     y_scale = None
     if fused_quant:
         y_scale = torch.empty(
-            (*y_shape[:-1], triton.cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device
+            (*y_shape[:-1], _cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device
         )
     w_block, ws_strides = _weight_scale_strides(w13_scale, w13, "w13_scale")
-    n_blocks = triton.cdiv(N, cfg.block_n)
+    n_blocks = _cdiv(N, cfg.block_n)
     m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, x.device, m_splits)
     grid = (m_blocks * n_blocks,)
     if grid[0] > 0:
@@ -507,7 +512,7 @@ def down(
         out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
     w_block, ws_strides = _weight_scale_strides(w2_scale, w2, "w2_scale")
-    n_blocks = triton.cdiv(H, cfg.block_n)
+    n_blocks = _cdiv(H, cfg.block_n)
     m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, h.device, m_splits)
     grid = (m_blocks * n_blocks,)
     if grid[0] == 0:
@@ -564,7 +569,7 @@ def sum_topk(y_pos: torch.Tensor, aligned: AlignedPairs, out_dtype: torch.dtype)
         return out
     block_k = _pow2(K)
     block_h = max(16, min(_pow2(H), 8192 // block_k))
-    reduce.sum_topk_kernel[(R, triton.cdiv(H, block_h))](
+    reduce.sum_topk_kernel[(R, _cdiv(H, block_h))](
         y_pos,
         aligned.pair_pos,
         out,
@@ -623,7 +628,7 @@ def _prepare_hidden(
     (FP8 activations, 16/32-bit weights; a slow path in torch) or pass through."""
     H = hidden.shape[-1]
     if hidden.dtype == FP8_DTYPE:
-        groups = triton.cdiv(H, FP8_GROUP)
+        groups = _cdiv(H, FP8_GROUP)
         if hidden_scale is None or tuple(hidden_scale.shape) != (*hidden.shape[:-1], groups):
             raise ValueError(
                 f"FP8 hidden states {tuple(hidden.shape)} need hidden_scale of shape "
