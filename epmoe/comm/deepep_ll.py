@@ -123,8 +123,16 @@ class DeepEPLLBackend(AllToAll):
             )
         return super().rebind_reason(spec)
 
+    def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
+        """The blocking dispatch: DeepEP's send and receive phases in one kernel (no
+        receive hook), the way DeepEP's own tests time it."""
+        return self._dispatch(hidden_TH, topk_ids_TK, topk_weights_TK, hook=False).wait()
+
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The send half now; ``wait()`` calls DeepEP's receive hook."""
+        return self._dispatch(hidden_TH, topk_ids_TK, topk_weights_TK, hook=True)
+
+    def _dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK, hook: bool):
         spec, buffer = self.spec, self._buffer()
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
         if self._held >= 1:
@@ -134,18 +142,19 @@ class DeepEPLLBackend(AllToAll):
             )
         ids = topk_ids_TK.to(getattr(self._deep_ep, "topk_idx_t", torch.int64)).contiguous()
         weights = topk_weights_TK.to(torch.float32).contiguous()
-        recv, counts, handle, _, hook = buffer.low_latency_dispatch(
+        recv, counts, handle, _, recv_hook = buffer.low_latency_dispatch(
             hidden_TH.contiguous(),
             ids,
             spec.max_num_tokens,
             spec.num_physical,
             use_fp8=spec.fp8_dispatch,
-            return_recv_hook=True,
+            return_recv_hook=hook,
         )
         self._held += 1
 
         def receive() -> DispatchResult:
-            hook()
+            if recv_hook is not None:  # (None without a hook: one kernel did both phases)
+                recv_hook()
             if spec.fp8_dispatch:
                 hidden, scale = recv
                 scale = scale.contiguous()  # DeepEP keeps its last two dims column-major
@@ -161,18 +170,26 @@ class DeepEPLLBackend(AllToAll):
 
         return Pending(receive)
 
+    def combine(self, expert_out, result) -> torch.Tensor:
+        """The blocking combine: DeepEP's two phases in one kernel (no receive hook)."""
+        return self._combine(expert_out, result, hook=False).wait()
+
     def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
         """The send half of the weighted combine now; ``wait()`` calls the receive hook."""
+        return self._combine(expert_out, result, hook=True)
+
+    def _combine(self, expert_out, result, hook: bool) -> Pending[torch.Tensor]:
         check_combine_args(expert_out, result)
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"deepep_ll combines bf16 rows, got {expert_out.dtype}")
         handle, ids, weights = result.handle
-        combined, _, hook = self._buffer().low_latency_combine(
-            expert_out.contiguous(), ids, weights, handle, return_recv_hook=True
+        combined, _, recv_hook = self._buffer().low_latency_combine(
+            expert_out.contiguous(), ids, weights, handle, return_recv_hook=hook
         )
 
         def receive() -> torch.Tensor:
-            hook()
+            if recv_hook is not None:
+                recv_hook()
             self._held = max(self._held - 1, 0)
             return combined
 

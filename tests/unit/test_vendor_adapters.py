@@ -82,8 +82,8 @@ class _FakeBuffer:
     # low-latency mode
     def low_latency_dispatch(self, x, topk_idx, M, num_experts, use_fp8=True,
                              return_recv_hook=False):  # fmt: skip
-        assert x.dtype == torch.bfloat16 and topk_idx.dtype == torch.int64 and return_recv_hook
-        self.calls.append("dispatch")
+        assert x.dtype == torch.bfloat16 and topk_idx.dtype == torch.int64
+        self.calls.append("dispatch" if return_recv_hook else "dispatch, both phases")
         recv = torch.zeros(num_experts, M, x.shape[1], dtype=torch.bfloat16)
         counts = torch.zeros(num_experts, dtype=torch.int32)
         where = []
@@ -97,16 +97,17 @@ class _FakeBuffer:
         if use_fp8:
             q, s = quantize_groups(recv.float())
             recv = (q, s.transpose(-1, -2).contiguous().transpose(-1, -2))  # column-major
-        return recv, counts, (where, x.shape[0]), None, lambda: self.calls.append("recv hook")
+        hook = (lambda: self.calls.append("recv hook")) if return_recv_hook else None
+        return recv, counts, (where, x.shape[0]), None, hook
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False):
-        assert return_recv_hook
-        self.calls.append("combine")
+        self.calls.append("combine" if return_recv_hook else "combine, both phases")
         where, T_ = handle
         out = torch.zeros(T_, x.shape[-1], dtype=torch.float32)
         for t, k, e, row in where:
             out[t] += topk_weights[t, k] * x[e, row].float()
-        return out.to(torch.bfloat16), None, lambda: self.calls.append("combine hook")
+        hook = (lambda: self.calls.append("combine hook")) if return_recv_hook else None
+        return out.to(torch.bfloat16), None, hook
 
 
 @pytest.fixture
@@ -206,6 +207,16 @@ def test_ll_split_phase_maps_to_the_receive_hooks(fake_deep_ep, fp8):
     assert_close(out, epmoe.reference.moe(sent, w13, w2, w, ids), tol, name="deepep_ll")
     second = comm.dispatch_async(x, ids, w).wait()  # free again after the combine
     comm.combine(torch.zeros_like(second.hidden, dtype=torch.bfloat16), second)
+    # the blocking calls: one DeepEP kernel each (both phases, no hook), same results
+    calls = len(buffer.calls)
+    res = comm.dispatch(x, ids, w)
+    rows = _rows(res.hidden, res.hidden_scale)
+    y = torch.zeros_like(rows)
+    for e, n in enumerate(res.counts.tolist()):
+        y[e, :n] = expert_mlp(rows[e, :n], w13[e], w2[e])
+    again = comm.combine(y.to(torch.bfloat16), res)
+    assert buffer.calls[calls:] == ["dispatch, both phases", "combine, both phases"]
+    torch.testing.assert_close(again, out)
     comm.close()
 
 
