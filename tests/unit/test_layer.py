@@ -288,22 +288,35 @@ class _FixedBufferBackend(AllToAllBackend):
         return super().dispatch_async(hidden_TH, topk_ids_TK, topk_weights_TK)
 
 
+def _register(monkeypatch, *, prefill: bool = False) -> None:
+    """Put the stand-ins in the backend registry: the fixed-buffer one first (``auto``'s
+    decode choice) and, with ``prefill``, the prefill one last."""
+    registry = {"fixed": f"{__name__}:_FixedBufferBackend", **epmoe.comm._BACKENDS}
+    if prefill:
+        registry["prefill"] = f"{__name__}:_PrefillBackend"
+    monkeypatch.setattr(epmoe.comm, "_BACKENDS", registry)
+
+
+def _assert_oracle(layer, w13, w2, tokens) -> None:
+    """``layer`` (from ``layer_and_weights``) equals the oracle for each token count."""
+    E, K, H = 8, 2, 16
+    for T in tokens:
+        x, logits = torch.randn(T, H), torch.randn(T, E)
+        out = layer(x, logits)
+        w, ids = epmoe.select_experts(logits, K)
+        assert_close(out, epmoe.reference.moe(x, w13, w2, w, ids), 1e-5, name=f"T={T}")
+
+
 def test_auto_sends_decode_steps_to_the_fixed_buffer_backend_and_prefill_elsewhere(monkeypatch):
     """``auto`` builds a graph-safe fixed-buffer backend beside the general one: steps whose
     largest T fits its buffers run there, larger ones on the general backend, unchunked."""
-    registry = {"fixed": f"{__name__}:_FixedBufferBackend", **epmoe.comm._BACKENDS}
-    monkeypatch.setattr(epmoe.comm, "_BACKENDS", registry)
+    _register(monkeypatch)
     _FixedBufferBackend.calls = []
     layer, w13, w2 = layer_and_weights()
     assert layer.comm.name == "all_to_all"
     assert isinstance(layer.decode_comm, _FixedBufferBackend) and layer.decode_max_tokens == 4
     assert "decode_backend" in repr(layer)
-    E, K, H = 8, 2, 16
-    for T in (0, 3, 4, 9):
-        x, logits = torch.randn(T, H), torch.randn(T, E)
-        out = layer(x, logits)
-        w, ids = epmoe.select_experts(logits, K)
-        assert_close(out, epmoe.reference.moe(x, w13, w2, w, ids), 1e-5, name=f"T={T}")
+    _assert_oracle(layer, w13, w2, (0, 3, 4, 9))
     # T = 0, 3, 4 fit the fixed buffers; T = 9 goes to all_to_all in one chunk
     assert _FixedBufferBackend.calls == ["fixed T=0", "fixed T=3", "fixed T=4"]
     # a named backend gets no decode twin
@@ -331,22 +344,12 @@ def test_auto_sends_larger_steps_to_a_prefill_backend_with_larger_fixed_buffers(
     """With a second graph-safe fixed-buffer backend sized for larger steps (symm_ht
     beside symm_ll), ``auto`` makes it the layer's main backend: decode steps go to the
     smaller one, larger steps to it in chunks of its buffers; all_to_all is not used."""
-    registry = {
-        "fixed": f"{__name__}:_FixedBufferBackend",
-        **epmoe.comm._BACKENDS,
-        "prefill": f"{__name__}:_PrefillBackend",
-    }
-    monkeypatch.setattr(epmoe.comm, "_BACKENDS", registry)
+    _register(monkeypatch, prefill=True)
     _FixedBufferBackend.calls = []
     layer, w13, w2 = layer_and_weights()
     assert isinstance(layer.comm, _PrefillBackend) and layer.max_num_tokens == 8
     assert isinstance(layer.decode_comm, _FixedBufferBackend) and layer.decode_max_tokens == 4
-    E, K, H = 8, 2, 16
-    for T in (3, 9):
-        x, logits = torch.randn(T, H), torch.randn(T, E)
-        out = layer(x, logits)
-        w, ids = epmoe.select_experts(logits, K)
-        assert_close(out, epmoe.reference.moe(x, w13, w2, w, ids), 1e-5, name=f"T={T}")
+    _assert_oracle(layer, w13, w2, (3, 9))
     # T = 3 fits the decode buffers; T = 9 runs on the prefill backend in chunks of 8
     assert _FixedBufferBackend.calls == ["fixed T=3", "prefill T=8", "prefill T=1"]
     # the Standard layout asked for: the prefill backend serves every step (no decode twin)
@@ -362,8 +365,7 @@ def test_two_micro_batches_split_larger_steps_and_leave_decode_steps_whole(monke
     """micro_batches=2 with auto's decode twin: a decode-sized step runs whole on the decode
     backend (halves would read every weight twice), a larger one in two halves; both equal
     the oracle."""
-    registry = {"fixed": f"{__name__}:_FixedBufferBackend", **epmoe.comm._BACKENDS}
-    monkeypatch.setattr(epmoe.comm, "_BACKENDS", registry)
+    _register(monkeypatch)
     calls: list[str] = []
     original = AllToAllBackend.dispatch_async  # (the fixed-buffer stand-in calls it too)
 
@@ -374,11 +376,7 @@ def test_two_micro_batches_split_larger_steps_and_leave_decode_steps_whole(monke
     monkeypatch.setattr(AllToAllBackend, "dispatch_async", counted)
     layer, w13, w2 = layer_and_weights(micro_batches=2)
     assert isinstance(layer.decode_comm, _FixedBufferBackend)
-    E, K, H = 8, 2, 16
-    for T in (3, 9):
-        x, logits = torch.randn(T, H), torch.randn(T, E)
-        out = layer(x, logits)
-        assert_close(out, epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K)), 1e-5)
+    _assert_oracle(layer, w13, w2, (3, 9))
     assert calls == [
         "_FixedBufferBackend T=3",  # decode: whole
         "AllToAllBackend T=5",  # larger: two halves
