@@ -304,16 +304,24 @@ def _rows(
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
     if row_index is None:
         return _Rows(True, 0, rows, rows, rows, rows, rows, 0, x.shape[1], 1)
-    if row_index.dim() != 2 or row_index.shape[0] != e or row_index.dtype != torch.int32:
-        raise ValueError(
-            f"row_index must be int32 [e={e}, C], got {row_index.dtype} {tuple(row_index.shape)}"
-        )
+    C = _check_row_index(row_index, e, x, "row_index", "x")
+    return _Rows(True, 0, row_index.contiguous(), rows, rows, rows, rows, 0, C, 1, True)
+
+
+def _check_row_index(
+    row_index: torch.Tensor, e: int, x: torch.Tensor, name: str, x_name: str
+) -> int:
+    """Checks a row index ``[e, C]`` int32 and the received rows ``x [R, H]`` it indexes
+    (errors name the caller's arguments); returns ``C``."""
+    if row_index.dim() != 2 or row_index.shape[0] != e:
+        raise ValueError(f"{name} must be [e={e}, C], got {tuple(row_index.shape)}")
+    if row_index.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {row_index.dtype}")
     if x.dim() != 2:
         raise ValueError(
-            f"with row_index, x must be the received rows [R, H], got {tuple(x.shape)}"
+            f"with {name}, {x_name} must be the received rows [R, H], got {tuple(x.shape)}"
         )
-    index = row_index.contiguous()
-    return _Rows(True, 0, index, rows, rows, rows, rows, 0, index.shape[1], 1, True)
+    return row_index.shape[1]
 
 
 # ExpertBatched GEMMs: how many row programs per expert (S) the fixed grid holds. A decode
@@ -804,16 +812,12 @@ def fused_moe_batched(
             raise ValueError(f"hidden_eCH must be [e={e}, C, H={H}], got {tuple(hidden_eCH.shape)}")
         C = hidden_eCH.shape[1]
     else:
-        if hidden_eCH.dim() != 2 or hidden_eCH.shape[1] != H:
+        C = _check_row_index(row_index_eC, e, hidden_eCH, "row_index_eC", "hidden_eCH")
+        if hidden_eCH.shape[1] != H:
             raise ValueError(
                 f"with row_index_eC, hidden_eCH must be the received rows [R, H={H}], got "
                 f"{tuple(hidden_eCH.shape)}"
             )
-        if row_index_eC.dim() != 2 or row_index_eC.shape[0] != e:
-            raise ValueError(f"row_index_eC must be [e={e}, C], got {tuple(row_index_eC.shape)}")
-        if row_index_eC.dtype != torch.int32:
-            raise TypeError(f"row_index_eC must be int32, got {row_index_eC.dtype}")
-        C = row_index_eC.shape[1]
     if counts_e.shape != (e,) or counts_e.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"counts_e must be an int32 [e={e}] tensor, got {counts_e.dtype} "
