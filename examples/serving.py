@@ -228,6 +228,21 @@ def idle_forward(blocks: list[EPMoEBlock], hidden_size: int, device, dtype) -> N
             block(empty)
 
 
+def mark(cuda: bool):
+    """A point in time: a recorded CUDA event on GPUs (read later, no wait), else the host
+    clock."""
+    if not cuda:
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def elapsed_ms(cuda: bool, a, b) -> float:
+    """Milliseconds from mark ``a`` to mark ``b`` (events: once both have completed)."""
+    return a.elapsed_time(b) if cuda else (b - a) * 1e3
+
+
 class StepTimer:
     """The time of every step and of the MoE blocks inside it, by step kind: CUDA events
     on GPUs (read once at the end, so no step waits for the device), the host clock on
@@ -242,14 +257,10 @@ class StepTimer:
             block.register_forward_hook(self._block_end)
 
     def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark(self.cuda)
 
     def _ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+        return elapsed_ms(self.cuda, a, b)
 
     def begin(self, kind: str) -> None:
         self._open = (kind, self._mark(), [])
@@ -301,18 +312,13 @@ def aligned_moe_ms(
             if group is not None:
                 dist.barrier(group=group)
             with epmoe.step(group, num_tokens=batch, decode=True, graph_max_tokens=batch):
-                if cuda:
-                    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                    start.record()
-                t0 = time.perf_counter()
+                start = mark(cuda)
                 for block in blocks:  # (the same rows into each: random layers may blow up)
                     block(x)
-                if cuda:
-                    end.record()
-                    torch.cuda.synchronize(device)
-                    times.append(start.elapsed_time(end))
-                else:
-                    times.append((time.perf_counter() - t0) * 1e3)
+                end = mark(cuda)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(elapsed_ms(cuda, start, end))
     return statistics.median(times[3:])
 
 
