@@ -31,6 +31,9 @@
 #                        through an index (default) and rows copied into [e, C, H] slabs;
 #                        comm at 1, 128 and 512 tokens, the layer at 128 (bf16 and FP8
 #                        expert weights, EPMOE_SYMM_LL_ROWS)
+#     timeline           where symm_ll's time goes at 128 tokens: each program's steps on the
+#                        GPU timer (python -m epmoe.bench timeline), once per environment in
+#                        TIMELINE_VARIANTS (space-separated; commas join several settings)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source launch/gpu_env.sh
@@ -180,6 +183,17 @@ for s in "${STEPS[@]}"; do
                     --max-num-tokens 128 --experts triton --backends symm_ll "${extra[@]}" \
                     --iters 10 --out "$OUT/layer_${rows}_$wd.json" >>"$OUT/rows.log" 2>&1 || failed=1
             done
+        done
+        [ "$failed" -eq 0 ]
+        ;;
+    timeline)
+        failed=0
+        for variant in ${TIMELINE_VARIANTS:-default}; do
+            settings=(); [ "$variant" != default ] && IFS=, read -ra settings <<<"$variant"
+            echo "### $variant" >>"$OUT/timeline.log"
+            env "${settings[@]}" timeout "${TIMELINE_LIMIT_S:-90}" python3 launch/run.py \
+                --nproc "$NGPU" -m epmoe.bench timeline --tokens 128 \
+                --out "$OUT/timeline_${variant//[=,]/_}.json" >>"$OUT/timeline.log" 2>&1 || failed=1
         done
         [ "$failed" -eq 0 ]
         ;;

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "experts": "batched-expert kernels against dense matmul, torch._grouped_mm and cuBLAS",
     "layer": "one EPMoE forward end to end, and before/after an EPLB rebalance",
     "eplb": "placement balancedness and re-plan time (offline, CPU)",
+    "timeline": "when each program of symm_ll's kernels reaches each step (GPU timer)",
 }
 
 

@@ -40,21 +40,24 @@ def main() -> None:
             recv.update(recv_t_ptr="*i32", **shared)
             consts = dict(blocks, IN_PLACE=in_place)
             _compile(k.ll_dispatch_recv_kernel, recv, consts)
-            _compile(k.ll_dispatch_kernel, dict(send, **recv), dict(consts, BLOCK_W=2, **quant))
+            fused = dict(consts, BLOCK_W=2, STAMPS=in_place, **quant)
+            _compile(k.ll_dispatch_kernel, dict(send, stamps_ptr="*i64", **recv), fused)
         compiled += 6 + fp8
     csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", cnt_ptr="*i32", **shared)
     _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
     _compile(k.combine_recv_kernel, crecv, combine)
-    _compile(k.ll_combine_kernel, dict(csend, **crecv), dict(combine, BLOCK_E=256))
+    for stamps in (False, True):
+        fused = dict(combine, BLOCK_E=256, STAMPS=stamps)
+        _compile(k.ll_combine_kernel, dict(csend, stamps_ptr="*i64", **crecv), fused)
     ht = dict(ids_out_ptr="*i64", w_out_ptr="*fp32", recv_t_ptr="*i32", **shared)
     _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8))
     hsend = dict(y_ptr="*bf16", ids_out_ptr="*i64", recv_t_ptr="*i32", **shared)
     for batch, fence in ((1, False), (4, True)):
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence)
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 6} symm kernels for sm_90")
+    print(f"compiled {compiled + 7} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

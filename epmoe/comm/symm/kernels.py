@@ -31,8 +31,9 @@ Synchronisation: one flag per token and direction, set after a system-scope fenc
 the stores it covers (one fence for all of a token's flags, or for a batch of tokens) and
 polled with acquire loads, so no two programs fight over one address; every wait is
 bounded by ``timeout_ns`` of the GPU's global timer and writes an error code to host
-memory instead of hanging. A dispatch announces its token count (``expect``) before any
-row, so receivers of tokens that do not come leave at once; a receiver polls its token's
+memory instead of hanging. A dispatch announces its token count (``expect``) first (in
+``symm_ll``'s fused dispatch from a program of its own, so that its fence delays no
+token), so receivers of tokens that do not come leave early; a receiver polls its token's
 flag and the count in one loop. A flag is reset by the program that consumed it, after
 it is done with the token, ``expect`` by the combine of the same call, ``started`` by the
 next dispatch on the same parity; the receive counters are zeroed by the combine (the experts
@@ -78,6 +79,14 @@ def _now_ns():
         return tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
         )
+
+
+@triton.jit
+def _stamp(stamps_ptr, pid, i: tl.constexpr, STAMPS: tl.constexpr):
+    """With ``STAMPS`` (``epmoe.bench.timeline``): the global timer into slot ``i`` of
+    program ``pid``'s row of ``stamps_ptr [programs, 8]`` int64; nothing otherwise."""
+    if STAMPS:
+        tl.store(stamps_ptr + pid * 8 + i, _now_ns())
 
 
 @triton.jit
@@ -251,15 +260,25 @@ def _route_token(ids_ptr, owner_ptr, t64, P, K: tl.constexpr, kk, k_mask, rr):
 
 
 @triton.jit
-def _quantize_fp8(
-    x, BLOCK_H: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr
-):
-    """``x [BLOCK_H]`` float32 → (e4m3 ``[BLOCK_H]``, float32 scales ``[BLOCK_H // 128]``),
+def _row_cols(h0, BLOCK_H: tl.constexpr, GROUPED: tl.constexpr):
+    """Columns ``[h0, h0 + BLOCK_H)`` of a row: ``[BLOCK_H]``, or with ``GROUPED`` (FP8)
+    ``[BLOCK_H // 128, 128]``, a scale group per tile row, so that the rows are loaded in
+    the layout the groups' amax reduces in (a reshape of a loaded row converts its layout
+    through shared memory: microseconds on a decode dispatch's path)."""
+    if GROUPED:
+        gg = tl.arange(0, BLOCK_H // 128)
+        return h0 + gg[:, None] * 128 + tl.arange(0, 128)[None, :]
+    else:
+        return h0 + tl.arange(0, BLOCK_H)
+
+
+@triton.jit
+def _quantize_fp8(x, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr):
+    """``x [groups, 128]`` float32 → (e4m3 ``[groups, 128]``, float32 scales ``[groups]``),
     one scale per 128 columns, exactly as ``epmoe.reference.quantize_groups``."""
-    xg = tl.reshape(x, (BLOCK_H // 128, 128))
-    scale = tl.maximum(tl.max(tl.abs(xg), 1), EPS) * INV_FP8_MAX
-    q = tl.minimum(tl.maximum(tl.div_rn(xg, scale[:, None]), -FP8_MAX), FP8_MAX)
-    return tl.reshape(q, (BLOCK_H,)).to(tl.float8e4nv), scale
+    scale = tl.maximum(tl.max(tl.abs(x), 1), EPS) * INV_FP8_MAX
+    q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    return q.to(tl.float8e4nv), scale
 
 
 # ------------------------------------------------------------------------------ dispatch
@@ -269,16 +288,16 @@ def _send_step(
     BLOCK_H: tl.constexpr, FP8: tl.constexpr, PREQUANT: tl.constexpr, WIRE: tl.constexpr,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
-    """Columns ``[h0, h0 + BLOCK_H)`` of one token's row ``x``, quantized if FP8 (unless
-    ``PREQUANT``: ``x`` is FP8 already, ``sv`` its scales), stored into every rank that
-    holds one of its experts (read once, stored up to W times)."""
-    cols = h0 + tl.arange(0, BLOCK_H)
+    """Columns ``[h0, h0 + BLOCK_H)`` of one token's row ``x`` (``_row_cols``' shape),
+    quantized if FP8 (unless ``PREQUANT``: ``x`` is FP8 already, ``sv`` its scales), stored
+    into every rank that holds one of its experts (read once, stored up to W times)."""
+    cols = _row_cols(h0, BLOCK_H, FP8)
     c_mask = cols < H
     if PREQUANT:
         q, scale = x, sv
         gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
     elif FP8:
-        q, scale = _quantize_fp8(x.to(tl.float32), BLOCK_H, FP8_MAX, INV_FP8_MAX, EPS)
+        q, scale = _quantize_fp8(x.to(tl.float32), FP8_MAX, INV_FP8_MAX, EPS)
         gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
     else:
         q = x.to(WIRE)
@@ -294,10 +313,10 @@ def _send_step(
 
 @triton.jit
 def _announce(bases_ptr, T, W, src, off_flags, BLOCK_W: tl.constexpr):
-    """Program 0 of a dispatch's send half, first: clear this parity's ``started`` flags,
-    then tell every rank how many tokens come (``expect[src] = T + 1``). Before any row:
-    each row has a flag of its own, so the count only has to reach the receivers of
-    tokens that do not come (and the combine's bookkeeping), and they leave at once."""
+    """Program 0 of a dispatch, first: clear this parity's ``started`` flags, then tell
+    every rank how many tokens come (``expect[src] = T + 1``). Rows may arrive before it
+    (each has a flag of its own): the count only has to reach the receivers of tokens
+    that do not come, and the combine's bookkeeping."""
     rr = tl.arange(0, BLOCK_W)
     base = tl.load(bases_ptr + src)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
@@ -338,7 +357,7 @@ def _send_token(
         bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)  # [BLOCK_W] each rank's buffer
         t64 = tl.cast(t, tl.int64)
         # masked lanes read 0: a partial last FP8 group takes its amax over real columns
-        first = tl.arange(0, BLOCK_H)
+        first = _row_cols(0, BLOCK_H, FP8)
         x_first = tl.load(x_ptr + t64 * H + first, mask=first < H, other=0.0)
         wts = tl.load(w_ptr + t64 * K + kk, mask=k_mask, other=0.0)
         ids, valid, bad, owner, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
@@ -370,19 +389,19 @@ def _send_token(
 
 
 @triton.jit
-def _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W: tl.constexpr, FENCED: tl.constexpr):
-    """Token ``t``'s flag at every rank (release: after its stores, which a barrier in the
-    caller has ordered before it; ``FENCED``: the caller has fenced them, a relaxed write)."""
+def _flag_token(t, bases, rr, T, M, W, src, off_flags, FENCED: tl.constexpr):
+    """Token ``t``'s flag at every rank, all at once (a lane of ``bases [BLOCK_W]`` per rank;
+    the caller loaded them before its stores, so nothing but the writes follows its fence):
+    release, after its stores, which a barrier in the caller has ordered before it;
+    ``FENCED``: the caller has fenced them, a relaxed write."""
     if t < T:
-        rr = tl.arange(0, BLOCK_W)
-        bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
         row = tl.cast(src, tl.int64) * M + t
-        for r in range(W):
-            flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
-            if FENCED:
-                tl.atomic_xchg(flags + 2 * W + row, 1, sem="relaxed", scope="sys")
-            else:
-                tl.atomic_xchg(flags + 2 * W + row, 1, sem="release", scope="sys")
+        flags = (bases + off_flags).to(tl.pointer_type(tl.int32)) + 2 * W + row
+        ones = tl.full(rr.shape, 1, tl.int32)
+        if FENCED:
+            tl.atomic_xchg(flags, ones, mask=rr < W, sem="relaxed", scope="sys")
+        else:
+            tl.atomic_xchg(flags, ones, mask=rr < W, sem="release", scope="sys")
 
 
 @triton.jit
@@ -391,20 +410,24 @@ def _dispatch_send(
     T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-    EPS: tl.constexpr,
+    EPS: tl.constexpr, stamps_ptr, pid, STAMPS: tl.constexpr,
 ):  # fmt: skip
     """Program ``t`` of a one-token-per-program send half (``symm_ll``'s fused dispatch):
-    each sends its token and raises its flag; program 0 announces the count first."""
-    if t == 0:
-        _announce(bases_ptr, T, W, src, off_flags, BLOCK_W)
+    each sends its token and raises its flag."""
+    _stamp(stamps_ptr, pid, 0, STAMPS)
+    rr = tl.arange(0, BLOCK_W)
+    bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
     _send_token(
         t, x_ptr, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
         T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
         K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, False, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
     )  # fmt: skip
+    _stamp(stamps_ptr, pid, 1, STAMPS)
     tl.debug_barrier()  # every store of this program is issued before the fence
     _fence_sys()  # one fence for the token's flags at every rank (not a release per rank)
-    _flag_token(t, bases_ptr, T, M, W, src, off_flags, BLOCK_W, True)
+    _stamp(stamps_ptr, pid, 2, STAMPS)
+    _flag_token(t, bases, rr, T, M, W, src, off_flags, True)
+    _stamp(stamps_ptr, pid, 3, STAMPS)
 
 
 @triton.jit
@@ -441,13 +464,14 @@ def _dispatch_recv(
     s, t, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
     H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
-    WIRE: tl.constexpr, IN_PLACE: tl.constexpr,
+    WIRE: tl.constexpr, IN_PLACE: tl.constexpr, stamps_ptr, pid, STAMPS: tl.constexpr,
 ):  # fmt: skip
     """Program (source ``s``, token ``t``) of the dispatch's receive half: waits for the
     token and takes a row of each of its local experts. ``IN_PLACE``: that row's entry of
     the index ``xo_ptr [e_max, C]`` int32 gets the token's row in ``tok_x`` (the experts
     read it there); else the row is copied into ``xo_ptr [e_max, C, H]`` (its first
     columns read while the expert rows are being taken)."""
+    _stamp(stamps_ptr, pid, 0, STAMPS)
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     base = tl.load(bases_ptr + me)
@@ -457,6 +481,7 @@ def _dispatch_recv(
         tl.store(recv_t_ptr + s, tl.maximum(expect - 1, 0))
     row = tl.cast(s, tl.int64) * M + t
     if _wait_token(flags + 2 * W + row, flags + s, t, timeout_ns, err_addr, s):
+        _stamp(stamps_ptr, pid, 1, STAMPS)
         slot_ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
         tok_x = _at(base, off_x, WIRE)
         tok_s = _at(base, off_s, tl.float32)
@@ -478,6 +503,7 @@ def _dispatch_recv(
         dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
         if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
             _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
+        _stamp(stamps_ptr, pid, 2, STAMPS)
         if IN_PLACE:
             here = tl.zeros((BLOCK_K,), tl.int32) + row.to(tl.int32)
             tl.store(xo_ptr + tl.maximum(dst, 0), here, mask=k_mask & (dst >= 0))
@@ -491,6 +517,7 @@ def _dispatch_recv(
         # consumed: reset last, off the path to the index (nothing raises it again before
         # this call's combine: see the module docstring)
         tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")
+    _stamp(stamps_ptr, pid, 3, STAMPS)
 
 
 @triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
@@ -541,6 +568,8 @@ def dispatch_send_kernel(
     N = tl.num_programs(0)
     if pid == 0:
         _announce(bases_ptr, T, W, src, off_flags, BLOCK_W)
+    rr = tl.arange(0, BLOCK_W)
+    bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
     for t0 in range(pid, T, N * BATCH):
         for j in tl.static_range(BATCH):
             _send_token(
@@ -552,7 +581,7 @@ def dispatch_send_kernel(
         if FENCE:  # a batch: one fence for its rows, then relaxed flags
             _fence_sys()
         for j in tl.static_range(BATCH):
-            _flag_token(t0 + j * N, bases_ptr, T, M, W, src, off_flags, BLOCK_W, FENCE)
+            _flag_token(t0 + j * N, bases, rr, T, M, W, src, off_flags, FENCE)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_x", "off_s", "off_ids"])
@@ -590,38 +619,45 @@ def ll_dispatch_recv_kernel(
     _dispatch_recv(
         tl.program_id(0), tl.program_id(1), bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr,
         recv_t_ptr, err_addr, H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
-        K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE,
+        K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE, cnt_ptr, 0, False,
     )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
 def ll_dispatch_kernel(
     x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
-    xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr,
+    xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, stamps_ptr,
     T, H, P, M, W, G, C, src, timeout_ns,
     off_flags, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-    EPS: tl.constexpr, IN_PLACE: tl.constexpr,
+    EPS: tl.constexpr, IN_PLACE: tl.constexpr, STAMPS: tl.constexpr,
 ):  # fmt: skip
     """Send and receive in one launch (the blocking dispatch; arguments as in the two
-    halves): programs ``[0, max(T, 1))`` send, the next ``W·M`` receive. The senders come
-    first in launch order, so the receivers' spinning never keeps them off the SMs, and
-    rows are expanded as they arrive, while this rank's own stores are still in flight."""
+    halves): program 0 announces the count, programs ``[1, 1 + T)`` send a token each,
+    the next ``W·M`` receive. The count goes first and on a program of its own (its fence
+    delays no token); the senders come before the receivers in launch order, so the
+    receivers' spinning never keeps them off the SMs, and rows are expanded as they arrive,
+    while this rank's own stores are still in flight. ``stamps_ptr [programs, 8]``: see
+    ``_stamp``."""
     pid = tl.program_id(0)
-    n_send = tl.maximum(T, 1)
-    if pid < n_send:
+    if pid == 0:
+        _stamp(stamps_ptr, pid, 0, STAMPS)
+        _announce(bases_ptr, T, W, src, off_flags, BLOCK_W)
+        _stamp(stamps_ptr, pid, 2, STAMPS)
+    elif pid <= T:
         _dispatch_send(
-            pid, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+            pid - 1, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
             T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
             K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+            stamps_ptr, pid, STAMPS,
         )  # fmt: skip
     else:
-        q = pid - n_send
+        q = pid - 1 - T
         _dispatch_recv(
             q // M, q % M, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
             H, M, W, G, C, src, timeout_ns, off_flags, off_x, off_s, off_ids,
-            K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE,
+            K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE, stamps_ptr, pid, STAMPS,
         )  # fmt: skip
 
 
@@ -631,12 +667,14 @@ def _combine_send(
     s, t, y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, e_max,
     H, M, W, me, off_flags, off_w, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+    stamps_ptr, pid, STAMPS: tl.constexpr,
 ):  # fmt: skip
     """Program (source ``s``, token ``t``) of the combine's send half: the weighted sum of
     the token's rows on this rank, written into the source's ``comb_y``, then its flag.
     Program (0, 0) also zeroes this parity's expert row counters for its next dispatch
     (the experts have read them: they ran before this combine). The token's positions and
     weights are read before its count is known (they are used only below it)."""
+    _stamp(stamps_ptr, pid, 0, STAMPS)
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     base_s = tl.load(bases_ptr + s)
@@ -672,8 +710,10 @@ def _combine_send(
                 y = tl.load(y_ptr + p * H + cols, mask=on, other=0.0)
                 acc += y.to(tl.float32) * _pick(w, kk, k)
             tl.store(out + src_row * H + cols, acc.to(y_ptr.dtype.element_ty), mask=c_mask)
+        _stamp(stamps_ptr, pid, 1, STAMPS)
         tl.debug_barrier()
         tl.atomic_xchg(src_flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
+    _stamp(stamps_ptr, pid, 2, STAMPS)
 
 
 @triton.jit
@@ -681,9 +721,11 @@ def _combine_recv(
     t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
     T, H, P, W, M, me, timeout_ns, off_flags, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    stamps_ptr, pid, STAMPS: tl.constexpr,
 ):  # fmt: skip
     """Program ``t`` of the combine's receive half: waits for token ``t``'s partial sums
     from the ranks holding its experts and adds them in float32."""
+    _stamp(stamps_ptr, pid, 0, STAMPS)
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     rr = tl.arange(0, BLOCK_W)
@@ -699,11 +741,13 @@ def _combine_recv(
     # every rank started its combine (see the module docstring), then the partial rows
     # of this token's ranks: one poll loop each over all ranks
     _wait_all(flags + W + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE)
+    _stamp(stamps_ptr, pid, 1, STAMPS)
     if t < T:
         cflags = flags + 2 * W + W * M
         comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
         mine = r_ok & (has_W > 0)
         _wait_all(cflags + r_any * M + t, mine, rr, timeout_ns, err_addr, OP_COMBINE)
+        _stamp(stamps_ptr, pid, 2, STAMPS)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
             c_mask = cols < H
@@ -716,6 +760,7 @@ def _combine_recv(
         # consumed (the ranks raise them again only in this parity's next combine)
         tl.atomic_xchg(cflags + r_any * M + t, tl.zeros((BLOCK_W,), tl.int32), mask=mine,
                        sem="relaxed", scope="sys")  # fmt: skip
+    _stamp(stamps_ptr, pid, 3, STAMPS)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_w", "off_y"])
@@ -746,6 +791,7 @@ def ll_combine_send_kernel(
     _combine_send(
         tl.program_id(0), tl.program_id(1), y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr,
         e_max, H, M, W, me, off_flags, off_w, off_y, K, BLOCK_K, BLOCK_H, BLOCK_E,
+        cnt_ptr, 0, False,
     )  # fmt: skip
 
 
@@ -780,15 +826,17 @@ def combine_recv_kernel(
         _combine_recv(
             t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+            out_ptr, 0, False,
         )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "me", "off_flags", "off_w", "off_y"])
 def ll_combine_kernel(
     y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, out_ptr, ids_ptr, owner_ptr, err_addr,
+    stamps_ptr,
     e_max, T, H, P, M, W, me, timeout_ns, off_flags, off_w, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    BLOCK_E: tl.constexpr, STAMPS: tl.constexpr,
 ):  # fmt: skip
     """Send and receive in one launch (the blocking combine): programs ``[0, W·M)`` send,
     the next ``max(T, 1)`` receive (senders first in launch order, as in
@@ -799,11 +847,13 @@ def ll_combine_kernel(
         _combine_send(
             pid // M, pid % M, y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, e_max,
             H, M, W, me, off_flags, off_w, off_y, K, BLOCK_K, BLOCK_H, BLOCK_E,
+            stamps_ptr, pid, STAMPS,
         )  # fmt: skip
     else:
         _combine_recv(
             pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+            stamps_ptr, pid, STAMPS,
         )  # fmt: skip
 
 

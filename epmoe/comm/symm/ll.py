@@ -118,6 +118,10 @@ class SymmLLBackend(SymmBackend):
 
     name = "symm_ll"
     transport_class = LLTransport
+    # ``epmoe.bench.timeline`` sets these to int64 ``[programs, 8]`` tensors: the fused
+    # kernels then record when each program reaches each of its steps (None: no records)
+    stamps_dispatch: torch.Tensor | None = None
+    stamps_combine: torch.Tensor | None = None
     capabilities = Capabilities(
         layouts=frozenset({Layout.EXPERT_BATCHED}),
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
@@ -190,14 +194,16 @@ class SymmLLBackend(SymmBackend):
         tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
         spec, W, T = self.spec, self.world_size, x.shape[0]
         reg = tr.regions[b]
+        stamps = self.stamps_dispatch
         try:
             launch(k.ll_dispatch_kernel)(
-                (max(1, T) + W * tr.M,),
+                (1 + T + W * tr.M,),
                 x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
                 tr.out[b], tr.out_scale[b], tr.counts[b], tr.pos[b], tr.recv_t[b],
+                tr.counts[b] if stamps is None else stamps,
                 T, tr.H, spec.num_physical, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                IN_PLACE=tr.in_place, num_warps=tr.num_warps, **c,
+                IN_PLACE=tr.in_place, STAMPS=stamps is not None, num_warps=tr.num_warps, **c,
             )  # fmt: skip
         except BaseException:
             tr.give_back(b)
@@ -234,13 +240,15 @@ class SymmLLBackend(SymmBackend):
         tr, spec, W, T, b = h.transport, self.spec, self.world_size, h.num_tokens, h.parity
         reg = tr.regions[b]
         out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
+        stamps = self.stamps_combine
         launch(k.ll_combine_kernel)(
             (W * tr.M + max(1, T),),
             y, tr.bases, tr.pos[b], tr.recv_t[b], tr.counts[b], out, h.ids_TK, self._owner_P,
-            tr.err_addr,
+            tr.err_addr, out if stamps is None else stamps,
             tr.e_max, T, tr.H, spec.num_physical, tr.M, W, self.rank, tr.timeout_ns,
             reg.flags, reg.w, reg.y,
-            BLOCK_W=pow2(W), BLOCK_E=BLOCK_E, num_warps=tr.num_warps, **c,
+            BLOCK_W=pow2(W), BLOCK_E=BLOCK_E, STAMPS=stamps is not None,
+            num_warps=tr.num_warps, **c,
         )  # fmt: skip
         self._combine_done(h)
         return out
