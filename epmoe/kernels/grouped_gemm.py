@@ -321,7 +321,7 @@ def _gate_up_tile(
         # (Other widths store h in fp32; ops.gate_up quantizes it afterwards.)
         h = tl.where(n_mask[None, :], h, 0.0)
         scale = tl.maximum(tl.max(tl.abs(h), 1), 1e-10) * INV_FP8_MAX  # [BM], as quant.py
-        q = tl.minimum(tl.maximum(tl.div_rn(h, scale[:, None]), -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(h * tl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
         tl.store(y_ptrs, q.to(y_ptr.dtype.element_ty), mask=y_mask)
         ys_ptrs = y_scale_ptr + expert * stride_yse + dst * stride_ysm + pid_n * stride_ysn
         tl.store(ys_ptrs, scale, mask=row_mask)

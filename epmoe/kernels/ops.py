@@ -182,7 +182,7 @@ def per_token_group_quant_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x [..., D]`` to ``float8_e4m3fn`` with one float32 scale per row and
     group of ``group_size`` columns: ``scale = max(amax, 1e-10) * float32(1/448)`` and
-    ``q = clamp(x / scale, ±448)`` rounded to nearest even (bit-equal to
+    ``q = clamp(x · (1 / scale), ±448)`` rounded to nearest even (bit-equal to
     ``epmoe.reference.quantize_groups``; the GPU tests check it).
 
     Returns ``(q [..., D], scale [..., ceil(D / group_size)])``. With ``counts [e]`` int32,

@@ -4,8 +4,8 @@ DeepSeek-V3's activation format: each row is cut into groups of ``GROUP`` (128) 
 each group gets one float32 scale ``max(amax, EPS) · INV_FP8_MAX`` (``INV_FP8_MAX`` = 1/448
 rounded to float32: a multiplication, exactly what torch computes for ``amax / 448.0`` on CUDA,
 where a division by a scalar is a multiplication by its reciprocal) and its values are stored
-as ``clamp(x / scale)`` (a correctly rounded division) in ``float8_e4m3fn``. Shape legend: M rows · D columns ·
-Gd = ceil(D / GROUP) groups per row.
+as ``clamp(x · (1 / scale))`` (a correctly rounded reciprocal per group, then a product) in
+``float8_e4m3fn``. Shape legend: M rows · D columns · Gd = ceil(D / GROUP) groups per row.
 """
 
 import triton
@@ -48,11 +48,11 @@ def per_token_group_quant_kernel(
     rows = rows.to(tl.int64)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    # The scale is a float32 product and the values a correctly rounded division (not the
+    # The scale is a float32 product and its reciprocal correctly rounded (not the
     # approximate default), so both match ``amax.clamp(min=EPS) * (1 / 448)`` and
-    # ``x / scale`` in torch bit for bit, on CPU and CUDA alike.
+    # ``x * reciprocal(scale)`` in torch bit for bit, on CPU and CUDA alike.
     scale = tl.maximum(tl.max(tl.abs(x), 1), EPS) * INV_FP8_MAX  # [BLOCK_M]
-    q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    q = tl.minimum(tl.maximum(x * tl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
     tl.store(
         q_ptr + rows[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask
     )

@@ -277,7 +277,9 @@ def _quantize_fp8(x, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, EPS: tl.c
     """``x [groups, 128]`` float32 → (e4m3 ``[groups, 128]``, float32 scales ``[groups]``),
     one scale per 128 columns, exactly as ``epmoe.reference.quantize_groups``."""
     scale = tl.maximum(tl.max(tl.abs(x), 1), EPS) * INV_FP8_MAX
-    q = tl.minimum(tl.maximum(tl.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
+    # one correctly rounded reciprocal per group, then products: a division per value
+    # costs 2.7 µs of a 128-token dispatch (docs/benchmarks.md, 2026-11-30 timeline)
+    q = tl.minimum(tl.maximum(x * tl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
     return q.to(tl.float8e4nv), scale
 
 
