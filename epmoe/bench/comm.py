@@ -21,7 +21,10 @@ record per mode:
   steady stream of calls (the GPU's, or the host's launch time where that is longer);
 * ``graph_b2b``: ``STREAM_ROUNDS`` round trips captured in one CUDA graph with timing
   events recorded inside it between phases, replayed ``STREAM_REPLAYS`` times: the GPU's
-  time per phase with no host in the way.
+  time per phase with no host in the way. The events inside the graph cost time of their
+  own: ``roundtrip_us`` is a round trip in the same graph without them (events only
+  around all rounds), and the ceiling's ``no_events_us`` a store likewise, as the floor
+  in FACTS.md was measured.
 
 ``eager`` and ``graph`` time one round trip after a barrier, from an idle stream: they add
 the launch latency and the ranks' skew leaving the barrier. The low-latency floor in
@@ -119,6 +122,7 @@ COMM_COLUMNS = [
     "mode",
     "dispatch_us",
     "combine_us",
+    "roundtrip_us",
     "goal",
     "sms",
     "a2a_us",
@@ -127,7 +131,18 @@ COMM_COLUMNS = [
     "combine_GBps",
     "note",
 ]
-CEILING_COLUMNS = ["wire", "T", "pattern", "mode", "us", "sms", "MB", "GBps", "note"]
+CEILING_COLUMNS = [
+    "wire",
+    "T",
+    "pattern",
+    "mode",
+    "us",
+    "no_events_us",
+    "sms",
+    "MB",
+    "GBps",
+    "note",
+]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -289,14 +304,18 @@ def time_stream(
 
 
 def capture_stream(
-    phases: Sequence[Callable[[], Any]], rounds: int, device: torch.device
+    phases: Sequence[Callable[[], Any]],
+    rounds: int,
+    device: torch.device,
+    between: bool = True,
 ) -> tuple[torch.cuda.CUDAGraph, list[torch.cuda.Event]]:
     """One CUDA graph of ``rounds`` rounds of ``phases`` back to back, with a timing event
-    recorded inside the graph between phases (``torch.cuda.Event(external=True)``); the
-    caller has warmed the phases up on a side stream. See :func:`time_captured`."""
-    events = [
-        torch.cuda.Event(enable_timing=True, external=True) for _ in range(rounds * len(phases) + 1)
-    ]
+    recorded inside the graph between phases (``torch.cuda.Event(external=True)``), or
+    with ``between=False`` only before the first and after the last (the events' own cost
+    left out: time the graph as one phase and divide by ``rounds``); the caller has warmed
+    the phases up on a side stream. See :func:`time_captured`."""
+    count = rounds * len(phases) + 1 if between else 2
+    events = [torch.cuda.Event(enable_timing=True, external=True) for _ in range(count)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         events[0].record()
@@ -304,8 +323,11 @@ def capture_stream(
         for _ in range(rounds):
             for phase in phases:
                 phase()
-                events[i].record()
-                i += 1
+                if between:
+                    events[i].record()
+                    i += 1
+        if not between:
+            events[1].record()
     return graph, events
 
 
@@ -474,6 +496,13 @@ def measure_dispatch_combine(
     else:
         d_ms, c_ms = time_captured(*stream, 2, replays=STREAM_REPLAYS, **_replay_timing(loop))
         out["graph_b2b"] = (median(d_ms), median(c_ms))
+        stream, _ = capture_agreed(
+            lambda: capture_stream([dispatch, combine], STREAM_ROUNDS, device, between=False),
+            device,
+        )
+        if stream is not None:
+            (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
+            out["graph_roundtrip"] = median(ms) / STREAM_ROUNDS
     dispatch_graph.replay()
     expert_out.copy_(identity_expert_out(captured, dtype))
     combine_graph.replay()
@@ -586,6 +615,8 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
             dispatch_GBps=dispatch_bytes / (d_ms * 1e6),
             combine_GBps=combine_bytes / (c_ms * 1e6),
         )
+        if mode == "graph_b2b" and "graph_roundtrip" in m:
+            rec["roundtrip_us"] = over_ranks(m["graph_roundtrip"], device) * 1e3
         check_roundtrip(rec, over_ranks(m[f"{mode.removesuffix('_b2b')}_error"], device))
         if rec.get("wrong"):  # a wrong result meets no goal
             records.append(rec)
@@ -695,6 +726,15 @@ def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
             if stream is not None:
                 (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
                 times["graph_b2b"] = median(ms)
+            stream, _ = capture_agreed(
+                lambda store=store: capture_stream(
+                    [store.launch], STREAM_ROUNDS, device, between=False
+                ),
+                device,
+            )
+            if stream is not None:
+                (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
+                times["no_events"] = median(ms) / STREAM_ROUNDS
         for mode in MODES:
             rec = dict(base, pattern=pattern, mode=mode)
             if mode not in times:
@@ -702,6 +742,8 @@ def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
                 continue
             ms = over_ranks(times[mode], device)
             rec.update(us=ms * 1e3, sms=sms, MB=stored / 1e6, GBps=stored / (ms * 1e6))
+            if mode == "graph_b2b" and "no_events" in times:
+                rec["no_events_us"] = over_ranks(times["no_events"], device) * 1e3
             records.append(rec)
     return records
 
