@@ -191,10 +191,17 @@ def _wait_at_least(flag_ptr, target, timeout_ns, err_addr, op, peer):
 
 @triton.jit
 def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
-    """Whether token ``t`` of a source came (program-uniform): spin until its flag
-    (``flag_ptr``) is raised or the source's ``expect`` (``T_s + 1``) says it sent no
-    token ``t``, polling both at once (one wait, not ``expect``'s and then the flag's).
-    Bounded as ``_wait_at_least``; a timeout reads as "did not come"."""
+    """Whether token ``t`` of a source came: spin until its flag (``flag_ptr``) is raised
+    or the source's ``expect`` (``T_s + 1``) says it sent no token ``t``, polling both at
+    once (one wait, not ``expect``'s and then the flag's). Bounded as ``_wait_at_least``;
+    a timeout reads as "did not come".
+
+    Each thread answers from its own last poll: a token is either sent (every thread
+    leaves on its flag) or not (every thread leaves on the count), so the answers agree,
+    except after a timeout, where a thread that gave up may miss a flag another saw.
+    Callers therefore mask by the answer and never branch around a barrier on it (a
+    shared re-read would agree always, at the price of an atomic round trip, 0.7 µs on
+    every token's path)."""
     flag = _load_acquire(flag_ptr)
     expect = _load_acquire(expect_ptr)
     start = _now_ns()
@@ -203,10 +210,8 @@ def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
         timed_out = _give_up(start, timeout_ns, err_addr, OP_DISPATCH, peer)
         flag = _load_acquire(flag_ptr)
         expect = _load_acquire(expect_ptr)
-    # threads leave the loop at their own moments; one shared read decides (only this
-    # program resets the flag, after it is done with the token)
-    tl.debug_barrier()
-    return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") >= 1
+    tl.debug_barrier()  # (threads leave the loop at their own moments)
+    return flag >= 1
 
 
 @triton.jit
@@ -482,42 +487,46 @@ def _dispatch_recv(
         expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
         tl.store(recv_t_ptr + s, tl.maximum(expect - 1, 0))
     row = tl.cast(s, tl.int64) * M + t
-    if _wait_token(flags + 2 * W + row, flags + s, t, timeout_ns, err_addr, s):
-        _stamp(stamps_ptr, pid, 1, STAMPS)
-        slot_ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
-        tok_x = _at(base, off_x, WIRE)
-        tok_s = _at(base, off_s, tl.float32)
-        if not IN_PLACE:
-            h_first = tl.arange(0, BLOCK_H)
-            v_first = tl.load(tok_x + row * H + h_first, mask=h_first < H)
-            s_first = _load_scales(tok_s, row, 0, G, BLOCK_H, FP8)
-        valid = k_mask & (slot_ids >= 0)
-        slot = tl.atomic_add(
-            cnt_ptr + tl.maximum(slot_ids, 0), 1, mask=valid, sem="relaxed", scope="gpu"
-        )
-        # a vector atomic returns its old values only to the thread that owns each lane:
-        # publish them through memory so every thread of the program sees the same rows
-        ok = valid & (slot < C)
-        # -2: sent here but dropped (capacity): the combine still sends the token a row
-        pos = tl.where(ok, slot_ids * C + slot, tl.where(valid, -2, -1))
-        tl.store(pos_ptr + row * K + kk, pos, mask=k_mask)
-        tl.debug_barrier()
-        dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
-        if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
-            _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
-        _stamp(stamps_ptr, pid, 2, STAMPS)
-        if IN_PLACE:
-            here = tl.zeros((BLOCK_K,), tl.int32) + row.to(tl.int32)
-            tl.store(xo_ptr + tl.maximum(dst, 0), here, mask=k_mask & (dst >= 0))
-        else:
-            _recv_step(v_first, s_first, 0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
-            for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
-                cols = h0 + tl.arange(0, BLOCK_H)
-                v = tl.load(tok_x + row * H + cols, mask=cols < H)
-                sv = _load_scales(tok_s, row, h0, G, BLOCK_H, FP8)
-                _recv_step(v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
-        # consumed: reset last, off the path to the index (nothing raises it again before
-        # this call's combine: see the module docstring)
+    # masked by whether the token came, not branched on it (see _wait_token): a program
+    # whose token does not come does the same steps with nothing to write
+    came = _wait_token(flags + 2 * W + row, flags + s, t, timeout_ns, err_addr, s)
+    _stamp(stamps_ptr, pid, 1, STAMPS)
+    k_came = k_mask & (tl.broadcast_to(came.to(tl.int32), kk.shape) > 0)
+    slot_ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_came, other=-1)
+    tok_x = _at(base, off_x, WIRE)
+    tok_s = _at(base, off_s, tl.float32)
+    if not IN_PLACE:
+        h_first = tl.arange(0, BLOCK_H)
+        v_first = tl.load(tok_x + row * H + h_first, mask=h_first < H)
+        s_first = _load_scales(tok_s, row, 0, G, BLOCK_H, FP8)
+    valid = k_came & (slot_ids >= 0)
+    slot = tl.atomic_add(
+        cnt_ptr + tl.maximum(slot_ids, 0), 1, mask=valid, sem="relaxed", scope="gpu"
+    )
+    # a vector atomic returns its old values only to the thread that owns each lane:
+    # publish them through memory so every thread of the program sees the same rows
+    ok = valid & (slot < C)
+    # -2: sent here but dropped (capacity): the combine still sends the token a row
+    pos = tl.where(ok, slot_ids * C + slot, tl.where(valid, -2, -1))
+    tl.store(pos_ptr + row * K + kk, pos, mask=k_came)
+    tl.debug_barrier()
+    dst = tl.load(pos_ptr + row * K + kk, mask=k_came, other=-1).to(tl.int64)
+    if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
+        _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
+    _stamp(stamps_ptr, pid, 2, STAMPS)
+    if IN_PLACE:
+        here = tl.zeros((BLOCK_K,), tl.int32) + row.to(tl.int32)
+        tl.store(xo_ptr + tl.maximum(dst, 0), here, mask=k_came & (dst >= 0))
+    else:
+        _recv_step(v_first, s_first, 0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
+        for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
+            cols = h0 + tl.arange(0, BLOCK_H)
+            v = tl.load(tok_x + row * H + cols, mask=cols < H)
+            sv = _load_scales(tok_s, row, h0, G, BLOCK_H, FP8)
+            _recv_step(v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
+    # consumed: reset last, off the path to the index (nothing raises it again before
+    # this call's combine: see the module docstring)
+    if came:  # (no barrier inside)
         tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")
     _stamp(stamps_ptr, pid, 3, STAMPS)
 
