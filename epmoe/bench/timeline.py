@@ -12,7 +12,10 @@ are read. Per (phase, role, step) a record gives the earliest, median and latest
 in µs after the kernel's first program started (medians over replays), and per phase
 the span from the first program's start to the last stamp, next to the phase's time
 between CUDA events (what the comm benchmark reports): their difference is the launch
-and drain around the kernel. ``after dispatch``: from the dispatch's last stamp to the
+and drain around the kernel, and the events' own cost. ``no events``: the phase in the
+same rounds captured without events between phases, the dispatch's part from its first
+program's start to the combine's (the GPU timer), the combine's the rest of a round
+trip (events around all rounds). ``after dispatch``: from the dispatch's last stamp to the
 combine's first program start.
 
 Steps (a step a program skips, e.g. a token that did not come, is left out):
@@ -45,7 +48,8 @@ from epmoe.routing import RoutingSimulator
 STEPS = {
     ("dispatch", "announce"): {0: "start", 2: "count sent"},
     ("dispatch", "send"): {0: "start", 1: "stores issued", 2: "fenced", 3: "flags written"},
-    ("dispatch", "recv"): {0: "start", 1: "token seen", 2: "rows taken", 3: "done"},
+    ("dispatch", "recv self"): {0: "start", 1: "token seen", 2: "rows taken", 3: "done"},
+    ("dispatch", "recv peer"): {0: "start", 1: "token seen", 2: "rows taken", 3: "done"},
     ("combine", "send"): {0: "start", 1: "row stored", 2: "flag written"},
     ("combine", "recv"): {0: "start", 1: "all started", 2: "rows seen", 3: "done"},
 }
@@ -63,14 +67,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replays", type=int, default=20)
 
 
-def _roles(T: int, W: int, M: int) -> dict[tuple[str, str], range]:
-    """Program ids of each (phase, role) in the fused kernels' grids."""
+def _roles(T: int, W: int, M: int, rank: int) -> dict[tuple[str, str], list[int]]:
+    """Program ids of each (phase, role) in the fused kernels' grids (the dispatch's
+    receivers of this rank's own tokens apart from those of its peers' tokens)."""
+    recv = range(1 + T, 1 + T + W * M)
     return {
-        ("dispatch", "announce"): range(0, 1),
-        ("dispatch", "send"): range(1, 1 + T),
-        ("dispatch", "recv"): range(1 + T, 1 + T + W * M),
-        ("combine", "send"): range(0, W * M),
-        ("combine", "recv"): range(W * M, W * M + max(T, 1)),
+        ("dispatch", "announce"): [0],
+        ("dispatch", "send"): list(range(1, 1 + T)),
+        ("dispatch", "recv self"): [p for p in recv if (p - 1 - T) // M == rank],
+        ("dispatch", "recv peer"): [p for p in recv if (p - 1 - T) // M != rank],
+        ("combine", "send"): list(range(0, W * M)),
+        ("combine", "recv"): list(range(W * M, W * M + max(T, 1))),
     }
 
 
@@ -84,9 +91,9 @@ def _summaries(stamps: dict[str, torch.Tensor], roles) -> dict[tuple, tuple[floa
         ends[phase] = (t0, table.max())
         span = 0.0
         for (ph, role), pids in roles.items():
-            if ph != phase or len(pids) == 0:
+            if ph != phase or not pids:
                 continue
-            rows = table[pids.start : pids.stop]
+            rows = table[pids]
             for i, step in STEPS[(ph, role)].items():
                 col = rows[:, i]
                 col = (col[col > 0] - t0).double() / 1e3
@@ -110,7 +117,7 @@ def _measure(spec: CommSpec, T: int, group, device, args) -> list[dict[str, Any]
     sim = RoutingSimulator(num_experts=args.num_experts, top_k=args.top_k, seed=comm.rank)
     weights, ids = sim.sample(T, device=device)
     x = torch.randn(T, args.hidden, device=device).to(spec.dtype)
-    roles = _roles(T, W, M)
+    roles = _roles(T, W, M, comm.rank)
     stamps = {
         "dispatch": torch.zeros(1 + T + W * M, 8, dtype=torch.int64, device=device),
         "combine": torch.zeros(W * M + max(T, 1), 8, dtype=torch.int64, device=device),
@@ -144,6 +151,17 @@ def _measure(spec: CommSpec, T: int, group, device, args) -> list[dict[str, Any]
             d_ms += d
             c_ms += c
             per_replay.append(_summaries({k: v.cpu() for k, v in stamps.items()}, roles))
+        # the same rounds with no events between phases: the round trip from the events
+        # around them, the dispatch's part from its first program's start to the combine's
+        graph, events = capture_stream([dispatch, combine], args.rounds, device, between=False)
+        no_events = []
+        for _ in range(args.replays):
+            for table in stamps.values():
+                table.zero_()
+            (ms,) = time_captured(graph, events, 1, replays=1, device=device)
+            starts = [t[:, 0][t[:, 0] > 0].min().item() for t in stamps.values()]
+            d_us = (starts[1] - starts[0]) / 1e3
+            no_events.append((d_us, ms[0] * 1e3 / args.rounds - d_us))
         comm.check()
     finally:
         comm.close()
@@ -161,10 +179,13 @@ def _measure(spec: CommSpec, T: int, group, device, args) -> list[dict[str, Any]
                 last_us=last_us,
             )  # fmt: skip
         )
-    for phase, ms in (("dispatch", d_ms), ("combine", c_ms)):
-        us = median(ms) * 1e3
-        records.append(dict(phase=phase, role="", step="events", first_us=us, median_us=us,
-                            last_us=us))  # fmt: skip
+    for i, (phase, ms) in enumerate((("dispatch", d_ms), ("combine", c_ms))):
+        for step, us in (
+            ("events", median(ms) * 1e3),
+            ("no events", median(n[i] for n in no_events)),
+        ):
+            records.append(dict(phase=phase, role="", step=step, first_us=us, median_us=us,
+                                last_us=us))  # fmt: skip
     return records
 
 
