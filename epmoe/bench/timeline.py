@@ -165,28 +165,19 @@ def _measure(spec: CommSpec, T: int, group, device, args) -> list[dict[str, Any]
         comm.check()
     finally:
         comm.close()
-    records = []
-    for key in per_replay[0]:
-        first_us, mid_us, last_us = (median(s[key][i] for s in per_replay) for i in range(3))
-        phase, role, step = key
-        records.append(
-            dict(
-                phase=phase,
-                role=role,
-                step=step,
-                first_us=first_us,
-                median_us=mid_us,
-                last_us=last_us,
-            )  # fmt: skip
-        )
+    records = [
+        _record(*key, *(median(s[key][i] for s in per_replay) for i in range(3)))
+        for key in per_replay[0]
+    ]
     for i, (phase, ms) in enumerate((("dispatch", d_ms), ("combine", c_ms))):
-        for step, us in (
-            ("events", median(ms) * 1e3),
-            ("no events", median(n[i] for n in no_events)),
-        ):
-            records.append(dict(phase=phase, role="", step=step, first_us=us, median_us=us,
-                                last_us=us))  # fmt: skip
+        records.append(_record(phase, "", "events", *[median(ms) * 1e3] * 3))
+        records.append(_record(phase, "", "no events", *[median(n[i] for n in no_events)] * 3))
     return records
+
+
+def _record(phase: str, role: str, step: str, first: float, mid: float, last: float) -> dict:
+    """One row of the table: a step's earliest, median and latest program, in µs."""
+    return dict(phase=phase, role=role, step=step, first_us=first, median_us=mid, last_us=last)
 
 
 def main(args) -> list[dict] | None:
