@@ -15,16 +15,20 @@ between CUDA events (what the comm benchmark reports): their difference is the l
 and drain around the kernel, and the events' own cost. ``no events``: the phase in the
 same rounds captured without events between phases, the dispatch's part from its first
 program's start to the combine's (the GPU timer), the combine's the rest of a round
-trip (events around all rounds). ``after dispatch``: from the dispatch's last stamp to the
+trip (events around all rounds; the split is the last round's, the round trip the mean of
+the rounds). ``after dispatch``: from the dispatch's last stamp to the
 combine's first program start.
 
-Steps (a step a program skips, e.g. a token that did not come, is left out):
+Steps (a stamp a program never writes, e.g. the flag of a combine program with no row
+to send, is left out; a receiver whose token does not come stamps its steps when it
+learns so, from the count):
 
 * dispatch ``announce`` (its own program): start, count sent;
 * dispatch ``send`` (a program per token): start, stores issued, fenced (the stores are
   complete), flags written;
-* dispatch ``recv`` (a program per (source, token slot)): start, token seen, rows taken
-  (counter and position known), done;
+* dispatch ``recv self`` / ``recv peer`` (a program per (source, token slot); the
+  rank's own tokens apart from its peers'): start, token seen, rows taken (counter and
+  position known), done;
 * combine ``send`` (a program per (source, token slot)): start, row stored, flag written;
 * combine ``recv`` (a program per token): start, every rank started, rows seen, done.
 

@@ -166,8 +166,9 @@ def test_fp8_batched(per_tensor):
 def test_quant_kernel_matches_torch_bitwise():
     """Scales are ``amax * float32(1/448)`` (a product: torch's ``amax / 448.0`` on CUDA
     multiplies by the reciprocal, which the first H200 run showed differs from a correctly
-    rounded division by 1 ulp in 53 % of groups) and values a correctly rounded division:
-    both bit-equal to the torch code of the format."""
+    rounded division by 1 ulp in 53 % of groups) and values the product of each value and
+    the scale's correctly rounded reciprocal: both bit-equal to the torch code of the
+    format."""
     x = torch.randn(333, 7168, generator=_gen(0), device=DEV).to(BF16) * 5
     q, s = ops.per_token_group_quant_fp8(x)
     q_ref, s_ref = quantize_groups(x)

@@ -31,7 +31,7 @@ def test_summaries_read_steps_relative_to_each_kernel_start():
     d[0, 2] = 11_000  # the count sent
     d[1:3, 1:4] = torch.tensor([[12_000, 15_000, 15_500], [13_000, 16_000, 16_500]])
     d[3:, 1:4] = 18_000  # receivers: token seen, rows taken, done
-    d[5, 1:4] = 0  # a token that did not come
+    d[5, 1:4] = 0  # steps a program never stamped
     c = torch.zeros(W * M + T, 8, dtype=torch.int64)
     c[:, 0] = 20_000
     c[:, 1:3] = 21_000

@@ -199,9 +199,10 @@ def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
     Each thread answers from its own last poll: a token is either sent (every thread
     leaves on its flag) or not (every thread leaves on the count), so the answers agree,
     except after a timeout, where a thread that gave up may miss a flag another saw.
-    Callers therefore mask by the answer and never branch around a barrier on it (a
-    shared re-read would agree always, at the price of an atomic round trip, 0.7 µs on
-    every token's path)."""
+    Callers therefore mask by the answer and never branch around a barrier on it, and
+    whatever decides where data goes is decided once and shared through memory (see
+    ``_dispatch_recv``'s positions); a shared re-read of the flag would agree always, at
+    the price of an atomic round trip, 0.7 µs on every token's path."""
     flag = _load_acquire(flag_ptr)
     expect = _load_acquire(expect_ptr)
     start = _now_ns()
@@ -345,23 +346,23 @@ def _announce(bases_ptr, T, W, src, off_flags, BLOCK_W: tl.constexpr):
 
 @triton.jit
 def _send_token(
-    t, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+    t, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases, err_addr,
     T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, PREQUANT: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr,
     INV_FP8_MAX: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
     """Token ``t``'s row to every rank holding one of its experts and its routing to every
-    rank (stores only: its flag follows a barrier, see ``_flag_token``).
+    rank (stores only: its flag follows a barrier, see ``_flag_token``); ``bases
+    [BLOCK_W]``: each rank's buffer address, loaded once by the caller.
 
     Latency is the cost at decode sizes, so every load that does not depend on another is
-    issued up front: the peers' buffer addresses, the token's ids and weights and the first
-    columns of its row; only the expert → (rank, local slot) lookups wait for the ids."""
+    issued up front: the token's ids and weights and the first columns of its row; only
+    the expert → (rank, local slot) lookups wait for the ids."""
     if t < T:
         kk = tl.arange(0, BLOCK_K)
         k_mask = kk < K
         rr = tl.arange(0, BLOCK_W)
-        bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)  # [BLOCK_W] each rank's buffer
         t64 = tl.cast(t, tl.int64)
         # masked lanes read 0: a partial last FP8 group takes its amax over real columns
         first = _row_cols(0, BLOCK_H, FP8)
@@ -425,7 +426,7 @@ def _dispatch_send(
     rr = tl.arange(0, BLOCK_W)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
     _send_token(
-        t, x_ptr, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
+        t, x_ptr, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases, err_addr,
         T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
         K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, False, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
     )  # fmt: skip
@@ -503,20 +504,23 @@ def _dispatch_recv(
     slot = tl.atomic_add(
         cnt_ptr + tl.maximum(slot_ids, 0), 1, mask=valid, sem="relaxed", scope="gpu"
     )
-    # a vector atomic returns its old values only to the thread that owns each lane:
-    # publish them through memory so every thread of the program sees the same rows
+    # The K lanes' slots are taken, and their positions stored, by the threads that own
+    # the lanes (in one warp); every thread then reads the positions back and follows
+    # them, so that the program agrees on where the rows go even where its threads'
+    # `came` differ (after a timeout). Every lane is written: -1 where the token did not
+    # come or has no expert here, -2 where it was dropped (capacity: the combine still
+    # sends the token a row), and the combine never reads another call's positions.
     ok = valid & (slot < C)
-    # -2: sent here but dropped (capacity): the combine still sends the token a row
     pos = tl.where(ok, slot_ids * C + slot, tl.where(valid, -2, -1))
-    tl.store(pos_ptr + row * K + kk, pos, mask=k_came)
+    tl.store(pos_ptr + row * K + kk, pos, mask=k_mask)
     tl.debug_barrier()
-    dst = tl.load(pos_ptr + row * K + kk, mask=k_came, other=-1).to(tl.int64)
-    if tl.max((valid & (dst < 0)).to(tl.int32)) > 0:
+    dst = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
+    if tl.max((dst == -2).to(tl.int32)) > 0:
         _report(err_addr, ERR_CAPACITY, OP_DISPATCH, s)
     _stamp(stamps_ptr, pid, 2, STAMPS)
     if IN_PLACE:
         here = tl.zeros((BLOCK_K,), tl.int32) + row.to(tl.int32)
-        tl.store(xo_ptr + tl.maximum(dst, 0), here, mask=k_came & (dst >= 0))
+        tl.store(xo_ptr + tl.maximum(dst, 0), here, mask=k_mask & (dst >= 0))
     else:
         _recv_step(v_first, s_first, 0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
         for h0 in range(BLOCK_H, H, BLOCK_H):  # (rows wider than one step)
@@ -524,10 +528,10 @@ def _dispatch_recv(
             v = tl.load(tok_x + row * H + cols, mask=cols < H)
             sv = _load_scales(tok_s, row, h0, G, BLOCK_H, FP8)
             _recv_step(v, sv, h0, dst, kk, xo_ptr, so_ptr, H, G, BLOCK_K, BLOCK_H, FP8)
-    # consumed: reset last, off the path to the index (nothing raises it again before
-    # this call's combine: see the module docstring)
-    if came:  # (no barrier inside)
-        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")
+    # consumed: reset last, off the path to the index, whether or not the token came
+    # (one thread writes it, whose `came` may differ from the others' after a timeout;
+    # nothing raises the flag again before this call's combine: see the module docstring)
+    tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")
     _stamp(stamps_ptr, pid, 3, STAMPS)
 
 
@@ -584,7 +588,7 @@ def dispatch_send_kernel(
     for t0 in range(pid, T, N * BATCH):
         for j in tl.static_range(BATCH):
             _send_token(
-                t0 + j * N, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr,
+                t0 + j * N, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases,
                 err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
                 K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
             )  # fmt: skip
@@ -724,7 +728,7 @@ def _combine_send(
         _stamp(stamps_ptr, pid, 1, STAMPS)
         tl.debug_barrier()
         tl.atomic_xchg(src_flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
-    _stamp(stamps_ptr, pid, 2, STAMPS)
+        _stamp(stamps_ptr, pid, 2, STAMPS)
 
 
 @triton.jit
