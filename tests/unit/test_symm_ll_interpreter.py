@@ -201,3 +201,65 @@ def test_closed_backends_and_closed_transports_refuse_calls():
     with pytest.raises(RuntimeError, match="symm_ll backend is closed"):
         second.dispatch(*args)
     second.close()
+
+
+class _FakeCompiled:
+    """What ``kernel[grid](...)`` returns in Triton: its launcher is ``run``."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeKernel:
+    """A ``@triton.jit`` function as ``_Launcher`` sees it: names, and ``[grid](...)``."""
+
+    arg_names = ["x_ptr", "n", "maybe_ptr", "BLOCK"]
+
+    def __init__(self):
+        self.compiled = _FakeCompiled()
+        self.plain = []
+
+    def __getitem__(self, grid):
+        def call(*args, num_warps, **consts):
+            self.plain.append((grid, args, num_warps, consts))
+            return self.compiled
+
+        return call
+
+
+def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch):
+    """The first launch of a specialisation goes through Triton (it compiles); later ones
+    call the compiled kernel's launcher directly with each tensor as its address (no
+    driver lookup per tensor), other arguments as given and the constexprs in order."""
+    from epmoe.comm.symm import common
+
+    monkeypatch.setattr(common, "_current_raw_stream", lambda: 7)
+    monkeypatch.setattr(common, "_device_index", lambda: 0)
+    fn = _FakeKernel()
+    launcher = common._Launcher(fn)
+    launcher.direct = True  # (the interpreter turns it off: this is the GPU path)
+    x = torch.zeros(4)
+    launcher((3,), x, 5, None, num_warps=4, BLOCK=16)
+    assert len(fn.plain) == 1 and fn.compiled.runs == []
+    y = torch.ones(4)  # a new tensor of the same specialisation
+    launcher((3,), y, 5, None, num_warps=4, BLOCK=16)
+    assert len(fn.plain) == 1
+    (run,) = fn.compiled.runs
+    assert run[:9] == (3, 1, 1, 7, "function", "metadata", None, None, None)
+    assert run[9:] == (y.data_ptr(), 5, None, 16)
+    assert type(run[9]) is int
+
+
+def test_tensors_on_another_device_are_refused_naming_the_argument():
+    """The kernels get bare addresses: an input elsewhere than the backend's buffers is an
+    error naming the argument and the fix, not garbage read on the GPU."""
+    from epmoe.comm.symm.common import _on_device
+
+    _on_device(torch.device("cpu"), hidden_states=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"topk_ids is on meta, .* on cpu: .*topk_ids.to\('cpu'\)"):
+        _on_device(torch.device("cpu"), topk_ids=torch.zeros(1, device="meta"))

@@ -36,7 +36,7 @@ from epmoe.comm.base import (
     check_dispatch_args,
     one_nvlink_node_reason,
 )
-from epmoe.distributed import num_sms
+from epmoe.distributed import normalize_device, num_sms
 
 ALIGN = 256  # bytes between regions (the kernels need 16)
 NUM_PARITIES = 2
@@ -134,7 +134,7 @@ class SymmTransport:
         self.G = -(-H // FP8_GROUP)
         self.fp8 = spec.fp8_dispatch
         self.dtype, self.wire = spec.dtype, spec.wire_dtype
-        self.device = dev = spec.device
+        self.device = dev = normalize_device(spec.device)  # (what tensors report)
         self.regions, nbytes = layout(W, M, H, K, self.wire, self.dtype, self.fp8)
         if world_size > 1:
             group = group or dist.group.WORLD
@@ -354,6 +354,8 @@ class SymmBackend(AllToAll):
         is what an eager decode step waits for: the transport is looked up once per call.)"""
         spec, tr = self.spec, self._live()
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
+        _on_device(tr.device, hidden_states=hidden_TH, topk_ids=topk_ids_TK)
+        _on_device(tr.device, topk_weights=topk_weights_TK)
         tr.check()
         x = hidden_TH.contiguous()
         ids = topk_ids_TK.contiguous()
@@ -422,6 +424,7 @@ class SymmBackend(AllToAll):
         transport once checked), contiguous expert outputs, the kernels' meta-parameters."""
         spec, tr = self.spec, self._live()
         check_combine_args(expert_out, result)
+        _on_device(tr.device, expert_out=expert_out)
         h: SymmHandle = result.handle
         if not isinstance(h, SymmHandle):
             raise TypeError("combine needs the DispatchResult of this backend's dispatch")
@@ -452,6 +455,17 @@ class SymmBackend(AllToAll):
     def close(self) -> None:
         if self._hold is not None:
             self._hold.release()
+
+
+def _on_device(device: torch.device, **tensors: torch.Tensor) -> None:
+    """Raise, naming the argument, unless every tensor is on ``device`` (the kernels get
+    bare addresses: see ``_Launcher``, so a tensor elsewhere would be read as garbage)."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device}, but this backend's buffers are on {device}: "
+                f"move it there first ({name}.to({str(device)!r}))"
+            )
 
 
 INV_FP8_MAX = float(torch.tensor(1.0 / 448.0, dtype=torch.float32))
@@ -517,7 +531,12 @@ class _Launcher:
     costs tens of µs of host time per launch: more than the transfer itself at decode sizes.
     The first launch for a specialisation (constexprs, pointer alignment, small-int
     flags) goes through Triton and keeps the compiled kernel; later ones call its launcher
-    directly. Any surprise from the launcher's interface falls back to the plain path.
+    directly, with each tensor passed as its address: given a tensor, Triton's launcher
+    calls its ``data_ptr`` and then asks the driver which device address it maps to
+    (``cuPointerGetAttribute``, once per tensor argument and launch), where an address
+    goes straight through. The callers check that every tensor is on the kernel's device
+    (``_on_device``). Any surprise from the launcher's interface falls back to the plain
+    path.
     """
 
     def __init__(self, fn) -> None:
@@ -550,7 +569,8 @@ class _Launcher:
             self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, **consts)
             return
         try:
-            values = list(args) + [consts[n] for n in self.names[len(args) :]]
+            values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
+            values += [consts[n] for n in self.names[len(args) :]]
             stream = _current_raw_stream()
             g = (*grid, 1, 1)
             kernel.run(
