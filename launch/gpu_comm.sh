@@ -11,7 +11,7 @@
 #     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
 #     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
 #     ht                 symm_ht: its GPU tests, and the comm benchmark at prefill sizes
-#                        (every SM and a 32-SM budget, 1 and 4 rows per flag)
+#                        (every SM and DeepEP's 24, 4 rows per flag and one count per program)
 #     conformance        the registry's conformance suite, FP8 weights, shard loading and
 #                        bitwise determinism (symm_* with Triton experts too) on NCCL
 #     overlap            prefill (4096 tokens) on symm_ht with one and two micro-batches in one
@@ -80,8 +80,8 @@ for s in "${STEPS[@]}"; do
         EPMOE_TEST_DEVICE=cuda timeout "${HT_TESTS_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_symm_ht.py >"$OUT/ht.log" 2>&1 &&
         timeout "${HT_BENCH_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
-            --tokens 128 512 4096 16384 --backends symm_ht:standard symm_ht:standard::4 \
-            symm_ht:standard:32 symm_ht:standard:32:4 \
+            --tokens 128 512 4096 16384 --backends symm_ht:standard symm_ht:standard::0 \
+            symm_ht:standard:24 symm_ht:standard:24:0 \
             symm_ll:expert_batched all_to_all:standard --iters 10 --warmup 3 \
             --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1
         ;;

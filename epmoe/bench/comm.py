@@ -162,7 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=DEFAULT_BACKENDS,
         help="name:layout pairs; symm_ht also name:layout:SMs[:ROWS] (an SM budget, rows "
-        "stored per flag)",
+        "stored per flag, 0: one count per program)",
     )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)

@@ -60,8 +60,9 @@ def exact_dispatch(rank, world):
     sweep = Sweep()
     cases = {"T=11": 11, "T=0 on rank 1": 0 if rank == 1 else 7, "T=M_max": M}
     for fp8 in (False, True):
-        # every SM one row per flag; and few enough SMs that each kernel loops, 4 rows per flag
-        for sms, per_flag in ((None, 1), (3, 4)):
+        # every SM one row per flag; few enough SMs that each kernel loops, 4 rows per
+        # flag; and one count per program (no flags), looping
+        for sms, per_flag in ((None, 1), (3, 4), (3, 0)):
             spec = _spec(placement, dev, fp8)
             comm = SymmHTBackend(spec, None, Layout.STANDARD, num_sms=sms, tokens_per_flag=per_flag)
             for name, T in cases.items():

@@ -28,11 +28,14 @@ def main() -> None:
         send = dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", owner_ptr="*i32")
         send.update(local_ptr="*i32", **shared)
         quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
-        for batch, fence in ((1, False), (4, True)):
+        for batch, fence, counted in ((1, False, False), (4, True, False), (1, False, True)):
             consts = dict(blocks, BLOCK_W=2, BATCH=batch, FENCE=fence, PREQUANT=False, **quant)
-            _compile(k.dispatch_send_kernel, dict(send, xs_ptr="*bf16"), consts)
+            _compile(
+                k.dispatch_send_kernel, dict(send, xs_ptr="*bf16"), dict(consts, COUNTED=counted)
+            )
         if fp8:  # symm_ht's FP8 send of rows quantized beforehand
             consts = dict(blocks, BLOCK_W=2, BATCH=4, FENCE=True, PREQUANT=True, **quant)
+            consts["COUNTED"] = False
             _compile(k.dispatch_send_kernel, dict(send, x_ptr=wire_ptr, xs_ptr="*fp32"), consts)
         for in_place in (True, False):  # rows read where they landed, or copied
             out = "*i32" if in_place else wire_ptr
@@ -42,22 +45,24 @@ def main() -> None:
             _compile(k.ll_dispatch_recv_kernel, recv, consts)
             fused = dict(consts, BLOCK_W=2, STAMPS=in_place, **quant)
             _compile(k.ll_dispatch_kernel, dict(send, stamps_ptr="*i64", **recv), fused)
-        compiled += 6 + fp8
+        compiled += 7 + fp8
     csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", cnt_ptr="*i32", **shared)
     _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
-    _compile(k.combine_recv_kernel, crecv, combine)
+    for counted in (False, True):
+        _compile(k.combine_recv_kernel, crecv, dict(combine, COUNTED=counted))
     for stamps in (False, True):
         fused = dict(combine, BLOCK_E=256, STAMPS=stamps)
         _compile(k.ll_combine_kernel, dict(csend, stamps_ptr="*i64", **crecv), fused)
     ht = dict(ids_out_ptr="*i64", w_out_ptr="*fp32", recv_t_ptr="*i32", **shared)
-    _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8))
+    for counted in (False, True):
+        _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8, COUNTED=counted))
     hsend = dict(y_ptr="*bf16", ids_out_ptr="*i64", recv_t_ptr="*i32", **shared)
-    for batch, fence in ((1, False), (4, True)):
-        consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence)
+    for batch, fence, counted in ((1, False, False), (4, True, False), (1, False, True)):
+        consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence, COUNTED=counted)
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 7} symm kernels for sm_90")
+    print(f"compiled {compiled + 11} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

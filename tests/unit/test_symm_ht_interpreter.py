@@ -59,7 +59,9 @@ def _experts(result, w13, w2):
     return out
 
 
-@pytest.mark.parametrize("per_flag", [1, 4], ids=["1 row per flag", "4 rows per flag"])
+@pytest.mark.parametrize(
+    "per_flag", [1, 4, 0], ids=["1 row per flag", "4 rows per flag", "one count per program"]
+)
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32 wire", "fp8 wire"])
 @pytest.mark.parametrize(("T", "M", "sms"), [(5, 8, 2), (0, 4, 1), (8, 8, None)],
                          ids=["T=5 loops", "T=0", "T=M"])  # fmt: skip
@@ -148,5 +150,7 @@ def test_num_sms_and_tokens_per_flag_are_checked():
     spec = CommSpec(128, 2, (0, 4), 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="num_sms must be a positive int"):
         _backend(spec, num_sms=0)
-    with pytest.raises(ValueError, match="tokens_per_flag must be 1, 2, 4 or 8"):
+    with pytest.raises(
+        ValueError, match=r"tokens_per_flag must be 0 \(one count per program\), 1, 2, 4 or 8"
+    ):
         _backend(spec, tokens_per_flag=3)

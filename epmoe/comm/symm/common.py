@@ -84,7 +84,7 @@ def pow2(n: int) -> int:
 class Regions:
     """Byte offsets of one parity's regions in the symmetric buffer (see kernels.py)."""
 
-    flags: int  # int32 expect [W], started [W], dflag [W, M], cflag [W, M]
+    flags: int  # int32 expect [W], started [W], dflag [W, M], cflag [W, M], done [W], cdone [W]
     x: int  # wire [W, M, H]
     s: int  # float32 [W, M, G] (FP8 only)
     ids: int  # int32 [W, M, K]
@@ -96,7 +96,7 @@ def layout(W: int, M: int, H: int, K: int, wire: torch.dtype, dtype: torch.dtype
     """Per-parity regions and the total bytes of the symmetric buffer."""
     G = -(-H // FP8_GROUP)
     sizes = [
-        ("flags", (2 * W + 2 * W * M) * 4),
+        ("flags", (4 * W + 2 * W * M) * 4),
         ("x", W * M * H * wire.itemsize),
         ("s", W * M * G * 4 if fp8 else 0),
         ("ids", W * M * K * 4),
@@ -269,6 +269,9 @@ class SymmBackend(AllToAll):
     # (kernels.batch_fence) instead of a release per flag: symm_ht's tokens_per_flag
     _batch = 1
     _fence = False
+    # symm_ht's tokens_per_flag=0: no flag per row, one fence and one token count per
+    # program at its end (kernels: COUNTED)
+    _counted = False
     # FP8 dispatch: rows quantized by a kernel of their own (every SM) before the send,
     # instead of row by row in the send programs (symm_ht: there it set each row's latency)
     _quantize_first = False
@@ -392,7 +395,7 @@ class SymmBackend(AllToAll):
                 x.shape[0], tr.H, spec.num_physical, tr.M, self.world_size, tr.G, self.rank,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 BATCH=self._batch, FENCE=self._fence, PREQUANT=x_scale is not None,
-                num_warps=tr.num_warps, **consts,
+                COUNTED=self._counted, num_warps=tr.num_warps, **consts,
             )  # fmt: skip
         except BaseException:
             tr.give_back(b)
@@ -411,7 +414,7 @@ class SymmBackend(AllToAll):
             out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
-            BLOCK_W=pow2(W), num_warps=tr.num_warps, **consts,
+            BLOCK_W=pow2(W), COUNTED=self._counted, num_warps=tr.num_warps, **consts,
         )  # fmt: skip
         self._combine_done(h)
         return out

@@ -94,16 +94,25 @@ class SymmHTBackend(SymmBackend):
         batch of rows, then relaxed flag writes, so more rows per flag keep more stores in
         flight per SM and fence less. Measured on 2×H200 (docs/benchmarks.md, 4096 tokens,
         bf16): dispatch 299 µs with 1 row per flag, 230 with 4, 225 with 8 (FP8: 286, 228,
-        261); 4 is the default."""
+        261); 4 is the default. 0: no flag per row; each program streams all its rows, then
+        fences once and adds the number of its tokens to a count per source that the
+        receivers wait for (they need every row before the experts run anyway), so no
+        program ever waits for its own stores mid-way (for small SM budgets, where per-batch
+        fences left the link idle; not yet measured on GPUs)."""
         # checked before the transport is taken (nothing to release on a refusal)
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
-        if tokens_per_flag not in (1, 2, 4, 8) or type(tokens_per_flag) is not int:
-            raise ValueError(f"tokens_per_flag must be 1, 2, 4 or 8, got {tokens_per_flag!r}")
+        if tokens_per_flag not in (0, 1, 2, 4, 8) or type(tokens_per_flag) is not int:
+            raise ValueError(
+                f"tokens_per_flag must be 0 (one count per program), 1, 2, 4 or 8, got "
+                f"{tokens_per_flag!r}"
+            )
         from epmoe.comm.symm.kernels import batch_fence
 
         self._sms = num_sms
-        self._batch, self._fence = tokens_per_flag, batch_fence(tokens_per_flag)
+        self._counted = tokens_per_flag == 0
+        self._batch = max(tokens_per_flag, 1)
+        self._fence = batch_fence(self._batch)
         super().__init__(spec, group, layout)
 
     @property
@@ -128,7 +137,7 @@ class SymmHTBackend(SymmBackend):
                 (W, self._grid(tr.M)),
                 tr.bases, tr.ids_out[b], tr.w_out[b], tr.recv_t[b], tr.err_addr,
                 tr.M, W, self.rank, tr.timeout_ns, reg.flags, reg.ids, reg.w,
-                K=c["K"], BLOCK_K=c["BLOCK_K"], num_warps=1,
+                K=c["K"], BLOCK_K=c["BLOCK_K"], COUNTED=self._counted, num_warps=1,
             )  # fmt: skip
             rows, scale = tr.rows(b)
             return DispatchResult(
@@ -153,7 +162,8 @@ class SymmHTBackend(SymmBackend):
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
-            BATCH=self._batch, FENCE=self._fence, num_warps=tr.num_warps, **c,
+            BATCH=self._batch, FENCE=self._fence, COUNTED=self._counted,
+            num_warps=tr.num_warps, **c,
         )  # fmt: skip
 
         return Pending(lambda: self._combine_receive(h, c, self._grid(max(h.num_tokens, 1))))

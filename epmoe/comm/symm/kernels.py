@@ -12,7 +12,9 @@ holds, at byte offsets the host passes:
 
 * ``flags``: int32 ``expect[W]`` (source s wrote ``T_s + 1``), ``started[W]`` (rank r began
   its combine), ``dflag[W, M]`` (token t of source s is written), ``cflag[W, M]`` (rank r's
-  combine row for this rank's token t is written);
+  combine row for this rank's token t is written), and for ``symm_ht``'s counted mode
+  ``done[W]`` (tokens of source s whose rows and routing are written) and ``cdone[W]``
+  (tokens of this rank that rank r has sent back, or had nothing to send back for);
 * ``tok_x [W, M, H]`` wire rows, ``tok_s [W, M, G]`` float32 FP8 scales,
   ``tok_ids [W, M, K]`` int32 local expert slots (-1: not on this rank),
   ``tok_w [W, M, K]`` float32 router weights: what source s sent for its token t;
@@ -216,19 +218,19 @@ def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
 
 
 @triton.jit
-def _wait_all(ptrs, need, lanes, timeout_ns, err_addr, op):
-    """Spin until ``*ptrs >= 1`` in every lane where ``need`` (acquire, system scope;
+def _wait_all(ptrs, need, lanes, timeout_ns, err_addr, op, target=1):
+    """Spin until ``*ptrs >= target`` in every lane where ``need`` (acquire, system scope;
     ``ptrs`` valid in every lane), one poll for all of them; a timeout names the first
     lane (rank) still missing. The loop's test is a reduction over the program with each
     thread's own timeout folded in, so every thread leaves it together (also on a
     timeout: a thread that gave up waits for the others to give up too)."""
-    missing = need & (_load_acquire(ptrs) < 1)
+    missing = need & (_load_acquire(ptrs) < target)
     start = _now_ns()
     timed_out = tl.full((), 0, tl.int32)
     while tl.max((missing & (timed_out == 0)).to(tl.int32)) > 0:
         peer = tl.min(tl.where(missing, lanes, 1 << 16))
         timed_out = _give_up(start, timeout_ns, err_addr, op, peer)
-        missing = need & (_load_acquire(ptrs) < 1)
+        missing = need & (_load_acquire(ptrs) < target)
     tl.debug_barrier()
 
 
@@ -241,6 +243,29 @@ def _at(base, byte_offset, dtype: tl.constexpr):
     otherwise allow one element per load or store, which over NVLink is several times
     slower."""
     return tl.multiple_of((base + byte_offset).to(tl.pointer_type(dtype)), 16)
+
+
+@triton.jit
+def _counts(flags, W, M):
+    """``done[W]`` in a rank's ``flags`` (``cdone[W]`` follows it): see the module
+    docstring."""
+    return flags + 2 * W + 2 * W * M
+
+
+@triton.jit
+def _add_counts(bases, rr, W, M, off_flags, lane, n):
+    """Add ``n`` (this program's tokens, its stores fenced by the caller) to count
+    ``lane`` of ``done`` at every rank (a lane of ``bases [BLOCK_W]`` per rank)."""
+    if n > 0:
+        ptrs = _counts((bases + off_flags).to(tl.pointer_type(tl.int32)), W, M) + lane
+        tl.atomic_add(ptrs, tl.full(rr.shape, 0, tl.int32) + n, mask=rr < W, sem="relaxed",
+                      scope="sys")  # fmt: skip
+
+
+@triton.jit
+def _strided_count(first, total, stride):
+    """How many of ``first, first + stride, ...`` lie below ``total``."""
+    return tl.where(first < total, (total - 1 - first) // stride + 1, 0)
 
 
 @triton.jit
@@ -320,23 +345,20 @@ def _send_step(
 
 
 @triton.jit
-def _announce(bases_ptr, T, W, src, off_flags, BLOCK_W: tl.constexpr):
-    """Program 0 of a dispatch, first: clear this parity's ``started`` flags, then tell
-    every rank how many tokens come (``expect[src] = T + 1``). Rows may arrive before it
-    (each has a flag of its own): the count only has to reach the receivers of tokens
-    that do not come, and the combine's bookkeeping."""
+def _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W: tl.constexpr):
+    """Program 0 of a dispatch, first: clear this parity's ``started`` flags and
+    ``cdone`` counts, then tell every rank how many tokens come (``expect[src] = T + 1``).
+    Rows may arrive before it (each has a flag or a count of its own): the count only has
+    to reach the receivers of tokens that do not come, and the combine's bookkeeping."""
     rr = tl.arange(0, BLOCK_W)
     base = tl.load(bases_ptr + src)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
-    tl.atomic_xchg(
-        _at(base, off_flags, tl.int32) + W + rr,
-        tl.zeros((BLOCK_W,), tl.int32),
-        mask=rr < W,
-        sem="relaxed",
-        scope="sys",
-    )
-    # the clear before any rank sees `expect` (a peer that sees it may raise `started`),
-    # one fence for the W writes
+    own = _at(base, off_flags, tl.int32)
+    zeros = tl.zeros((BLOCK_W,), tl.int32)
+    tl.atomic_xchg(own + W + rr, zeros, mask=rr < W, sem="relaxed", scope="sys")
+    tl.atomic_xchg(_counts(own, W, M) + W + rr, zeros, mask=rr < W, sem="relaxed", scope="sys")
+    # the clears before any rank sees `expect` (a peer that sees it may raise `started`
+    # and count what it sends back), one fence for the writes
     tl.debug_barrier()
     _fence_sys()
     for r in range(W):
@@ -573,30 +595,44 @@ def dispatch_send_kernel(
     BATCH: tl.constexpr,  # tokens a program stores before it raises their flags
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     PREQUANT: tl.constexpr,  # x is FP8 already (quantized by a kernel of its own)
+    COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
 ):
     """The send half alone (split phase; ``symm_ht``'s dispatch). Program p sends tokens
     p, p + N, ... of T (N programs: one per token for ``symm_ll``, the SM budget for
     ``symm_ht``), ``BATCH`` tokens per step: their stores all in flight, then one barrier,
     then their flags (a release waits for the stores before it: one wait per step, not
-    per token)."""
+    per token). ``COUNTED``: the stores of all its tokens stream with no wait between
+    them, then one fence and the program's token count added to ``done[src]`` at every
+    rank (the receivers wait for the sum to reach T)."""
     pid = tl.program_id(0)
     N = tl.num_programs(0)
     if pid == 0:
-        _announce(bases_ptr, T, W, src, off_flags, BLOCK_W)
+        _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W)
     rr = tl.arange(0, BLOCK_W)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
-    for t0 in range(pid, T, N * BATCH):
-        for j in tl.static_range(BATCH):
+    if COUNTED:
+        for t in range(pid, T, N):
             _send_token(
-                t0 + j * N, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases,
+                t, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases,
                 err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
                 K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
             )  # fmt: skip
-        tl.debug_barrier()
-        if FENCE:  # a batch: one fence for its rows, then relaxed flags
-            _fence_sys()
-        for j in tl.static_range(BATCH):
-            _flag_token(t0 + j * N, bases, rr, T, M, W, src, off_flags, FENCE)
+        tl.debug_barrier()  # every store of the program is issued before the fence
+        _fence_sys()
+        _add_counts(bases, rr, W, M, off_flags, src, _strided_count(pid, T, N))
+    else:
+        for t0 in range(pid, T, N * BATCH):
+            for j in tl.static_range(BATCH):
+                _send_token(
+                    t0 + j * N, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases,
+                    err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
+                    K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
+                )  # fmt: skip
+            tl.debug_barrier()
+            if FENCE:  # a batch: one fence for its rows, then relaxed flags
+                _fence_sys()
+            for j in tl.static_range(BATCH):
+                _flag_token(t0 + j * N, bases, rr, T, M, W, src, off_flags, FENCE)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_x", "off_s", "off_ids"])
@@ -658,7 +694,7 @@ def ll_dispatch_kernel(
     pid = tl.program_id(0)
     if pid == 0:
         _stamp(stamps_ptr, pid, 0, STAMPS)
-        _announce(bases_ptr, T, W, src, off_flags, BLOCK_W)
+        _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W)
         _stamp(stamps_ptr, pid, 2, STAMPS)
     elif pid <= T:
         _dispatch_send(
@@ -736,10 +772,11 @@ def _combine_recv(
     t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
     T, H, P, W, M, me, timeout_ns, off_flags, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
-    stamps_ptr, pid, STAMPS: tl.constexpr,
+    stamps_ptr, pid, STAMPS: tl.constexpr, COUNTED: tl.constexpr,
 ):  # fmt: skip
     """Program ``t`` of the combine's receive half: waits for token ``t``'s partial sums
-    from the ranks holding its experts and adds them in float32."""
+    from the ranks holding its experts (``COUNTED``: for every rank's count of this rank's
+    tokens to reach T) and adds them in float32."""
     _stamp(stamps_ptr, pid, 0, STAMPS)
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
@@ -761,7 +798,11 @@ def _combine_recv(
         cflags = flags + 2 * W + W * M
         comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
         mine = r_ok & (has_W > 0)
-        _wait_all(cflags + r_any * M + t, mine, rr, timeout_ns, err_addr, OP_COMBINE)
+        if COUNTED:
+            cdone = _counts(flags, W, M) + W
+            _wait_all(cdone + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE, T)
+        else:
+            _wait_all(cflags + r_any * M + t, mine, rr, timeout_ns, err_addr, OP_COMBINE)
         _stamp(stamps_ptr, pid, 2, STAMPS)
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
@@ -772,9 +813,9 @@ def _combine_recv(
                 part = tl.load(comb_y + (r * M + t64) * H + cols, mask=on, other=0.0)
                 acc += part.to(tl.float32)
             tl.store(out_ptr + t64 * H + cols, acc.to(out_ptr.dtype.element_ty), mask=c_mask)
-        # consumed (the ranks raise them again only in this parity's next combine)
-        tl.atomic_xchg(cflags + r_any * M + t, tl.zeros((BLOCK_W,), tl.int32), mask=mine,
-                       sem="relaxed", scope="sys")  # fmt: skip
+        if not COUNTED:  # consumed (raised again only in this parity's next combine)
+            tl.atomic_xchg(cflags + r_any * M + t, tl.zeros((BLOCK_W,), tl.int32), mask=mine,
+                           sem="relaxed", scope="sys")  # fmt: skip
     _stamp(stamps_ptr, pid, 3, STAMPS)
 
 
@@ -834,6 +875,7 @@ def combine_recv_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    COUNTED: tl.constexpr,  # the senders count tokens per program instead of flagging rows
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
     takes tokens p, p + G, ... of ``max(T, 1)``."""
@@ -841,7 +883,7 @@ def combine_recv_kernel(
         _combine_recv(
             t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-            out_ptr, 0, False,
+            out_ptr, 0, False, COUNTED,
         )  # fmt: skip
 
 
@@ -868,7 +910,7 @@ def ll_combine_kernel(
         _combine_recv(
             pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-            stamps_ptr, pid, STAMPS,
+            stamps_ptr, pid, STAMPS, False,
         )  # fmt: skip
 
 
@@ -880,24 +922,25 @@ def ll_combine_kernel(
 # token filled), and the send half of the combine copies each row's partial sum back.
 @triton.jit
 def _ht_dispatch_recv(
-    s, t, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
+    s, t, T_s, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
     M, W, me, timeout_ns, off_flags, off_ids, off_w,
-    K: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, COUNTED: tl.constexpr,
 ):  # fmt: skip
+    """Row ``t`` of source ``s`` (which sent ``T_s`` tokens): its flag waited for (not
+    ``COUNTED``: the caller waited for the source's count), its routing published."""
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     base = tl.load(bases_ptr + me)
     flags = _at(base, off_flags, tl.int32)
-    expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-    T_s = tl.maximum(expect - 1, 0)
     if t == 0:
         tl.store(recv_t_ptr + s, T_s)
     row = tl.cast(s, tl.int64) * M + t
     ids = tl.full((BLOCK_K,), -1, tl.int32)
     w = tl.zeros((BLOCK_K,), tl.float32)
     if t < T_s:
-        _wait_at_least(flags + 2 * W + row, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-        tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
+        if not COUNTED:
+            _wait_at_least(flags + 2 * W + row, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+            tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
         ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
         w = tl.load(_at(base, off_w, tl.float32) + row * K + kk, mask=k_mask, other=0.0)
     tl.store(ids_out_ptr + row * K + kk, ids.to(tl.int64), mask=k_mask)
@@ -920,13 +963,20 @@ def ht_dispatch_recv_kernel(
     off_w,
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    COUNTED: tl.constexpr,  # the sender counts tokens per program instead of flagging rows
 ):
-    """Program (s, p) publishes rows p, p + G, ... of source s's M rows."""
+    """Program (s, p) publishes rows p, p + G, ... of source s's M rows, once the source's
+    count says they came (``expect``, then with ``COUNTED`` ``done[s]`` reaching it)."""
     s = tl.program_id(0)
+    flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
+    expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
+    T_s = tl.maximum(expect - 1, 0)
+    if COUNTED:
+        _wait_at_least(_counts(flags, W, M) + s, T_s, timeout_ns, err_addr, OP_DISPATCH, s)
     for t in range(tl.program_id(1), M, tl.num_programs(1)):
         _ht_dispatch_recv(
-            s, t, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
-            M, W, me, timeout_ns, off_flags, off_ids, off_w, K, BLOCK_K,
+            s, t, T_s, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
+            M, W, me, timeout_ns, off_flags, off_ids, off_w, K, BLOCK_K, COUNTED,
         )  # fmt: skip
 
 
@@ -980,28 +1030,46 @@ def ht_combine_send_kernel(
     BLOCK_H: tl.constexpr,
     BATCH: tl.constexpr,  # rows a program stores before it raises their flags
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
+    COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
 ):
     """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
-    (s, 0) first clears ``expect[s]`` and raises ``started`` at s (as ``_combine_send``)."""
+    (s, 0) first clears ``expect[s]`` (and ``done[s]``) and raises ``started`` at s (as
+    ``_combine_send``). ``COUNTED``: no flags; after its rows, one fence and the number of
+    tokens it went through (sent or not) added to ``cdone[me]`` at s, whose receivers wait
+    for the sum to reach their T."""
     s = tl.program_id(0)
     T_s = tl.load(recv_t_ptr + s)
     if tl.program_id(1) == 0:
-        base_me = tl.load(bases_ptr + me)
-        tl.atomic_xchg(_at(base_me, off_flags, tl.int32) + s, 0, sem="relaxed", scope="sys")
+        own = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
+        tl.atomic_xchg(own + s, 0, sem="relaxed", scope="sys")
+        if COUNTED:
+            tl.atomic_xchg(_counts(own, W, M) + s, 0, sem="relaxed", scope="sys")
         src_flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
         tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
     N = tl.num_programs(1)
-    for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
-        sent = tl.zeros((BATCH,), tl.int32)
-        for j in tl.static_range(BATCH):
-            ok = _ht_combine_row(
-                s, t0 + j * N, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y,
-                K, BLOCK_K, BLOCK_H,
-            )  # fmt: skip
-            sent = tl.where(tl.arange(0, BATCH) == j, ok.to(tl.int32), sent)
-        tl.debug_barrier()
-        if FENCE:  # (see dispatch_send_kernel)
+    if COUNTED:
+        for t in range(tl.program_id(1), T_s, N):
+            _ht_combine_row(
+                s, t, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y, K, BLOCK_K, BLOCK_H
+            )
+        n = _strided_count(tl.program_id(1), T_s, N)
+        if n > 0:
+            tl.debug_barrier()  # every store of the program is issued before the fence
             _fence_sys()
-        for j in tl.static_range(BATCH):
-            ok = _pick(sent, tl.arange(0, BATCH), j) > 0
-            _ht_combine_flag(s, t0 + j * N, ok, bases_ptr, M, W, me, off_flags, FENCE)
+            src_flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
+            tl.atomic_add(_counts(src_flags, W, M) + W + me, n, sem="relaxed", scope="sys")
+    else:
+        for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
+            sent = tl.zeros((BATCH,), tl.int32)
+            for j in tl.static_range(BATCH):
+                ok = _ht_combine_row(
+                    s, t0 + j * N, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y,
+                    K, BLOCK_K, BLOCK_H,
+                )  # fmt: skip
+                sent = tl.where(tl.arange(0, BATCH) == j, ok.to(tl.int32), sent)
+            tl.debug_barrier()
+            if FENCE:  # (see dispatch_send_kernel)
+                _fence_sys()
+            for j in tl.static_range(BATCH):
+                ok = _pick(sent, tl.arange(0, BATCH), j) > 0
+                _ht_combine_flag(s, t0 + j * N, ok, bases_ptr, M, W, me, off_flags, FENCE)
