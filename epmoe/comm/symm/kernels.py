@@ -43,6 +43,15 @@ have read them) for the parity's next dispatch. The "started" flag each rank rai
 start of its combine (after that reset) is what every source waits for before its next
 dispatch can run: no peer writes a parity's buffers before their last reader is done.
 
+``symm_ht``'s counted mode (``COUNTED``, ``tokens_per_flag=0``) has no row flags: each send
+program fences once, after all its rows, and adds its number of tokens to ``done[src]``
+at every rank (every rank gets every token's routing, so the adds sum to exactly
+``T_src``), and each combine send program adds the number of tokens it went through, sent
+back or not, to ``cdone[me]`` at their source (they sum to its T); a receiver waits once
+for its count to reach the total. ``done[s]`` is cleared with ``expect[s]`` by the combine,
+``cdone`` with ``started`` by the next dispatch's announcement, each before the release
+that lets a peer count again.
+
 Each program handles one token (one row), whole-row steps of ``BLOCK_H`` columns, so that
 a decode-sized call is a single wave of short programs with no serial latency chain.
 
@@ -256,10 +265,9 @@ def _counts(flags, W, M):
 def _add_counts(bases, rr, W, M, off_flags, lane, n):
     """Add ``n`` (this program's tokens, its stores fenced by the caller) to count
     ``lane`` of ``done`` at every rank (a lane of ``bases [BLOCK_W]`` per rank)."""
-    if n > 0:
-        ptrs = _counts((bases + off_flags).to(tl.pointer_type(tl.int32)), W, M) + lane
-        tl.atomic_add(ptrs, tl.full(rr.shape, 0, tl.int32) + n, mask=rr < W, sem="relaxed",
-                      scope="sys")  # fmt: skip
+    ptrs = _counts((bases + off_flags).to(tl.pointer_type(tl.int32)), W, M) + lane
+    tl.atomic_add(ptrs, tl.full(rr.shape, 0, tl.int32) + n, mask=rr < W, sem="relaxed",
+                  scope="sys")  # fmt: skip
 
 
 @triton.jit
@@ -617,9 +625,11 @@ def dispatch_send_kernel(
                 err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
                 K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
             )  # fmt: skip
-        tl.debug_barrier()  # every store of the program is issued before the fence
-        _fence_sys()
-        _add_counts(bases, rr, W, M, off_flags, src, _strided_count(pid, T, N))
+        n = _strided_count(pid, T, N)
+        if n > 0:
+            tl.debug_barrier()  # every store of the program is issued before the fence
+            _fence_sys()
+            _add_counts(bases, rr, W, M, off_flags, src, n)
     else:
         for t0 in range(pid, T, N * BATCH):
             for j in tl.static_range(BATCH):
@@ -775,8 +785,8 @@ def _combine_recv(
     stamps_ptr, pid, STAMPS: tl.constexpr, COUNTED: tl.constexpr,
 ):  # fmt: skip
     """Program ``t`` of the combine's receive half: waits for token ``t``'s partial sums
-    from the ranks holding its experts (``COUNTED``: for every rank's count of this rank's
-    tokens to reach T) and adds them in float32."""
+    from the ranks holding its experts and adds them in float32. ``COUNTED``: the caller
+    has waited, once for all its tokens (``_combine_waits``)."""
     _stamp(stamps_ptr, pid, 0, STAMPS)
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
@@ -790,18 +800,16 @@ def _combine_recv(
         has_W = tl.zeros((BLOCK_W,), tl.int32)
     r_ok = rr < W
     r_any = tl.minimum(rr, W - 1)  # (a valid address in every lane)
-    # every rank started its combine (see the module docstring), then the partial rows
-    # of this token's ranks: one poll loop each over all ranks
-    _wait_all(flags + W + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE)
+    if not COUNTED:
+        # every rank started its combine (see the module docstring), then the partial
+        # rows of this token's ranks: one poll loop each over all ranks
+        _wait_all(flags + W + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE)
     _stamp(stamps_ptr, pid, 1, STAMPS)
     if t < T:
         cflags = flags + 2 * W + W * M
         comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
         mine = r_ok & (has_W > 0)
-        if COUNTED:
-            cdone = _counts(flags, W, M) + W
-            _wait_all(cdone + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE, T)
-        else:
+        if not COUNTED:
             _wait_all(cflags + r_any * M + t, mine, rr, timeout_ns, err_addr, OP_COMBINE)
         _stamp(stamps_ptr, pid, 2, STAMPS)
         for h0 in range(0, H, BLOCK_H):
@@ -817,6 +825,20 @@ def _combine_recv(
             tl.atomic_xchg(cflags + r_any * M + t, tl.zeros((BLOCK_W,), tl.int32), mask=mine,
                            sem="relaxed", scope="sys")  # fmt: skip
     _stamp(stamps_ptr, pid, 3, STAMPS)
+
+
+@triton.jit
+def _combine_waits(bases_ptr, err_addr, T, W, M, me, timeout_ns, off_flags,
+                   BLOCK_W: tl.constexpr):  # fmt: skip
+    """A counted combine's receive, once per program: every rank started its combine,
+    then every rank's count of this rank's tokens it went through reached T."""
+    rr = tl.arange(0, BLOCK_W)
+    r_ok = rr < W
+    r_any = tl.minimum(rr, W - 1)  # (a valid address in every lane)
+    flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
+    _wait_all(flags + W + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE)
+    cdone = _counts(flags, W, M) + W
+    _wait_all(cdone + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE, T)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_w", "off_y"])
@@ -878,7 +900,9 @@ def combine_recv_kernel(
     COUNTED: tl.constexpr,  # the senders count tokens per program instead of flagging rows
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
-    takes tokens p, p + G, ... of ``max(T, 1)``."""
+    takes tokens p, p + G, ... of ``max(T, 1)`` (``COUNTED``: after one wait for all)."""
+    if COUNTED:
+        _combine_waits(bases_ptr, err_addr, T, W, M, me, timeout_ns, off_flags, BLOCK_W)
     for t in range(tl.program_id(0), tl.maximum(T, 1), tl.num_programs(0)):
         _combine_recv(
             t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
@@ -1048,6 +1072,7 @@ def ht_combine_send_kernel(
         tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
     N = tl.num_programs(1)
     if COUNTED:
+        cdone = _counts(_at(tl.load(bases_ptr + s), off_flags, tl.int32), W, M) + W + me
         for t in range(tl.program_id(1), T_s, N):
             _ht_combine_row(
                 s, t, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y, K, BLOCK_K, BLOCK_H
@@ -1056,8 +1081,7 @@ def ht_combine_send_kernel(
         if n > 0:
             tl.debug_barrier()  # every store of the program is issued before the fence
             _fence_sys()
-            src_flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
-            tl.atomic_add(_counts(src_flags, W, M) + W + me, n, sem="relaxed", scope="sys")
+            tl.atomic_add(cdone, n, sem="relaxed", scope="sys")
     else:
         for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
             sent = tl.zeros((BATCH,), tl.int32)
