@@ -158,36 +158,22 @@ def test_num_sms_and_tokens_per_flag_are_checked():
 
 @pytest.mark.parametrize("counted", [True, False], ids=["one count per program", "row flags"])
 def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(counted):
-    """Two ranks simulated in one process: separate symmetric buffers reached through one
-    address table, the kernels of each phase launched rank by rank in the order the
-    stream would run them. Five calls alternate the parities, with token counts 0 on
-    some rank, grids of different sizes (programs loop) and a token with no expert
-    anywhere. After each phase the counts (counted mode) or flags (row flags) are what
-    the protocol in ``kernels.py`` says, and combine returns each token's weighted rows."""
+    """Two ranks simulated in one process (``symm_sim``): five calls alternate the
+    parities, with T = 0 on some rank, grids of different sizes (programs loop) and a
+    token routed nowhere. After each phase the counts (counted mode) or flags (row flags)
+    are what the protocol in ``kernels.py`` says, and combine returns each token's
+    weighted rows."""
     import triton.language as tl
 
     from epmoe.comm.symm import kernels as k
-    from epmoe.comm.symm.common import layout
+    from tests.unit.symm_sim import TwoRanks
 
-    W, M, H, K, E = 2, 8, 128, 2, 4
-    regions, nbytes = layout(W, M, H, K, torch.float32, torch.float32, False)
-    bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(W)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    err = torch.zeros(1, dtype=torch.int32)
-    owner = torch.tensor([0, 0, 1, 1], dtype=torch.int32)  # linear placement, 2 per rank
-    local = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
+    sim = TwoRanks()
+    W, M, H, K = sim.W, sim.M, sim.H, sim.K
     sms = [2, 3]
 
     def grid(n, r):
         return max(1, min(n, sms[r]))
-
-    def flags(r, parity):  # expect[W], started[W], dflag[W, M], cflag[W, M], done, cdone
-        start = regions[parity].flags
-        return bufs[r][start : start + (4 * W + 2 * W * M) * 4].view(torch.int32)
-
-    def counts(r, parity):
-        f = flags(r, parity)[2 * W + 2 * W * M :]
-        return f[:W].tolist(), f[W:].tolist()
 
     per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted)
     wire = dict(FP8=False, WIRE=tl.float32, FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
@@ -195,54 +181,35 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
         [(torch.full((W * M, K), -1), torch.zeros(W * M, K), torch.zeros(W, dtype=torch.int32))
          for _ in range(2)] for _ in range(W)
     ]  # fmt: skip
-    g = torch.Generator().manual_seed(0)
     for n, Ts in enumerate([(5, 0), (0, 3), (7, 8), (1, 1), (8, 2)]):
         parity = n % 2
-        reg = regions[parity]
-        inputs = []
-        for r in range(W):  # dispatch, send half
-            T = Ts[r]
-            x = torch.randn(T, H, generator=g)
-            ids = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
-            if T > 1:
-                ids[1] = -1  # no expert anywhere: routed nowhere, still counted
-            w = torch.rand(T, K, generator=g)
-            inputs.append((x, ids, w))
-            k.dispatch_send_kernel[(grid(max(T, 1), r),)](
-                x, x, ids, w, owner, local, bases, err.data_ptr(), T, H, E, M, W, 1, r,
-                reg.flags, reg.x, reg.s, reg.ids, reg.w, K=K, BLOCK_K=2, BLOCK_W=2,
-                BLOCK_H=128, PREQUANT=False, **wire, **per_flag,
+        reg = sim.regions[parity]
+        inputs = [sim.inputs(T) for T in Ts]
+        for r, (x, ids, w) in enumerate(inputs):  # dispatch, send half
+            k.dispatch_send_kernel[(grid(max(Ts[r], 1), r),)](
+                x, x, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(), Ts[r], H,
+                sim.E, M, W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w, K=K, BLOCK_K=2,
+                BLOCK_W=2, BLOCK_H=128, PREQUANT=False, **wire, **per_flag,
             )  # fmt: skip
         if counted:
-            assert all(counts(r, parity)[0] == list(Ts) for r in range(W))
+            assert all(sim.counts(r, parity)[0] == list(Ts) for r in range(W))
         for r in range(W):  # dispatch, receive half
             ids_out, w_out, recv_t = published[r][parity]
             k.ht_dispatch_recv_kernel[(W, grid(M, r))](
-                bases, ids_out, w_out, recv_t, err.data_ptr(), M, W, r, 10**9,
+                sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, 10**9,
                 reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=counted,
             )  # fmt: skip
             assert recv_t.tolist() == list(Ts)
         for r in range(W):  # combine, send half: identity experts, weighted
             ids_out, w_out, recv_t = published[r][parity]
-            rows = bufs[r][reg.x : reg.x + W * M * H * 4].view(torch.float32).view(W * M, H)
-            y = (rows * w_out.sum(1, keepdim=True)).contiguous()
+            y = (sim.rows(r, parity) * w_out.sum(1, keepdim=True)).contiguous()
             k.ht_combine_send_kernel[(W, grid(M, r))](
-                y, bases, ids_out, recv_t, H, M, W, r, reg.flags, reg.y,
+                y, sim.bases, ids_out, recv_t, H, M, W, r, reg.flags, reg.y,
                 K=K, BLOCK_K=2, BLOCK_H=128, **per_flag,
             )  # fmt: skip
         if counted:  # done cleared by the combine; each rank sent back all of r's T
             for r in range(W):
-                assert counts(r, parity) == ([0] * W, [Ts[r]] * W), (n, r)
+                assert sim.counts(r, parity) == ([0] * W, [Ts[r]] * W), (n, r)
         for r in range(W):  # combine, receive half
-            x, ids, w = inputs[r]
-            out = torch.empty(Ts[r], H)
-            k.combine_recv_kernel[(grid(max(Ts[r], 1), r),)](
-                out, ids, owner, bases, err.data_ptr(), Ts[r], H, E, W, M, r, 10**9,
-                reg.flags, reg.y, K=K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128, COUNTED=counted,
-            )  # fmt: skip
-            want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
-            torch.testing.assert_close(out, want, msg=f"call {n} rank {r}")
-        assert err.item() == 0
-        for r in range(W):  # expect and every row flag are back to 0 for the next call
-            f = flags(r, parity)
-            assert not f[:W].any() and not f[2 * W : 2 * W + 2 * W * M].any(), (n, r)
+            sim.combine_receive(k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted)
+        sim.assert_reset(parity, n)

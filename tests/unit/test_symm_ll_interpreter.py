@@ -266,26 +266,19 @@ def test_tensors_on_another_device_are_refused_naming_the_argument():
 
 
 def test_two_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says():
-    """Two ranks simulated in one process under the interpreter: separate symmetric
-    buffers reached through one address table, the split kernels (the bodies the fused
-    ones share) of each phase launched rank by rank in the order the streams would run
-    them. Five calls alternate the parities, with T = 0 on some rank, T = M and a token
-    with no expert anywhere. Each received row is indexed once per (token, local
-    expert), combine returns each token's weighted rows, and every flag, count and
+    """Two ranks simulated in one process (``symm_sim``), through the split kernels (the
+    bodies the fused ones share): five calls alternate the parities, with T = 0 on some
+    rank, T = M and a token routed nowhere. Each received row is indexed once per (token,
+    local expert), combine returns each token's weighted rows, and every flag, count and
     counter the protocol resets is back to 0 for the parity's next call."""
     import triton.language as tl
 
     from epmoe.comm.symm import kernels as k
-    from epmoe.comm.symm.common import layout
+    from tests.unit.symm_sim import TwoRanks
 
-    W, M, H, K, E = 2, 8, 128, 2, 4
-    C, e_max = W * M, E // W
-    regions, nbytes = layout(W, M, H, K, torch.float32, torch.float32, False)
-    bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(W)]
-    bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    err = torch.zeros(1, dtype=torch.int32)
-    owner = torch.tensor([0, 0, 1, 1], dtype=torch.int32)  # linear placement, 2 per rank
-    local = torch.tensor([0, 1, 0, 1], dtype=torch.int32)
+    sim = TwoRanks()
+    W, M, H, K = sim.W, sim.M, sim.H, sim.K
+    C, e_max = W * M, sim.E // W
     i32 = dict(dtype=torch.int32)
     state = [
         [dict(index=torch.zeros(e_max, C, **i32), counts=torch.zeros(e_max, **i32),
@@ -294,35 +287,23 @@ def test_two_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_say
     ]  # fmt: skip
     wire = dict(FP8=False, WIRE=tl.float32)
     quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
-
-    def flags(r, parity):  # expect[W], started[W], dflag[W, M], cflag[W, M], done, cdone
-        start = regions[parity].flags
-        return bufs[r][start : start + (4 * W + 2 * W * M) * 4].view(torch.int32)
-
-    g = torch.Generator().manual_seed(0)
     for n, Ts in enumerate([(5, 0), (0, 3), (8, 8), (1, 2), (3, 8)]):
         parity = n % 2
-        reg = regions[parity]
-        inputs = []
-        for r in range(W):  # dispatch, send half: a program per token
-            x = torch.randn(Ts[r], H, generator=g)
-            ids = torch.rand(Ts[r], E, generator=g).argsort(1)[:, :K].contiguous()
-            if Ts[r] > 1:
-                ids[1] = -1  # no expert anywhere
-            w = torch.rand(Ts[r], K, generator=g)
-            inputs.append((x, ids, w))
+        reg = sim.regions[parity]
+        inputs = [sim.inputs(T) for T in Ts]
+        for r, (x, ids, w) in enumerate(inputs):  # dispatch, send half: a program per token
             k.dispatch_send_kernel[(max(Ts[r], 1),)](
-                x, x, ids, w, owner, local, bases, err.data_ptr(), Ts[r], H, E, M, W, 1, r,
-                reg.flags, reg.x, reg.s, reg.ids, reg.w, K=K, BLOCK_K=2, BLOCK_W=2,
-                BLOCK_H=128, BATCH=1, FENCE=False, PREQUANT=False, COUNTED=False,
+                x, x, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(), Ts[r], H,
+                sim.E, M, W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w, K=K, BLOCK_K=2,
+                BLOCK_W=2, BLOCK_H=128, BATCH=1, FENCE=False, PREQUANT=False, COUNTED=False,
                 **wire, **quant,
             )  # fmt: skip
         for r in range(W):  # dispatch, receive half: a program per (source, token slot)
             st = state[r][parity]
             k.ll_dispatch_recv_kernel[(W, M)](
-                bases, st["index"], st["index"], st["counts"], st["pos"], st["recv_t"],
-                err.data_ptr(), H, M, W, 1, C, r, 10**9, reg.flags, reg.x, reg.s, reg.ids,
-                K=K, BLOCK_K=2, BLOCK_H=128, IN_PLACE=True, **wire,
+                sim.bases, st["index"], st["index"], st["counts"], st["pos"], st["recv_t"],
+                sim.err.data_ptr(), H, M, W, 1, C, r, 10**9, reg.flags, reg.x, reg.s,
+                reg.ids, K=K, BLOCK_K=2, BLOCK_H=128, IN_PLACE=True, **wire,
             )  # fmt: skip
             assert st["recv_t"].tolist() == list(Ts)
             lo = r * e_max
@@ -330,23 +311,13 @@ def test_two_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_say
             assert st["counts"].tolist() == want, (n, r)
         for r in range(W):  # combine, send half: identity experts (the rows themselves)
             st = state[r][parity]
-            rows = bufs[r][reg.x : reg.x + W * M * H * 4].view(torch.float32).view(W * M, H)
-            y = rows[st["index"].long().clamp(min=0)].reshape(e_max * C, H).contiguous()
+            rows = sim.rows(r, parity)[st["index"].long().clamp(min=0)]
             k.ll_combine_send_kernel[(W, M)](
-                y, bases, st["pos"], st["recv_t"], st["counts"], e_max, H, M, W, r,
-                reg.flags, reg.w, reg.y, K=K, BLOCK_K=2, BLOCK_H=128, BLOCK_E=256,
+                rows.reshape(e_max * C, H).contiguous(), sim.bases, st["pos"], st["recv_t"],
+                st["counts"], e_max, H, M, W, r, reg.flags, reg.w, reg.y,
+                K=K, BLOCK_K=2, BLOCK_H=128, BLOCK_E=256,
             )  # fmt: skip
             assert not st["counts"].any(), (n, r)  # zeroed for the parity's next dispatch
         for r in range(W):  # combine, receive half
-            x, ids, w = inputs[r]
-            out = torch.empty(Ts[r], H)
-            k.combine_recv_kernel[(max(Ts[r], 1),)](
-                out, ids, owner, bases, err.data_ptr(), Ts[r], H, E, W, M, r, 10**9,
-                reg.flags, reg.y, K=K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128, COUNTED=False,
-            )  # fmt: skip
-            want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
-            torch.testing.assert_close(out, want, msg=f"call {n} rank {r}")
-        assert err.item() == 0
-        for r in range(W):  # expect and every row flag are back to 0 for the next call
-            f = flags(r, parity)
-            assert not f[:W].any() and not f[2 * W : 2 * W + 2 * W * M].any(), (n, r)
+            sim.combine_receive(k, parity, r, inputs[r], max(Ts[r], 1), False)
+        sim.assert_reset(parity, n)

@@ -1,0 +1,81 @@
+"""Two ranks of the symmetric-memory backends simulated in one process, for the protocol
+tests under the Triton interpreter: a symmetric buffer per rank, reached by every
+rank's kernels through one address table, and the kernels of each phase launched rank by
+rank in the order the two streams would run them (every wait is then already met).
+
+Shape legend: W = 2 ranks · M tokens per rank · H hidden · K top-k · E experts
+(linear placement: ``E / W`` per rank).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.comm.symm.common import layout
+
+
+class TwoRanks:
+    """Buffers, routing tables and checks shared by the ``symm_ll`` and ``symm_ht``
+    protocol tests. ``W, M, H, K, E`` as in the legend; float32 rows on the wire."""
+
+    W, M, H, K, E = 2, 8, 128, 2, 4
+
+    def __init__(self) -> None:
+        W, M, H, K = self.W, self.M, self.H, self.K
+        self.regions, nbytes = layout(W, M, H, K, torch.float32, torch.float32, False)
+        self.bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(W)]
+        self.bases = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
+        self.err = torch.zeros(1, dtype=torch.int32)
+        per_rank = self.E // W
+        self.owner = torch.arange(self.E, dtype=torch.int32) // per_rank
+        self.local = torch.arange(self.E, dtype=torch.int32) % per_rank
+        self.gen = torch.Generator().manual_seed(0)
+
+    def inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x [T, H], ids [T, K], w [T, K])``: distinct experts per token, token 1 (when
+        there is one) routed nowhere."""
+        x = torch.randn(T, self.H, generator=self.gen)
+        ids = torch.rand(T, self.E, generator=self.gen).argsort(1)[:, : self.K].contiguous()
+        if T > 1:
+            ids[1] = -1
+        return x, ids, torch.rand(T, self.K, generator=self.gen)
+
+    def flags(self, r: int, parity: int) -> torch.Tensor:
+        """Rank r's int32 flags: expect[W], started[W], dflag[W, M], cflag[W, M], done[W],
+        cdone[W] (see ``kernels.py``)."""
+        W, M = self.W, self.M
+        start = self.regions[parity].flags
+        return self.bufs[r][start : start + (4 * W + 2 * W * M) * 4].view(torch.int32)
+
+    def counts(self, r: int, parity: int) -> tuple[list[int], list[int]]:
+        """Rank r's ``(done, cdone)``."""
+        f = self.flags(r, parity)[2 * self.W + 2 * self.W * self.M :]
+        return f[: self.W].tolist(), f[self.W :].tolist()
+
+    def rows(self, r: int, parity: int) -> torch.Tensor:
+        """The rows rank r received, ``[W·M, H]``, where the senders stored them."""
+        n = self.W * self.M
+        start = self.regions[parity].x
+        return self.bufs[r][start : start + n * self.H * 4].view(torch.float32).view(n, -1)
+
+    def combine_receive(self, kernels, parity, r, inputs, grid: int, counted: bool) -> None:
+        """Rank r's combine receive, checked: each token's rows times its router weights."""
+        x, ids, w = inputs
+        T, reg = x.shape[0], self.regions[parity]
+        out = torch.empty(T, self.H)
+        kernels.combine_recv_kernel[(grid,)](
+            out, ids, self.owner, self.bases, self.err.data_ptr(), T, self.H, self.E, self.W,
+            self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128,
+            COUNTED=counted,
+        )  # fmt: skip
+        want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
+        torch.testing.assert_close(out, want, msg=f"rank {r}")
+
+    def assert_reset(self, parity: int, call: int) -> None:
+        """No error; every rank's ``expect`` and row flags back to 0 for the parity's next
+        call."""
+        assert self.err.item() == 0
+        W, M = self.W, self.M
+        for r in range(W):
+            f = self.flags(r, parity)
+            assert not f[:W].any() and not f[2 * W : 2 * W + 2 * W * M].any(), (call, r)
