@@ -153,6 +153,23 @@ def _load_acquire(ptr):
 
 
 @triton.jit
+def _load_relaxed(ptr):
+    """``*ptr`` (int32), relaxed at system scope: a strong load that orders nothing after
+    it, so no L1 invalidation waits for it (an acquire's does, one round trip each)."""
+    if _INTERPRET:
+        return tl.atomic_add(ptr, 0, sem="relaxed", scope="sys")
+    else:
+        return tl.inline_asm_elementwise(
+            "ld.relaxed.sys.global.b32 $0, [$1];",
+            "=r,l",
+            [ptr],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
 def _report(err_addr, kind, op, peer):
     """Write an error code to the host-mapped error word unless one is there already."""
     err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
@@ -207,6 +224,10 @@ def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
     once (one wait, not ``expect``'s and then the flag's). Bounded as ``_wait_at_least``;
     a timeout reads as "did not come".
 
+    The flag is read with acquire (the token's rows are read after it), the count
+    relaxed: it only ever says that a token does not come, after which nothing it
+    covers is read; the two loads of a poll are then in flight together.
+
     Each thread answers from its own last poll: a token is either sent (every thread
     leaves on its flag) or not (every thread leaves on the count), so the answers agree,
     except after a timeout, where a thread that gave up may miss a flag another saw.
@@ -214,14 +235,14 @@ def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
     whatever decides where data goes is decided once and shared through memory (see
     ``_dispatch_recv``'s positions); a shared re-read of the flag would agree always, at
     the price of an atomic round trip, 0.7 µs on every token's path."""
+    expect = _load_relaxed(expect_ptr)
     flag = _load_acquire(flag_ptr)
-    expect = _load_acquire(expect_ptr)
     start = _now_ns()
     timed_out = tl.full((), 0, tl.int32)
     while (flag < 1) & ((expect < 1) | (t < expect - 1)) & (timed_out == 0):
         timed_out = _give_up(start, timeout_ns, err_addr, OP_DISPATCH, peer)
+        expect = _load_relaxed(expect_ptr)
         flag = _load_acquire(flag_ptr)
-        expect = _load_acquire(expect_ptr)
     tl.debug_barrier()  # (threads leave the loop at their own moments)
     return flag >= 1
 
