@@ -162,7 +162,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=DEFAULT_BACKENDS,
         help="name:layout pairs; symm_ht also name:layout:SMs[:ROWS] (an SM budget, rows "
-        "stored per flag, 0: one count per program)",
+        "stored per flag, 0: one count per program); symm_ll also name:layout:copy, "
+        "deepep_ht name:layout:fixed (worst-case rows, graph safe)",
     )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
@@ -558,9 +559,13 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
     """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
     name, layout_name, *budget = entry.split(":")
     layout = Layout(layout_name)
-    options = {}  # name:layout:SMs[:rows per flag] (symm_ht), name:layout:copy (symm_ll)
+    # name:layout:SMs[:rows per flag] (symm_ht), name:layout:copy (symm_ll),
+    # name:layout:fixed (deepep_ht's worst-case rows: no host sync, graph safe)
+    options = {}
     if budget == ["copy"]:  # symm_ll's first design: received rows copied into slabs
         options["rows_in_place"], budget = False, []
+    if budget == ["fixed"]:
+        options["worst_case_rows"], budget = True, []
     if budget and budget[0]:
         options["num_sms"] = int(budget[0])
     if len(budget) > 1:
@@ -572,6 +577,8 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
         base["per_flag"] = options["tokens_per_flag"]
     if "rows_in_place" in options:  # its own series (the goals are held to the default)
         base["backend"] = f"{name}/copy"
+    if "worst_case_rows" in options:
+        base["backend"] = f"{name}/fixed"
     reason = backend_skip_reason(name, layout, spec, x_TH.device, ctx["group"])
     if reason is not None:
         return [dict(base, mode="-", note=f"skipped: {reason}")]

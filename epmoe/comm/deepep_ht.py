@@ -6,14 +6,18 @@ with the top-k ids remapped to local slots (-1 elsewhere) and the router weights
 epmoe's Standard layout as it is. DeepEP's combine is an unweighted sum of the rows sent
 back, which is what the Standard experts return (each row's weighted sum over its local
 experts). The received counts reach the host (DeepEP's CPU sync), so the calls are not
-graph safe. bf16 only (DeepEP's kernels); FP8 rows are quantized here, per token and
-128-column group, before the send.
+graph safe, unless ``worst_case_rows=True``: DeepEP's ``num_worst_tokens`` path, with
+``W·M`` received rows whatever came (ids -1 and weights 0 on rows no token filled, as
+``symm_ht``), no CPU sync, and the calls graph safe. bf16 only (DeepEP's kernels); FP8
+rows are quantized here, per token and 128-column group, before the send.
 
 Shape legend: T tokens on this rank · H hidden · K top-k · W ranks · P physical experts ·
 R received rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -68,8 +72,17 @@ class DeepEPHTBackend(AllToAll):
             return f"DeepEP's FP8 rows need H divisible by 128, not {spec.hidden_size}"
         return _deepep.even_partition_reason(spec)
 
-    def __init__(self, spec, group, layout=None):
+    def __init__(self, spec, group, layout=None, *, worst_case_rows: bool = False):
+        """``worst_case_rows``: receive ``W·M`` rows (``M = spec.max_num_tokens``) with no
+        CPU sync (DeepEP's ``num_worst_tokens``, one node), which makes the calls graph
+        safe and every call at most M tokens; else exactly the rows that came, counted on
+        the host."""
+        if type(worst_case_rows) is not bool:
+            raise TypeError(f"worst_case_rows must be a bool, got {worst_case_rows!r}")
         super().__init__(spec, group, layout)
+        self._worst = self.world_size * spec.max_num_tokens if worst_case_rows else 0
+        if worst_case_rows:  # (this instance: the class answers for the default)
+            self.capabilities = dataclasses.replace(type(self).capabilities, graph_safe=True)
         self._deep_ep = _deepep.import_deep_ep()
         W, H = self.world_size, spec.hidden_size
         Buffer = self._deep_ep.Buffer
@@ -93,9 +106,10 @@ class DeepEPHTBackend(AllToAll):
 
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """DeepEP dispatches on the current stream and returns when the rows are known on
-        the host: the result is ready (a finished ``Pending``)."""
+        the host (or, with worst-case rows, once the kernels are queued): the result is
+        ready (a finished ``Pending``)."""
         spec, buffer = self.spec, self._buffer()
-        check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
+        check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, self._worst > 0)
         ids = topk_ids_TK.to(getattr(self._deep_ep, "topk_idx_t", torch.int64)).contiguous()
         weights = topk_weights_TK.to(torch.float32).contiguous()
         x = hidden_TH.contiguous()
@@ -106,6 +120,7 @@ class DeepEPHTBackend(AllToAll):
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             ids, spec.num_physical
         )
+        worst = {"num_worst_tokens": self._worst} if self._worst else {}
         recv_x, recv_ids, recv_weights, _, handle, _ = buffer.dispatch(
             x,
             topk_idx=ids,
@@ -114,13 +129,17 @@ class DeepEPHTBackend(AllToAll):
             num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert,
+            **worst,
         )
         hidden, scale = recv_x if spec.fp8_dispatch else (recv_x, None)
+        recv_ids = recv_ids.to(torch.int64)
+        if self._worst:  # rows no token filled: ids -1 (DeepEP's), weights unset until here
+            recv_weights = torch.where(recv_ids >= 0, recv_weights, 0.0)
         return Pending.done(
             DispatchResult(
                 layout=Layout.STANDARD,
                 hidden=hidden,
-                topk_ids=recv_ids.to(torch.int64),
+                topk_ids=recv_ids,
                 topk_weights=recv_weights,
                 hidden_scale=scale,
                 handle=handle,

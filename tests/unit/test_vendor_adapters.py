@@ -68,15 +68,26 @@ class _FakeBuffer:
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
                  num_tokens_per_rdma_rank=None, is_token_in_rank=None,
-                 num_tokens_per_expert=None):  # fmt: skip
+                 num_tokens_per_expert=None, num_worst_tokens=0):  # fmt: skip
         assert topk_weights.dtype == torch.float32
         keep = is_token_in_rank[:, 0]
         rows = (x[0][keep], x[1][keep]) if isinstance(x, tuple) else x[keep]
-        return rows, topk_idx[keep], topk_weights[keep], [], keep, None
+        ids, weights = topk_idx[keep], topk_weights[keep]
+        if num_worst_tokens:  # rows past the received ones: ids -1, the rest left unset
+            assert num_worst_tokens >= ids.shape[0]
+            pad = num_worst_tokens - ids.shape[0]
+            garbage = lambda t: torch.cat([t, torch.full((pad, *t.shape[1:]), float("nan"),  # noqa: E731
+                                                         dtype=t.dtype)])  # fmt: skip
+            rows = tuple(map(garbage, rows)) if isinstance(rows, tuple) else garbage(rows)
+            ids = torch.cat([ids, torch.full((pad, ids.shape[1]), -1, dtype=ids.dtype)])
+            weights = garbage(weights)
+            return rows, ids, weights, [], keep, None
+        return rows, ids, weights, [], keep, None
 
     def combine(self, x, handle):
         out = torch.zeros(handle.shape[0], x.shape[1], dtype=x.dtype)
-        out[handle] = x  # unweighted: one rank sends one row per token
+        out[handle] = x[: int(handle.sum())]  # unweighted, one row per token (worst case:
+        # the rows past the received ones are never read)
         return out, None, None
 
     # low-latency mode
@@ -137,7 +148,7 @@ def _spec(fp8=False, M=8):
                     dispatch_dtype=FP8_DTYPE if fp8 else None)  # fmt: skip
 
 
-def _backend(cls_name, spec, layout):
+def _backend(cls_name, spec, layout, **options):
     from epmoe.comm import backend_class
 
     cls = backend_class(cls_name)
@@ -147,7 +158,7 @@ def _backend(cls_name, spec, layout):
             **{**cls.capabilities.__dict__, "device_types": frozenset({"cpu"})}
         )
 
-    return OnCPU(spec, None, layout)
+    return OnCPU(spec, None, layout, **options)
 
 
 def _rows(hidden, scale):
@@ -179,6 +190,35 @@ def test_ht_delivers_the_standard_layout_and_combines_to_the_oracle(fake_deep_ep
     assert_close(out, epmoe.reference.moe(rows, w13, w2, w, ids), 2e-2, name="deepep_ht")
     comm.close()
     assert _FakeBuffer.destroyed == 1
+
+
+def test_ht_worst_case_rows_fill_every_row_and_need_no_host_count(fake_deep_ep):
+    """``worst_case_rows=True``: DeepEP's ``num_worst_tokens`` (W·M rows, no CPU sync)
+    is asked for; rows no token filled come back with ids -1 and weight 0 (DeepEP leaves
+    their weights unset), combine matches the oracle, this instance (not the class)
+    claims graph safety, and more than M tokens is refused naming max_num_tokens."""
+    x, ids, w, w13, w2 = _inputs()
+    M = 8
+    comm = _backend("deepep_ht", _spec(M=M), Layout.STANDARD, worst_case_rows=True)
+    assert comm.capabilities.graph_safe and not type(comm).capabilities.graph_safe
+    res = comm.dispatch(x, ids, w)
+    assert res.hidden.shape[0] == M and (res.topk_ids[T:] == -1).all()
+    assert not res.topk_weights.isnan().any() and (res.topk_weights[T:] == 0).all()
+    rows = res.hidden.float()
+    y = torch.zeros_like(rows)  # Standard experts: rows no token filled stay 0
+    for r in range(T):
+        for k in range(K):
+            e = int(res.topk_ids[r, k])
+            if e >= 0:
+                y[r] += res.topk_weights[r, k] * expert_mlp(rows[r : r + 1], w13[e], w2[e])[0]
+    out = comm.combine(y.to(torch.bfloat16), res)
+    assert_close(out, epmoe.reference.moe(x.float(), w13, w2, w, ids), 2e-2, name="worst case")
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        comm.dispatch(torch.zeros(M + 1, H, dtype=torch.bfloat16),
+                      torch.zeros(M + 1, K, dtype=torch.int64), torch.ones(M + 1, K))  # fmt: skip
+    with pytest.raises(TypeError, match="worst_case_rows must be a bool"):
+        _backend("deepep_ht", _spec(M=M), Layout.STANDARD, worst_case_rows=1)
+    comm.close()
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
