@@ -114,6 +114,43 @@ def exact_dispatch(rank, world):
     return sweep.passed
 
 
+def two_in_flight(rank, world):
+    """Two dispatch results held at once (both parities), combined in the order they were
+    dispatched, over rounds of changing token counts (0 on some rank), with row flags and
+    with one count per program: each combine gives back its own tokens (identity
+    experts, weights summing to 1)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    placement = epmoe.ExpertPlacement.linear(E, world)
+    sweep = Sweep()
+    for per_flag in (4, 0):
+        spec = _spec(placement, dev, False)
+        comm = SymmHTBackend(spec, None, Layout.STANDARD, num_sms=3, tokens_per_flag=per_flag)
+        for n, Ts in enumerate([(7, 0), (M, 3), (0, M), (5, 5)]):
+            with sweep.case(f"{per_flag} rows per flag, round {n}"):
+                pair = []
+                for j in range(2):
+                    T = Ts[(rank + j) % 2]
+                    g = torch.Generator().manual_seed(1000 * n + 10 * rank + j)
+                    ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+                    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+                    x = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+                    pair.append((x, comm.dispatch(x, ids.to(dev), w.to(dev))))
+                for x, res in pair:
+                    y = res.hidden.float() * res.topk_weights.sum(1, keepdim=True)
+                    out = comm.combine(y.to(torch.bfloat16), res)
+                    assert_close(out.float(), x.float(), 2e-2, name=f"rank {rank}")
+        comm.check()
+        comm.close()
+    sweep.check()
+    return sweep.passed
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+def test_two_results_in_flight_with_flags_and_with_counts(world):
+    requires_world(world)
+    run_on_ranks(two_in_flight, world, timeout_s=300)
+
+
 @pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
 def test_exact_dispatch_and_identity_combine(world):
     requires_world(world)

@@ -213,3 +213,26 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
         for r in range(W):  # combine, receive half
             sim.combine_receive(k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted)
         sim.assert_reset(parity, n)
+
+
+@pytest.mark.parametrize("per_flag", [4, 0], ids=["4 rows per flag", "one count per program"])
+def test_two_results_in_flight_combine_to_their_own_tokens(per_flag):
+    """Two dispatch results held at once (both parities), combined in the order they were
+    dispatched, over rounds of changing token counts: each combine gives back its own
+    tokens (identity experts, weights summing to 1)."""
+    E, K, H, M = 6, 3, 256, 8
+    placement = epmoe.ExpertPlacement.linear(E, 1)
+    spec = CommSpec(H, K, placement.rank_offsets, M, torch.float32, torch.device("cpu"))
+    comm = _backend(spec, num_sms=3, tokens_per_flag=per_flag)
+    for n, Ts in enumerate([(7, 0), (M, 3), (0, M), (5, 5)]):
+        pair = []
+        for j, T in enumerate(Ts):
+            g = torch.Generator().manual_seed(1000 * n + j)
+            ids = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+            w = torch.softmax(torch.randn(T, K, generator=g), -1)
+            x = torch.randn(T, H, generator=g)
+            pair.append((x, comm.dispatch(x, ids, w)))
+        for x, res in pair:
+            y = res.hidden * res.topk_weights.sum(1, keepdim=True)
+            torch.testing.assert_close(comm.combine(y, res), x, msg=f"round {n}")
+    comm.close()
