@@ -136,37 +136,33 @@ def _fence_sys():
 
 
 @triton.jit
-def _load_acquire(ptr):
-    """``*ptr`` (int32) with acquire semantics at system scope: a plain load, so that many
-    programs polling one flag do not serialise the peers' atomics on it."""
+def _load_sys(ptr, SEM: tl.constexpr):
+    """``*ptr`` (int32) at system scope with ``SEM`` ("acquire" or "relaxed"): a plain
+    load, so that many programs polling one flag do not serialise the peers' atomics on
+    it. A relaxed load orders nothing after it, so no L1 invalidation waits for it (an
+    acquire's does: one round trip each)."""
     if _INTERPRET:
-        return tl.atomic_add(ptr, 0, sem="acquire", scope="sys")
+        return tl.atomic_add(ptr, 0, sem=SEM, scope="sys")
+    elif SEM == "acquire":
+        return tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
     else:
         return tl.inline_asm_elementwise(
-            "ld.acquire.sys.global.b32 $0, [$1];",
-            "=r,l",
-            [ptr],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+            "ld.relaxed.sys.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
+def _load_acquire(ptr):
+    return _load_sys(ptr, "acquire")
 
 
 @triton.jit
 def _load_relaxed(ptr):
-    """``*ptr`` (int32), relaxed at system scope: a strong load that orders nothing after
-    it, so no L1 invalidation waits for it (an acquire's does, one round trip each)."""
-    if _INTERPRET:
-        return tl.atomic_add(ptr, 0, sem="relaxed", scope="sys")
-    else:
-        return tl.inline_asm_elementwise(
-            "ld.relaxed.sys.global.b32 $0, [$1];",
-            "=r,l",
-            [ptr],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    return _load_sys(ptr, "relaxed")
 
 
 @triton.jit
