@@ -84,6 +84,8 @@ class DeepEPHTBackend(AllToAll):
         if worst_case_rows:  # (this instance: the class answers for the default)
             self.capabilities = dataclasses.replace(type(self).capabilities, graph_safe=True)
         self._deep_ep = _deepep.import_deep_ep()
+        # a buffer of its own: a host-counted dispatch polls a count in the buffer that a
+        # worst-case dispatch queued before it may still write
         W, H = self.world_size, spec.hidden_size
         Buffer = self._deep_ep.Buffer
         hint = max(
@@ -94,7 +96,7 @@ class DeepEPHTBackend(AllToAll):
         self._hold = _deepep.acquire_buffer(
             self.name,
             self.group,
-            "ht",
+            "ht-worst-case" if worst_case_rows else "ht",
             {"nvl_bytes": nvl_bytes},
             create=lambda: Buffer(
                 _deepep.process_group(self.group), nvl_bytes, 0, explicitly_destroy=True

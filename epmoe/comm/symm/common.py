@@ -408,7 +408,7 @@ class SymmBackend(AllToAll):
         k = kernels()
         tr, spec, W, T = h.transport, self.spec, self.world_size, h.num_tokens
         reg = tr.regions[h.parity]
-        out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
+        out = torch.empty(T, tr.H, dtype=spec.dtype, device=tr.device)
         launch(k.combine_recv_kernel)(
             (programs,),
             out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,

@@ -141,6 +141,7 @@ def _load_sys(ptr, SEM: tl.constexpr):
     load, so that many programs polling one flag do not serialise the peers' atomics on
     it. A relaxed load orders nothing after it, so no L1 invalidation waits for it (an
     acquire's does: one round trip each)."""
+    tl.static_assert((SEM == "acquire") or (SEM == "relaxed"), "SEM: acquire or relaxed")
     if _INTERPRET:
         return tl.atomic_add(ptr, 0, sem=SEM, scope="sys")
     elif SEM == "acquire":

@@ -239,7 +239,7 @@ class SymmLLBackend(SymmBackend):
         h, y, c = self._combine_prologue(expert_out, result)
         tr, spec, W, T, b = h.transport, self.spec, self.world_size, h.num_tokens, h.parity
         reg = tr.regions[b]
-        out = torch.empty(T, tr.H, dtype=spec.dtype, device=spec.device)
+        out = torch.empty(T, tr.H, dtype=spec.dtype, device=tr.device)
         stamps = self.stamps_combine
         launch(k.ll_combine_kernel)(
             (W * tr.M + max(1, T),),
