@@ -283,7 +283,7 @@ def _counts(flags, W, M):
 def _add_counts(bases, rr, W, M, off_flags, lane, n):
     """Add ``n`` (this program's tokens, its stores fenced by the caller) to count
     ``lane`` of ``done`` at every rank (a lane of ``bases [BLOCK_W]`` per rank)."""
-    ptrs = _counts((bases + off_flags).to(tl.pointer_type(tl.int32)), W, M) + lane
+    ptrs = _counts(_at(bases, off_flags, tl.int32), W, M) + lane
     tl.atomic_add(ptrs, tl.full(rr.shape, 0, tl.int32) + n, mask=rr < W, sem="relaxed",
                   scope="sys")  # fmt: skip
 
@@ -387,9 +387,8 @@ def _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W: tl.constexpr):
     # and count what it sends back), one fence for the writes
     tl.debug_barrier()
     _fence_sys()
-    for r in range(W):
-        flags = _at(_pick(bases, rr, r), off_flags, tl.int32)
-        tl.atomic_xchg(flags + src, T + 1, sem="relaxed", scope="sys")  # expect[src]
+    expect = _at(bases, off_flags, tl.int32) + src  # expect[src] at every rank, at once
+    tl.atomic_xchg(expect, zeros + T + 1, mask=rr < W, sem="relaxed", scope="sys")
 
 
 @triton.jit
@@ -452,7 +451,7 @@ def _flag_token(t, bases, rr, T, M, W, src, off_flags, FENCED: tl.constexpr):
     ``FENCED``: the caller has fenced them, a relaxed write."""
     if t < T:
         row = tl.cast(src, tl.int64) * M + t
-        flags = (bases + off_flags).to(tl.pointer_type(tl.int32)) + 2 * W + row
+        flags = _at(bases, off_flags, tl.int32) + 2 * W + row
         ones = tl.full(rr.shape, 1, tl.int32)
         if FENCED:
             tl.atomic_xchg(flags, ones, mask=rr < W, sem="relaxed", scope="sys")
@@ -819,9 +818,9 @@ def _combine_recv(
     r_ok = rr < W
     r_any = tl.minimum(rr, W - 1)  # (a valid address in every lane)
     if not COUNTED:
-        # every rank started its combine (see the module docstring), then the partial
-        # rows of this token's ranks: one poll loop each over all ranks
-        _wait_all(flags + W + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE)
+        # every rank started its combine, then the partial rows of this token's ranks:
+        # one poll loop each over all ranks
+        _wait_started(flags, rr, W, timeout_ns, err_addr)
     _stamp(stamps_ptr, pid, 1, STAMPS)
     if t < T:
         cflags = flags + 2 * W + W * M
@@ -851,12 +850,17 @@ def _combine_waits(bases_ptr, err_addr, T, W, M, me, timeout_ns, off_flags,
     """A counted combine's receive, once per program: every rank started its combine,
     then every rank's count of this rank's tokens it went through reached T."""
     rr = tl.arange(0, BLOCK_W)
-    r_ok = rr < W
-    r_any = tl.minimum(rr, W - 1)  # (a valid address in every lane)
     flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
-    _wait_all(flags + W + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE)
-    cdone = _counts(flags, W, M) + W
-    _wait_all(cdone + r_any, r_ok, rr, timeout_ns, err_addr, OP_COMBINE, T)
+    _wait_started(flags, rr, W, timeout_ns, err_addr)
+    cdone = _counts(flags, W, M) + W + tl.minimum(rr, W - 1)
+    _wait_all(cdone, rr < W, rr, timeout_ns, err_addr, OP_COMBINE, T)
+
+
+@triton.jit
+def _wait_started(flags, rr, W, timeout_ns, err_addr):
+    """Wait until every rank raised ``started`` in this rank's ``flags`` (it began its
+    combine: see the module docstring); ``rr [BLOCK_W]`` a lane per rank."""
+    _wait_all(flags + W + tl.minimum(rr, W - 1), rr < W, rr, timeout_ns, err_addr, OP_COMBINE)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_w", "off_y"])
@@ -968,8 +972,8 @@ def _ht_dispatch_recv(
     M, W, me, timeout_ns, off_flags, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, COUNTED: tl.constexpr,
 ):  # fmt: skip
-    """Row ``t`` of source ``s`` (which sent ``T_s`` tokens): its flag waited for (not
-    ``COUNTED``: the caller waited for the source's count), its routing published."""
+    """Row ``t`` of source ``s`` (which sent ``T_s`` tokens): its routing published, after
+    its flag (with ``COUNTED`` the caller waited once for the source's count instead)."""
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     base = tl.load(bases_ptr + me)
