@@ -773,7 +773,8 @@ def _ceiling_words(tokens: list[int], K: int, W: int, row_bytes: list[int]) -> i
 # ------------------------------------------------------------------------------ main
 
 
-def _wire_dtypes(args, dtype: torch.dtype) -> list[torch.dtype]:
+def wire_dtypes(args, dtype: torch.dtype) -> list[torch.dtype]:
+    """The wire dtypes ``--dispatch-dtypes`` names (default: the hidden dtype and FP8)."""
     names = args.dispatch_dtypes or [dtype_name(dtype), FP8_NAME]
     out = []
     for name in names:
@@ -784,6 +785,20 @@ def _wire_dtypes(args, dtype: torch.dtype) -> list[torch.dtype]:
             )
         out.append(getattr(torch, name))
     return out
+
+
+def wire_spec(H, K, placement, M, dtype, device, wire: torch.dtype) -> CommSpec:
+    """The spec of a benchmark case: ``M`` tokens per rank at most, rows on the wire in
+    ``wire`` (the hidden ``dtype``, or FP8)."""
+    return CommSpec(
+        hidden_size=H,
+        top_k=K,
+        rank_offsets=placement.rank_offsets,
+        max_num_tokens=M,
+        dtype=dtype,
+        device=device,
+        dispatch_dtype=None if wire == dtype else wire,
+    )
 
 
 def _link_bandwidth(dtype, H, W, device, timing) -> float:
@@ -836,7 +851,7 @@ def main(args) -> list[dict] | None:
             flush=True,
         )
     dtype = getattr(torch, args.dtype)
-    wires = _wire_dtypes(args, dtype)
+    wires = wire_dtypes(args, dtype)
     H, E, K = args.hidden, args.num_experts, args.top_k
     placement = epmoe.ExpertPlacement.linear(E, W)
     barrier = (lambda: dist.barrier()) if group is not None else None
@@ -867,15 +882,7 @@ def main(args) -> list[dict] | None:
         ctx["a2a"] = {}  # (layout, row bytes) -> (ms, rows), shared by backends of one T
         for wire in wires:
             records += _ceiling_records(wire, ids, placement, ctx)
-            spec = CommSpec(
-                hidden_size=H,
-                top_k=K,
-                rank_offsets=placement.rank_offsets,
-                max_num_tokens=T,
-                dtype=dtype,
-                device=device,
-                dispatch_dtype=None if wire == dtype else wire,
-            )
+            spec = wire_spec(H, K, placement, T, dtype, device, wire)
             for entry in args.backends:
                 records += _backend_records(entry, spec, x, ids, weights, placement, ctx)
     if buffers is not None:

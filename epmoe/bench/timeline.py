@@ -46,7 +46,6 @@ import torch.distributed as dist
 import epmoe
 from epmoe.bench.common import distributed_setup, format_table, median
 from epmoe.comm import CommSpec
-from epmoe.comm.base import FP8_DTYPE
 from epmoe.routing import RoutingSimulator
 
 STEPS = {
@@ -66,7 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-experts", type=int, default=256)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--fp8", choices=["both", "no", "only"], default="both", help="FP8 wire")
+    p.add_argument(
+        "--dispatch-dtypes",
+        nargs="+",
+        default=None,
+        help="wire dtypes of dispatch: the hidden dtype and/or float8_e4m3fn (default: both)",
+    )
     p.add_argument("--rounds", type=int, default=10, help="round trips per captured graph")
     p.add_argument("--replays", type=int, default=20)
 
@@ -112,7 +116,12 @@ def _summaries(stamps: dict[str, torch.Tensor], roles) -> dict[tuple, tuple[floa
 
 
 def _measure(spec: CommSpec, T: int, group, device, args) -> list[dict[str, Any]]:
-    from epmoe.bench.comm import capture_stream, identity_expert_out, time_captured
+    from epmoe.bench.comm import (
+        capture_stream,
+        identity_expert_out,
+        time_captured,
+        warm_up_on_side_stream,
+    )
     from epmoe.comm.symm import ll
 
     W = dist.get_world_size(group) if group is not None else 1
@@ -139,13 +148,7 @@ def _measure(spec: CommSpec, T: int, group, device, args) -> list[dict[str, Any]
         def combine() -> None:
             comm.combine(y, state["r"])
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                dispatch()
-                combine()
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_on_side_stream(lambda: (dispatch(), combine()), 3)
         graph, events = capture_stream([dispatch, combine], args.rounds, device)
         per_replay, d_ms, c_ms = [], [], []
         for _ in range(args.replays):
@@ -188,24 +191,17 @@ def main(args) -> list[dict] | None:
     group, rank, W, device = distributed_setup()
     if device.type != "cuda":
         raise SystemExit("the timeline reads the GPU's timer: run it on CUDA")
+    from epmoe.bench.comm import dtype_name, wire_dtypes, wire_spec
+
     dtype = getattr(torch, args.dtype)
-    wires = {"both": [dtype, FP8_DTYPE], "no": [dtype], "only": [FP8_DTYPE]}
+    wires = wire_dtypes(args, dtype)
     placement = epmoe.ExpertPlacement.linear(args.num_experts, W)
     records: list[dict] = []
     for T in args.tokens:
-        for wire in wires[args.fp8]:
-            spec = CommSpec(
-                hidden_size=args.hidden,
-                top_k=args.top_k,
-                rank_offsets=placement.rank_offsets,
-                max_num_tokens=T,
-                dtype=dtype,
-                device=device,
-                dispatch_dtype=None if wire == dtype else wire,
-            )
-            name = "fp8" if wire != dtype else args.dtype
+        for wire in wires:
+            spec = wire_spec(args.hidden, args.top_k, placement, T, dtype, device, wire)
             for rec in _measure(spec, T, group, device, args):
-                records.append(dict(kind="timeline", rank=rank, wire=name, T=T, **rec))
+                records.append(dict(kind="timeline", rank=rank, wire=dtype_name(wire), T=T, **rec))
     if group is not None:
         gathered: list[Any] = [None] * W
         dist.all_gather_object(gathered, records)

@@ -277,9 +277,9 @@ def test_comm_cli_tiny_on_two_gloo_ranks(tmp_path):
 def test_wire_dtypes_are_the_hidden_dtype_or_fp8():
     args = argparse.Namespace(dispatch_dtypes=["float16"])
     with pytest.raises(ValueError, match="hidden dtype"):
-        comm._wire_dtypes(args, BF16)
+        comm.wire_dtypes(args, BF16)
     args.dispatch_dtypes = None
-    assert comm._wire_dtypes(args, BF16) == [BF16, FP8]
+    assert comm.wire_dtypes(args, BF16) == [BF16, FP8]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU degradation path")
