@@ -58,6 +58,21 @@ class TwoRanks:
         start = self.regions[parity].x
         return self.bufs[r][start : start + n * self.H * 4].view(torch.float32).view(n, -1)
 
+    def send(self, kernels, parity, r, inputs, grid: int, counted: bool) -> None:
+        """Rank r's dispatch send half (``dispatch_send_kernel``, float32 rows, a flag per
+        token or, ``counted``, one count per program) on ``grid`` programs."""
+        import triton.language as tl
+
+        x, ids, w = inputs
+        reg = self.regions[parity]
+        kernels.dispatch_send_kernel[(grid,)](
+            x, x, ids, w, self.owner, self.local, self.bases, self.err.data_ptr(), x.shape[0],
+            self.H, self.E, self.M, self.W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
+            K=self.K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128, FP8=False, WIRE=tl.float32,
+            FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,
+            PREQUANT=False, COUNTED=counted,
+        )  # fmt: skip
+
     def combine_receive(self, kernels, parity, r, inputs, grid: int, counted: bool) -> None:
         """Rank r's combine receive, checked: each token's rows times its router weights."""
         x, ids, w = inputs

@@ -163,8 +163,6 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
     token routed nowhere. After each phase the counts (counted mode) or flags (row flags)
     are what the protocol in ``kernels.py`` says, and combine returns each token's
     weighted rows."""
-    import triton.language as tl
-
     from epmoe.comm.symm import kernels as k
     from tests.unit.symm_sim import TwoRanks
 
@@ -176,7 +174,6 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
         return max(1, min(n, sms[r]))
 
     per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted)
-    wire = dict(FP8=False, WIRE=tl.float32, FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
     published = [
         [(torch.full((W * M, K), -1), torch.zeros(W * M, K), torch.zeros(W, dtype=torch.int32))
          for _ in range(2)] for _ in range(W)
@@ -185,12 +182,8 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
         parity = n % 2
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
-        for r, (x, ids, w) in enumerate(inputs):  # dispatch, send half
-            k.dispatch_send_kernel[(grid(max(Ts[r], 1), r),)](
-                x, x, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(), Ts[r], H,
-                sim.E, M, W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w, K=K, BLOCK_K=2,
-                BLOCK_W=2, BLOCK_H=128, PREQUANT=False, **wire, **per_flag,
-            )  # fmt: skip
+        for r in range(W):  # dispatch, send half
+            sim.send(k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted)
         if counted:
             assert all(sim.counts(r, parity)[0] == list(Ts) for r in range(W))
         for r in range(W):  # dispatch, receive half

@@ -286,18 +286,12 @@ def test_two_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_say
          for _ in range(2)] for _ in range(W)
     ]  # fmt: skip
     wire = dict(FP8=False, WIRE=tl.float32)
-    quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
     for n, Ts in enumerate([(5, 0), (0, 3), (8, 8), (1, 2), (3, 8)]):
         parity = n % 2
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
-        for r, (x, ids, w) in enumerate(inputs):  # dispatch, send half: a program per token
-            k.dispatch_send_kernel[(max(Ts[r], 1),)](
-                x, x, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(), Ts[r], H,
-                sim.E, M, W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w, K=K, BLOCK_K=2,
-                BLOCK_W=2, BLOCK_H=128, BATCH=1, FENCE=False, PREQUANT=False, COUNTED=False,
-                **wire, **quant,
-            )  # fmt: skip
+        for r in range(W):  # dispatch, send half: a program per token
+            sim.send(k, parity, r, inputs[r], max(Ts[r], 1), False)
         for r in range(W):  # dispatch, receive half: a program per (source, token slot)
             st = state[r][parity]
             k.ll_dispatch_recv_kernel[(W, M)](
