@@ -116,6 +116,29 @@ def test_time_phases_times_every_phase_of_every_iteration():
     assert "".join(calls) == "dc|dc|dc|dc"
 
 
+def test_kernel_times_sum_each_phase_per_round_between_all_reduces():
+    kernels = [  # (name, start µs, duration µs), out of order as a profile may list them
+        ("ll_combine_kernel", 130.0, 15.0),
+        ("ncclDevKernel_AllReduce", 100.0, 5.0),
+        ("ll_dispatch_kernel", 110.0, 12.0),
+        ("ll_dispatch_kernel", 50.0, 99.0),  # before the first all-reduce: left out
+        ("spin_kernel", 60.0, 500.0),  # neither phase
+        ("dispatch_send_kernel", 210.0, 7.0),
+        ("ncclDevKernel_AllReduce", 200.0, 5.0),
+        ("ll_dispatch_recv_kernel", 220.0, 4.0),  # split halves add up
+        ("ll_combine_kernel", 240.0, 16.0),
+        ("ncclDevKernel_AllReduce", 300.0, 5.0),
+        ("ll_dispatch_kernel", 310.0, 13.0),  # a round without its combine: left out
+    ]
+    d_us, c_us = comm.phase_kernel_us(kernels, ("dispatch", "combine"), delimiter="nccl")
+    assert d_us == [12.0, 11.0] and c_us == [15.0, 16.0]
+    assert comm.phase_kernel_us(kernels[:1], ("dispatch", "combine"), "nccl") == [[], []]
+
+
+def test_kernel_times_need_cuda_and_a_process_group():
+    assert comm.time_kernels(lambda: None, lambda: None, torch.device("cpu")).startswith("n/a")
+
+
 # ------------------------------------------------------------------------------ ceiling
 
 
