@@ -192,6 +192,21 @@ def settings() -> dict[str, dict[str, Any]]:
             else f"{raw!r} is neither in_place nor copy: symm_ll will refuse it"
         ),
     }
+    raw = os.environ.get("EPMOE_SYMM_PDL")
+    ok = raw is None or raw.strip() in ("", "0", "1")
+    on = raw is None or raw.strip() in ("", "1")
+    out["EPMOE_SYMM_PDL"] = {
+        "value": raw,
+        "recommended": "unset (1)",
+        "ok": ok,
+        "note": (
+            "symm kernels launch with programmatic dependent launch on sm_90+"
+            if on
+            else "symm kernels launch without programmatic dependent launch"
+            if ok
+            else f"{raw!r} is neither 0 nor 1: symm kernels will refuse it"
+        ),
+    }
     raw = os.environ.get("EPMOE_TRITON_AUTOTUNE")
     off = raw is not None and raw.strip().lower() in ("0", "false", "no", "off")
     out["EPMOE_TRITON_AUTOTUNE"] = {

@@ -13,10 +13,13 @@ from epmoe.comm.symm import kernels as k
 
 def _compile(fn, typed: dict[str, str], consts: dict) -> None:
     """``typed``: pointer and 64-bit arguments; every other non-constexpr one is int32."""
+    if "PDL" in fn.arg_names:  # as launched on sm_90 (programmatic dependent launch)
+        consts = dict(consts, PDL=True)
     signature = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs={})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    options = {"num_warps": 8, "launch_pdl": consts.get("PDL", False)}
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ KEYS = {"epmoe", "host", "platform", "versions", "gpus", "peer_access", "topolog
 VERSION_KEYS = {"python", "torch", "triton", "cuda_runtime", "nccl", "nvshmem", "nvshmem4py",
                 "deep_ep", "pplx_kernels"}  # fmt: skip
 SETTINGS = {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-            "EPMOE_COMM_TIMEOUT_S", "EPMOE_SYMM_LL_ROWS", "EPMOE_TRITON_AUTOTUNE"}  # fmt: skip
+            "EPMOE_COMM_TIMEOUT_S", "EPMOE_SYMM_LL_ROWS", "EPMOE_SYMM_PDL",
+            "EPMOE_TRITON_AUTOTUNE"}  # fmt: skip
 
 
 def _info(*args: str, **env: str) -> subprocess.CompletedProcess:

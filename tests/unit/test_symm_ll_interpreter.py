@@ -255,6 +255,40 @@ def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch
     assert type(run[9]) is int
 
 
+def test_launcher_adds_programmatic_dependent_launch_where_enabled(monkeypatch):
+    """A kernel with a ``PDL`` constexpr gets ``PDL=True`` and Triton's ``launch_pdl``
+    where ``pdl_enabled`` (sm_90+, ``EPMOE_SYMM_PDL`` not 0), else ``PDL=False``; kernels
+    without it are launched as before."""
+    from epmoe.comm.symm import common
+
+    monkeypatch.setattr(common, "_device_index", lambda: 0)
+    for enabled in (True, False):
+        monkeypatch.setattr(common, "pdl_enabled", lambda index, on=enabled: on)
+        fn = _FakeKernel()
+        fn.arg_names = [*_FakeKernel.arg_names, "PDL"]
+        launcher = common._Launcher(fn)
+        launcher.direct = launcher.pdl = True  # (the interpreter turns both off)
+        launcher((3,), torch.zeros(4), 5, None, num_warps=4, BLOCK=16)
+        ((_, _, _, consts),) = fn.plain
+        assert consts["PDL"] is enabled and consts.get("launch_pdl", False) is enabled
+    plain = _FakeKernel()
+    launcher = common._Launcher(plain)
+    launcher.direct = True
+    launcher((3,), torch.zeros(4), 5, None, num_warps=4, BLOCK=16)
+    assert "PDL" not in plain.plain[0][3] and "launch_pdl" not in plain.plain[0][3]
+
+
+def test_pdl_setting_is_checked_and_off_without_a_gpu(monkeypatch):
+    from epmoe.comm.symm import common
+
+    monkeypatch.setattr(common, "_PDL", {})
+    assert common.pdl_enabled(-1) is False
+    monkeypatch.setattr(common, "_PDL", {})
+    monkeypatch.setenv("EPMOE_SYMM_PDL", "yes")
+    with pytest.raises(ValueError, match="EPMOE_SYMM_PDL must be 0 or 1"):
+        common.pdl_enabled(0)
+
+
 def test_tensors_on_another_device_are_refused_naming_the_argument():
     """The kernels get bare addresses: an input elsewhere than the backend's buffers is an
     error naming the argument and the fix, not garbage read on the GPU."""

@@ -527,6 +527,27 @@ def _current_raw_stream() -> int:
         return torch.cuda.current_stream().cuda_stream
 
 
+_PDL: dict[int, bool] = {}
+
+
+def pdl_enabled(device_index: int) -> bool:
+    """Whether the symm kernels launch with programmatic dependent launch on this device:
+    sm_90 or newer, unless ``EPMOE_SYMM_PDL=0``. A kernel so launched may start while the
+    kernel before it on the stream finishes (each program waits for it first, see
+    ``kernels._after_prior``): in a CUDA graph of back-to-back phases this removes most
+    of the launch gap between them."""
+    enabled = _PDL.get(device_index)
+    if enabled is None:
+        raw = os.environ.get("EPMOE_SYMM_PDL", "1").strip() or "1"
+        if raw not in ("0", "1"):
+            raise ValueError(f"EPMOE_SYMM_PDL must be 0 or 1, got {raw!r}")
+        enabled = raw == "1" and device_index >= 0
+        if enabled:
+            enabled = torch.cuda.get_device_capability(device_index)[0] >= 9
+        _PDL[device_index] = enabled
+    return enabled
+
+
 class _Launcher:
     """Launch one Triton kernel with little host overhead.
 
@@ -547,11 +568,17 @@ class _Launcher:
         self.names = fn.arg_names
         self.compiled: dict[tuple, object] = {}
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
+        self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
         self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
 
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
+        num_warps_and = dict(num_warps=num_warps)
+        if self.pdl:
+            consts["PDL"] = pdl = pdl_enabled(_device_index())
+            if pdl:
+                num_warps_and["launch_pdl"] = True
         if not self.direct:
-            self.fn[grid](*args, num_warps=num_warps, **consts)
+            self.fn[grid](*args, **num_warps_and, **consts)
             return
         # what Triton specialises a compiled kernel on: pointer dtype and 16-byte alignment,
         # int width and the values 1 and multiples of 16 (constexprs by value), and the
@@ -569,7 +596,7 @@ class _Launcher:
         key = (_device_index(), num_warps, tuple(consts.items()), parts)
         kernel = self.compiled.get(key)
         if kernel is None:
-            self.compiled[key] = self.fn[grid](*args, num_warps=num_warps, **consts)
+            self.compiled[key] = self.fn[grid](*args, **num_warps_and, **consts)
             return
         try:
             values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
@@ -589,4 +616,4 @@ class _Launcher:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self.fn[grid](*args, num_warps=num_warps, **consts)
+            self.fn[grid](*args, **num_warps_and, **consts)

@@ -83,6 +83,19 @@ OP_COMBINE = tl.constexpr(2)
 
 
 @triton.jit
+def _after_prior(PDL: tl.constexpr):
+    """With programmatic dependent launch (``PDL``, sm_90+) a kernel may start while the
+    one before it on the stream is still finishing: every program waits here, before it
+    touches memory, until that kernel's writes are visible. What it saves is the launch
+    gap between the two kernels. Without ``PDL`` nothing is emitted."""
+    if PDL:
+        tl.inline_asm_elementwise(
+            "griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def _now_ns():
     if _INTERPRET:
         return tl.full((), 0, tl.int64)
@@ -621,6 +634,7 @@ def dispatch_send_kernel(
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     PREQUANT: tl.constexpr,  # x is FP8 already (quantized by a kernel of its own)
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
+    PDL: tl.constexpr = False,
 ):
     """The send half alone (split phase; ``symm_ht``'s dispatch). Program p sends tokens
     p, p + N, ... of T (N programs: one per token for ``symm_ll``, the SM budget for
@@ -629,6 +643,7 @@ def dispatch_send_kernel(
     per token). ``COUNTED``: the stores of all its tokens stream with no wait between
     them, then one fence and the program's token count added to ``done[src]`` at every
     rank (the receivers wait for the sum to reach T)."""
+    _after_prior(PDL)
     pid = tl.program_id(0)
     N = tl.num_programs(0)
     if pid == 0:
@@ -692,8 +707,10 @@ def ll_dispatch_recv_kernel(
     FP8: tl.constexpr,
     WIRE: tl.constexpr,
     IN_PLACE: tl.constexpr,  # received rows stay in tok_x; xo_ptr is their index
+    PDL: tl.constexpr = False,
 ):
     """The receive half alone (split phase): a program per (source rank, token slot)."""
+    _after_prior(PDL)
     _dispatch_recv(
         tl.program_id(0), tl.program_id(1), bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr,
         recv_t_ptr, err_addr, H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
@@ -710,6 +727,7 @@ def ll_dispatch_kernel(
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
     EPS: tl.constexpr, IN_PLACE: tl.constexpr, STAMPS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Send and receive in one launch (the blocking dispatch; arguments as in the two
     halves): program 0 announces the count, programs ``[1, 1 + T)`` send a token each,
@@ -718,6 +736,7 @@ def ll_dispatch_kernel(
     receivers' spinning never keeps them off the SMs, and rows are expanded as they arrive,
     while this rank's own stores are still in flight. ``stamps_ptr [programs, 8]``: see
     ``_stamp``."""
+    _after_prior(PDL)
     pid = tl.program_id(0)
     if pid == 0:
         _stamp(stamps_ptr, pid, 0, STAMPS)
@@ -886,8 +905,10 @@ def ll_combine_send_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """The send half alone (split phase): a program per (source rank, token slot)."""
+    _after_prior(PDL)
     _combine_send(
         tl.program_id(0), tl.program_id(1), y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr,
         e_max, H, M, W, me, off_flags, off_w, off_y, K, BLOCK_K, BLOCK_H, BLOCK_E,
@@ -920,9 +941,11 @@ def combine_recv_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
     COUNTED: tl.constexpr,  # the senders count tokens per program instead of flagging rows
+    PDL: tl.constexpr = False,
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
     takes tokens p, p + G, ... of ``max(T, 1)`` (``COUNTED``: after one wait for all)."""
+    _after_prior(PDL)
     if COUNTED:
         _combine_waits(bases_ptr, err_addr, T, W, M, me, timeout_ns, off_flags, BLOCK_W)
     for t in range(tl.program_id(0), tl.maximum(T, 1), tl.num_programs(0)):
@@ -940,10 +963,12 @@ def ll_combine_kernel(
     e_max, T, H, P, M, W, me, timeout_ns, off_flags, off_w, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, STAMPS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Send and receive in one launch (the blocking combine): programs ``[0, W·M)`` send,
     the next ``max(T, 1)`` receive (senders first in launch order, as in
     ``ll_dispatch_kernel``)."""
+    _after_prior(PDL)
     pid = tl.program_id(0)
     n_send = W * M
     if pid < n_send:
@@ -1010,9 +1035,11 @@ def ht_dispatch_recv_kernel(
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     COUNTED: tl.constexpr,  # the sender counts tokens per program instead of flagging rows
+    PDL: tl.constexpr = False,
 ):
     """Program (s, p) publishes rows p, p + G, ... of source s's M rows, once the source's
     count says they came (``expect``, then with ``COUNTED`` ``done[s]`` reaching it)."""
+    _after_prior(PDL)
     s = tl.program_id(0)
     flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
     expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
@@ -1077,12 +1104,14 @@ def ht_combine_send_kernel(
     BATCH: tl.constexpr,  # rows a program stores before it raises their flags
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
+    PDL: tl.constexpr = False,
 ):
     """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
     (s, 0) first clears ``expect[s]`` (and ``done[s]``) and raises ``started`` at s (as
     ``_combine_send``). ``COUNTED``: no flags; after its rows, one fence and the number of
     tokens it went through (sent or not) added to ``cdone[me]`` at s, whose receivers wait
     for the sum to reach their T."""
+    _after_prior(PDL)
     s = tl.program_id(0)
     T_s = tl.load(recv_t_ptr + s)
     if tl.program_id(1) == 0:
