@@ -322,6 +322,35 @@ def aligned_moe_ms(
     return statistics.median(times[3:])
 
 
+def moe_floor_ms(
+    blocks: list[EPMoEBlock], batch: int, hidden_size: int, device, dtype, group, graphs: bool
+) -> tuple[float, float, float]:
+    """This run's floor under :func:`aligned_moe_ms`: ``(weights_ms, comm_ms, copy_GBps)``,
+    the time to read every block's local expert weights at the copy bandwidth measured
+    now, and every block's dispatch plus combine of ``batch`` random rows per rank (the
+    first block's backend alone: the blocks share one transport; replayed from a CUDA
+    graph when ``graphs``, else eager), as the layer benchmark counts them. Collective."""
+    from epmoe.bench.comm import measure_dispatch_combine
+    from epmoe.bench.common import copy_bandwidth, over_ranks
+
+    barrier = (lambda: dist.barrier(group=group)) if group is not None else None
+    timing = dict(warmup=3, iters=10, device=device, barrier=barrier)
+    copy_bw = copy_bandwidth(device, timing)
+    weight_bytes = sum(
+        t.numel() * t.element_size() for b in blocks for t in b.moe.slot_tensors().values()
+    )
+    moe = blocks[0].moe
+    g = torch.Generator(device="cpu").manual_seed(1)
+    x = torch.randn(batch, hidden_size, generator=g).to(device, dtype)
+    logits = torch.randn(batch, moe.num_experts, generator=g).to(device)
+    with torch.no_grad():
+        weights, ids = moe.route(logits)
+        times = measure_dispatch_combine(moe.comm, x, ids, weights, timing)
+    phases = times["graph"] if graphs and not isinstance(times["graph"], str) else times["eager"]
+    comm_ms = over_ranks(sum(phases), device) * len(blocks)
+    return weight_bytes / copy_bw * 1e3, comm_ms, copy_bw / 1e9
+
+
 def percentiles(values: list[float]) -> str:
     if not values:
         return "n/a"
@@ -466,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
         aligned = aligned_moe_ms(
             blocks, batch, args.hidden_size, device, dtype, group, aligned_steps
         )  # fmt: skip
+        floor = moe_floor_ms(blocks, batch, args.hidden_size, device, dtype, group, bool(sizes))
 
     # every request of every rank: time to first token and inter-token latencies
     mine = [(r.token_times[0] - start, _gaps(r.token_times)) for r in requests if r.token_times]
@@ -517,6 +547,14 @@ def main(argv: list[str] | None = None) -> None:
                 f"MoE blocks with the ranks aligned: {aligned:.2f} ms per decode pass of "
                 f"{max(sizes) if sizes else args.max_batch} rows per rank ({how}, "
                 f"{len(blocks)} blocks, median of {aligned_steps}; rank 0)",
+                flush=True,
+            )
+            weights_ms, comm_ms, copy_gbps = floor
+            print(
+                f"floor in this run: reading the blocks' local expert weights {weights_ms:.2f} "
+                f"ms (copy {copy_gbps:.0f} GB/s) + their dispatch and combine {comm_ms:.2f} ms "
+                f"= {weights_ms + comm_ms:.2f} ms; aligned MoE blocks / floor = "
+                f"{aligned / (weights_ms + comm_ms):.2f} (goal <= 1.2)",
                 flush=True,
             )
         if args.check:

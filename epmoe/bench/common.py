@@ -92,6 +92,17 @@ def over_ranks(value: float, device: torch.device, op: str = "max") -> float:
     return float("nan") if any_nan else total
 
 
+def copy_bandwidth(device: torch.device, timing: dict[str, Any]) -> float:
+    """Device copy bandwidth, bytes read + written per second, of a large ``copy_``
+    (1 GiB on CUDA, 64 MiB on the CPU), the slowest rank's: what reading weights of a
+    given size costs (``timing``: :func:`time_fn`'s keywords)."""
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = over_ranks(median(time_fn(lambda: dst.copy_(src), **timing)), device)
+    return 2 * n / (ms * 1e-3)
+
+
 def median(xs: Iterable[float]) -> float:
     return statistics.median(list(xs))
 

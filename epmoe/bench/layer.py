@@ -77,6 +77,7 @@ from epmoe.bench.comm import (
     warm_up_on_side_stream,
 )
 from epmoe.bench.common import (
+    copy_bandwidth,
     distributed_setup,
     format_table,
     median,
@@ -305,16 +306,6 @@ def _entries(args) -> list[tuple[str, Layout | None]]:
     return out
 
 
-def _copy_bandwidth(device: torch.device, timing: dict[str, Any]) -> float:
-    """Device copy bandwidth, bytes read + written per second, of a large ``copy_``
-    (1 GiB on CUDA, 64 MiB on the CPU); the slowest rank's."""
-    n = (1 << 30) if device.type == "cuda" else (64 << 20)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = over_ranks(median(time_fn(lambda: dst.copy_(src), **timing)), device)
-    return 2 * n / (ms * 1e-3)
-
-
 def count_device_ops(fn: Callable[[], Any], device: torch.device) -> tuple[int, int] | None:
     """``(kernels, memops)``: device kernels and memcpy/memset operations that one call of
     ``fn`` runs, as ``torch.profiler`` (CUPTI) records them; ``None`` without CUDA or when
@@ -350,7 +341,7 @@ def layer_ratio(
 
 
 def _layer_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any]]:
-    copy_bw = _copy_bandwidth(device, timing)
+    copy_bw = copy_bandwidth(device, timing)
     records = []
     variants = [(e, mb) for e in _entries(args) for mb in args.micro_batches]
     for (name, layout), micro_batches in progress(variants, "layer"):

@@ -58,6 +58,10 @@ def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model():
     assert re.search(r"served \d+ requests, \d+ tokens .* on 2 rank\(s\) \(cpu\)", out), out
     # the MoE blocks' own time, every rank starting together
     assert re.search(r"MoE blocks with the ranks aligned: [\d.]+ ms per decode pass of 4 rows", out)
+    # ... against this run's floor: weights read at the measured copy rate, plus comm
+    floor = r"floor in this run: .* [\d.]+ ms \(copy \d+ GB/s\) .* = ([\d.]+) ms; .* = ([\d.]+)"
+    m = re.search(floor, out)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out
     assert "time to first token (from the start, queueing included): p50" in out, out
     assert "inter-token latency: p50" in out, out
     assert "EPLB step 8:" in out, out  # re-planned while serving
