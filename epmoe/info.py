@@ -200,9 +200,9 @@ def settings() -> dict[str, dict[str, Any]]:
         "recommended": "unset (1)",
         "ok": ok,
         "note": (
-            "symm kernels launch with programmatic dependent launch on sm_90+"
+            "symm kernels in CUDA graphs launch with programmatic dependent launch on sm_90+"
             if on
-            else "symm kernels launch without programmatic dependent launch"
+            else "symm kernels never launch with programmatic dependent launch"
             if ok
             else f"{raw!r} is neither 0 nor 1: symm kernels will refuse it"
         ),

@@ -257,13 +257,14 @@ def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch
 
 def test_launcher_adds_programmatic_dependent_launch_where_enabled(monkeypatch):
     """A kernel with a ``PDL`` constexpr gets ``PDL=True`` and Triton's ``launch_pdl``
-    where ``pdl_enabled`` (sm_90+, ``EPMOE_SYMM_PDL`` not 0), else ``PDL=False``; kernels
-    without it are launched as before."""
+    while a CUDA graph is captured where ``pdl_enabled`` (sm_90+, ``EPMOE_SYMM_PDL`` not
+    0), else ``PDL=False`` (eagerly always); kernels without it are launched as before."""
     from epmoe.comm.symm import common
 
     monkeypatch.setattr(common, "_device_index", lambda: 0)
-    for enabled in (True, False):
-        monkeypatch.setattr(common, "pdl_enabled", lambda index, on=enabled: on)
+    for on, capturing, enabled in ((True, True, True), (False, True, False), (True, False, False)):
+        monkeypatch.setattr(common, "pdl_enabled", lambda index, on=on: on)
+        monkeypatch.setattr(common, "_capturing", lambda capturing=capturing: capturing)
         fn = _FakeKernel()
         fn.arg_names = [*_FakeKernel.arg_names, "PDL"]
         launcher = common._Launcher(fn)

@@ -518,6 +518,14 @@ def _device_index() -> int:
         return -1
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (a C call)."""
+    try:
+        return torch._C._cuda_isCurrentStreamCapturing()
+    except (AttributeError, RuntimeError):  # another torch, or no CUDA
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _current_raw_stream() -> int:
     """The current CUDA stream's handle, as Triton's own launcher reads it (a C call;
     ``torch.cuda.current_stream()`` costs several µs of Python per launch)."""
@@ -531,11 +539,13 @@ _PDL: dict[int, bool] = {}
 
 
 def pdl_enabled(device_index: int) -> bool:
-    """Whether the symm kernels launch with programmatic dependent launch on this device:
-    sm_90 or newer, unless ``EPMOE_SYMM_PDL=0``. A kernel so launched may start while the
-    kernel before it on the stream finishes (each program waits for it first, see
-    ``kernels._after_prior``): in a CUDA graph of back-to-back phases this removes most
-    of the launch gap between them."""
+    """Whether the symm kernels captured into CUDA graphs launch with programmatic
+    dependent launch on this device: sm_90 or newer, unless ``EPMOE_SYMM_PDL=0``. A kernel
+    so launched may start while the kernel before it on the stream finishes (each program
+    waits for it first, see ``kernels._after_prior``), which takes 0.2-0.7 µs off each
+    phase of a replayed decode graph (docs/benchmarks.md). Eager launches never use it:
+    there the host sets the pace, and one eager run with it stalled (6.6 ms per phase at
+    512 tokens, not understood), so it stays where it was measured to help."""
     enabled = _PDL.get(device_index)
     if enabled is None:
         raw = os.environ.get("EPMOE_SYMM_PDL", "1").strip() or "1"
@@ -574,7 +584,7 @@ class _Launcher:
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
         num_warps_and = dict(num_warps=num_warps)
         if self.pdl:
-            consts["PDL"] = pdl = pdl_enabled(_device_index())
+            consts["PDL"] = pdl = pdl_enabled(_device_index()) and _capturing()
             if pdl:
                 num_warps_and["launch_pdl"] = True
         if not self.direct:
