@@ -54,7 +54,8 @@ def main() -> None:
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
     for counted in (False, True):
-        _compile(k.combine_recv_kernel, crecv, dict(combine, COUNTED=counted))
+        for rows in (1, 2):  # symm_ll's one token per program, symm_ht's several
+            _compile(k.combine_recv_kernel, crecv, dict(combine, COUNTED=counted, ROWS=rows))
     for stamps in (False, True):
         fused = dict(combine, BLOCK_E=256, STAMPS=stamps)
         _compile(k.ll_combine_kernel, dict(csend, stamps_ptr="*i64", **crecv), fused)
@@ -64,8 +65,9 @@ def main() -> None:
     hsend = dict(y_ptr="*bf16", ids_out_ptr="*i64", recv_t_ptr="*i32", **shared)
     for batch, fence, counted in ((1, False, False), (4, True, False), (1, False, True)):
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence, COUNTED=counted)
+        consts["ROWS"] = 4
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 11} symm kernels for sm_90")
+    print(f"compiled {compiled + 13} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

@@ -73,15 +73,18 @@ class TwoRanks:
             PREQUANT=False, COUNTED=counted,
         )  # fmt: skip
 
-    def combine_receive(self, kernels, parity, r, inputs, grid: int, counted: bool) -> None:
-        """Rank r's combine receive, checked: each token's rows times its router weights."""
+    def combine_receive(
+        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1
+    ) -> None:
+        """Rank r's combine receive (``rows`` tokens per program at a time), checked: each
+        token's rows times its router weights."""
         x, ids, w = inputs
         T, reg = x.shape[0], self.regions[parity]
         out = torch.empty(T, self.H)
         kernels.combine_recv_kernel[(grid,)](
             out, ids, self.owner, self.bases, self.err.data_ptr(), T, self.H, self.E, self.W,
             self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128,
-            COUNTED=counted,
+            COUNTED=counted, ROWS=rows,
         )  # fmt: skip
         want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
         torch.testing.assert_close(out, want, msg=f"rank {r}")

@@ -173,7 +173,9 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
     def grid(n, r):
         return max(1, min(n, sms[r]))
 
-    per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted)
+    from epmoe.comm.symm.ht import RECV_ROWS, SEND_ROWS
+
+    per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted, ROWS=SEND_ROWS)
     published = [
         [(torch.full((W * M, K), -1), torch.zeros(W * M, K), torch.zeros(W, dtype=torch.int32))
          for _ in range(2)] for _ in range(W)
@@ -204,7 +206,9 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
             for r in range(W):
                 assert sim.counts(r, parity) == ([0] * W, [Ts[r]] * W), (n, r)
         for r in range(W):  # combine, receive half
-            sim.combine_receive(k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted)
+            sim.combine_receive(
+                k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted, rows=RECV_ROWS
+            )
         sim.assert_reset(parity, n)
 
 

@@ -401,10 +401,12 @@ class SymmBackend(AllToAll):
             tr.give_back(b)
             raise
 
-    def _combine_receive(self, h: SymmHandle, consts: dict, programs: int) -> torch.Tensor:
-        """The combine's receive half on ``programs`` programs: ``[T, H]``, the sum of the
-        partial rows each rank sent back for this rank's tokens; ends the call (parity
-        given back, errors reported)."""
+    def _combine_receive(
+        self, h: SymmHandle, consts: dict, programs: int, rows: int = 1
+    ) -> torch.Tensor:
+        """The combine's receive half on ``programs`` programs, each taking ``rows`` tokens
+        at a time: ``[T, H]``, the sum of the partial rows each rank sent back for this
+        rank's tokens; ends the call (parity given back, errors reported)."""
         k = kernels()
         tr, spec, W, T = h.transport, self.spec, self.world_size, h.num_tokens
         reg = tr.regions[h.parity]
@@ -414,7 +416,8 @@ class SymmBackend(AllToAll):
             out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
-            BLOCK_W=pow2(W), COUNTED=self._counted, num_warps=tr.num_warps, **consts,
+            BLOCK_W=pow2(W), COUNTED=self._counted, ROWS=rows, num_warps=tr.num_warps,
+            **consts,
         )  # fmt: skip
         self._combine_done(h)
         return out

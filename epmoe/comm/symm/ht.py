@@ -31,6 +31,12 @@ from epmoe.comm.symm.common import (
     launch,
 )
 
+# Rows (tokens) a combine program loads and stores at once: with few SMs (DeepEP's 24) a
+# program that takes one row at a time waits on a load latency per row; several in flight
+# keep the link busy. Send: copies of bf16 rows; receive: float32 sums of W partial rows.
+SEND_ROWS = 4
+RECV_ROWS = 2
+
 
 class HTTransport(SymmTransport):
     """``symm_ht``'s buffers for one shape, shared by layers: the symmetric regions
@@ -163,8 +169,8 @@ class SymmHTBackend(SymmBackend):
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
-            BATCH=self._batch, FENCE=self._fence, COUNTED=self._counted,
+            BATCH=self._batch, FENCE=self._fence, COUNTED=self._counted, ROWS=SEND_ROWS,
             num_warps=tr.num_warps, **c,
         )  # fmt: skip
-
-        return Pending(lambda: self._combine_receive(h, c, self._grid(max(h.num_tokens, 1))))
+        programs = self._grid(max(h.num_tokens, 1))
+        return Pending(lambda: self._combine_receive(h, c, programs, rows=RECV_ROWS))

@@ -864,6 +864,52 @@ def _combine_recv(
 
 
 @triton.jit
+def _combine_recv_rows(
+    tR, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
+    T, H, P, W, M, me, timeout_ns, off_flags, off_y,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr, COUNTED: tl.constexpr,
+):  # fmt: skip
+    """``_combine_recv`` for the tokens ``tR [ROWS]`` (those below ``T``) at once: their
+    routing read together, their flags awaited in one poll loop, their partial rows loaded
+    together, so that a program keeps ROWS tokens in flight (``symm_ht`` on few SMs, where
+    one token at a time leaves the program waiting on one load latency after another)."""
+    kk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_W)
+    live = tR < T
+    t64 = tl.where(live, tR, 0).to(tl.int64)  # (tokens that exist)
+    raw = tl.load(ids_ptr + t64[:, None] * K + kk[None, :],
+                  mask=live[:, None] & (kk < K)[None, :], other=-1)  # fmt: skip
+    valid = (raw >= 0) & (raw < P)
+    owner = tl.where(valid, tl.load(owner_ptr + tl.where(valid, raw, 0), mask=valid, other=0), -1)
+    has = tl.max((owner[:, :, None] == rr[None, None, :]).to(tl.int32), 1)  # [ROWS, BLOCK_W]
+    r_any = tl.minimum(rr, W - 1)[None, :]  # (a valid address in every lane)
+    mine = (has > 0) & (rr < W)[None, :]
+    base = tl.load(bases_ptr + me)
+    flags = _at(base, off_flags, tl.int32)
+    cflag = flags + 2 * W + W * M + r_any * M + t64[:, None]
+    if not COUNTED:
+        _wait_started(flags, rr, W, timeout_ns, err_addr)
+        lanes = rr[None, :] + tl.zeros((ROWS, BLOCK_W), tl.int32)
+        _wait_all(cflag, mine, lanes, timeout_ns, err_addr, OP_COMBINE)
+    comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        c_mask = (cols < H)[None, :]
+        acc = tl.zeros((ROWS, BLOCK_H), tl.float32)
+        for r in range(W):
+            on = tl.sum(tl.where(rr[None, :] == r, has, 0), 1) > 0
+            part = tl.load(comb_y + (r * M + t64)[:, None] * H + cols[None, :],
+                           mask=on[:, None] & c_mask, other=0.0)  # fmt: skip
+            acc += part.to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & c_mask)  # fmt: skip
+    if not COUNTED:  # consumed (raised again only in this parity's next combine)
+        tl.atomic_xchg(cflag, tl.zeros((ROWS, BLOCK_W), tl.int32), mask=mine, sem="relaxed",
+                       scope="sys")  # fmt: skip
+
+
+@triton.jit
 def _combine_waits(bases_ptr, err_addr, T, W, M, me, timeout_ns, off_flags,
                    BLOCK_W: tl.constexpr):  # fmt: skip
     """A counted combine's receive, once per program: every rank started its combine,
@@ -941,19 +987,30 @@ def combine_recv_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr,
     COUNTED: tl.constexpr,  # the senders count tokens per program instead of flagging rows
+    ROWS: tl.constexpr = 1,  # tokens a program takes at once (symm_ht: more than one)
     PDL: tl.constexpr = False,
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
-    takes tokens p, p + G, ... of ``max(T, 1)`` (``COUNTED``: after one wait for all)."""
+    takes tokens p, p + G, ... of ``max(T, 1)`` (``COUNTED``: after one wait for all),
+    ``ROWS`` of them at a time."""
     _after_prior(PDL)
     if COUNTED:
         _combine_waits(bases_ptr, err_addr, T, W, M, me, timeout_ns, off_flags, BLOCK_W)
-    for t in range(tl.program_id(0), tl.maximum(T, 1), tl.num_programs(0)):
-        _combine_recv(
-            t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
-            T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-            out_ptr, 0, False, COUNTED,
-        )  # fmt: skip
+    G = tl.num_programs(0)
+    if ROWS == 1:
+        for t in range(tl.program_id(0), tl.maximum(T, 1), G):
+            _combine_recv(
+                t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
+                T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+                out_ptr, 0, False, COUNTED,
+            )  # fmt: skip
+    else:
+        for t0 in range(tl.program_id(0), tl.maximum(T, 1), G * ROWS):
+            _combine_recv_rows(
+                t0 + G * tl.arange(0, ROWS), out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
+                T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+                ROWS, COUNTED,
+            )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T", "me", "off_flags", "off_w", "off_y"])
@@ -1054,24 +1111,29 @@ def ht_dispatch_recv_kernel(
 
 
 @triton.jit
-def _ht_combine_row(
-    s, t, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y,
+def _ht_combine_rows(
+    s, tR, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """Row ``t`` from source ``s`` back into s's ``comb_y`` when one of its experts is here;
-    returns whether it was sent (its flag follows a barrier, see ``_ht_combine_flag``)."""
+    """Rows ``tR [R]`` from source ``s`` (those below ``T_s``) back into s's ``comb_y``
+    where one of their experts is here, all loaded and stored together: a program keeps R
+    rows in flight, not one at a time behind its ids' and its row's load latencies (what
+    bounds a small SM budget). Returns ``sent [R]`` (their flags follow a barrier, see
+    ``_ht_combine_flag``)."""
     kk = tl.arange(0, BLOCK_K)
-    row = tl.cast(s, tl.int64) * M + tl.where(t < T_s, t, 0)  # (a row that exists)
-    ids = tl.load(ids_out_ptr + row * K + kk, mask=kk < K, other=-1)
-    sent = (t < T_s) & (tl.max((ids >= 0).to(tl.int32)) > 0)
-    if sent:
-        out = _at(tl.load(bases_ptr + s), off_y, y_ptr.dtype.element_ty)
-        src_row = tl.cast(me, tl.int64) * M + t  # slot in s's comb_y [W, M, H]
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            c_mask = cols < H
-            y = tl.load(y_ptr + row * H + cols, mask=c_mask)
-            tl.store(out + src_row * H + cols, y, mask=c_mask)
+    live = tR < T_s
+    t64 = tl.where(live, tR, 0).to(tl.int64)  # (rows that exist)
+    row = tl.cast(s, tl.int64) * M + t64
+    ids = tl.load(ids_out_ptr + row[:, None] * K + kk[None, :],
+                  mask=live[:, None] & (kk < K)[None, :], other=-1)  # fmt: skip
+    sent = live & (tl.max((ids >= 0).to(tl.int32), 1) > 0)
+    out = _at(tl.load(bases_ptr + s), off_y, y_ptr.dtype.element_ty)
+    src_row = tl.cast(me, tl.int64) * M + t64  # slots in s's comb_y [W, M, H]
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = sent[:, None] & (cols < H)[None, :]
+        y = tl.load(y_ptr + row[:, None] * H + cols[None, :], mask=m)
+        tl.store(out + src_row[:, None] * H + cols[None, :], y, mask=m)
     return sent
 
 
@@ -1104,6 +1166,7 @@ def ht_combine_send_kernel(
     BATCH: tl.constexpr,  # rows a program stores before it raises their flags
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
+    ROWS: tl.constexpr = 4,  # COUNTED: rows a program loads and stores at once
     PDL: tl.constexpr = False,
 ):
     """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
@@ -1124,10 +1187,11 @@ def ht_combine_send_kernel(
     N = tl.num_programs(1)
     if COUNTED:
         cdone = _counts(_at(tl.load(bases_ptr + s), off_flags, tl.int32), W, M) + W + me
-        for t in range(tl.program_id(1), T_s, N):
-            _ht_combine_row(
-                s, t, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y, K, BLOCK_K, BLOCK_H
-            )
+        for t0 in range(tl.program_id(1), T_s, N * ROWS):  # ROWS rows in flight at once
+            _ht_combine_rows(
+                s, t0 + N * tl.arange(0, ROWS), T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me,
+                off_y, K, BLOCK_K, BLOCK_H,
+            )  # fmt: skip
         n = _strided_count(tl.program_id(1), T_s, N)
         if n > 0:
             tl.debug_barrier()  # every store of the program is issued before the fence
@@ -1135,13 +1199,10 @@ def ht_combine_send_kernel(
             tl.atomic_add(cdone, n, sem="relaxed", scope="sys")
     else:
         for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
-            sent = tl.zeros((BATCH,), tl.int32)
-            for j in tl.static_range(BATCH):
-                ok = _ht_combine_row(
-                    s, t0 + j * N, T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me, off_y,
-                    K, BLOCK_K, BLOCK_H,
-                )  # fmt: skip
-                sent = tl.where(tl.arange(0, BATCH) == j, ok.to(tl.int32), sent)
+            sent = _ht_combine_rows(
+                s, t0 + N * tl.arange(0, BATCH), T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me,
+                off_y, K, BLOCK_K, BLOCK_H,
+            ).to(tl.int32)  # fmt: skip
             tl.debug_barrier()
             if FENCE:  # (see dispatch_send_kernel)
                 _fence_sys()
