@@ -811,6 +811,8 @@ def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
                 (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
                 times["no_events"] = median(ms) / STREAM_ROUNDS
         for mode in MODES:
+            if mode == "eager_kernels":  # (a store is one kernel: eager_b2b times it)
+                continue
             rec = dict(base, pattern=pattern, mode=mode)
             if mode not in times:
                 records.append(dict(rec, note=f"n/a: {reason}"))
