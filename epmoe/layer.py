@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from epmoe.comm import (
     available_backends,
     backend_class,
     backend_names,
+    check_backend_options,
     create_backend,
     graph_capturing,
     resolve_backend,
@@ -61,6 +63,7 @@ class _CommPlan:
     cls: type[AllToAll]
     spec: CommSpec
     layout: Layout
+    options: tuple[tuple[str, Any], ...] = ()  # the constructor's keyword options
 
     def check(self) -> None:
         """The checks of ``AllToAll.__init__`` (layout, ``supports``), run before the
@@ -75,9 +78,10 @@ class _CommPlan:
         if reason is not None:
             err = TypeError if self.spec.dtype not in caps.dtypes else ValueError
             raise err(f"backend {self.cls.name!r} cannot serve this layer: {reason}")
+        check_backend_options(self.cls, dict(self.options))
 
     def build(self, group: dist.ProcessGroup | None) -> AllToAll:
-        return self.cls(self.spec, group, self.layout)
+        return self.cls(self.spec, group, self.layout, **dict(self.options))
 
 
 class EPMoE(nn.Module):
@@ -138,6 +142,11 @@ class EPMoE(nn.Module):
         weight_scale: FP8 scales per ``"block"`` of 128×128 (DeepSeek-V3's format:
             ``w13_scale [e, ceil(2I/128), ceil(H/128)]``, ``w2_scale [e, ceil(H/128),
             ceil(I/128)]``) or ``"per_expert"`` (``[e]``).
+        backend_options: keyword options for the constructor of a backend chosen by name
+            (``epmoe.comm.backend_option_names``): ``symm_ht``'s ``num_sms`` (SMs its
+            kernels take) and ``tokens_per_flag`` (0: one count per program),
+            ``deepep_ht``'s ``worst_case_rows`` (no CPU sync, graph safe), ``symm_ll``'s
+            ``rows_in_place``. Every rank passes the same (part of the agreement).
     """
 
     def __init__(
@@ -171,6 +180,7 @@ class EPMoE(nn.Module):
         micro_batches: int = 1,
         weight_dtype: torch.dtype | None = None,
         weight_scale: str = "block",
+        backend_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if group is None and dist.is_available() and dist.is_initialized():
@@ -288,6 +298,19 @@ class EPMoE(nn.Module):
             # backend="auto" with a graph-safe fixed-buffer backend at hand (symm_ll on one
             # NVLink node): steps whose largest T fits its buffers (decode) go there, larger
             # ones (prefill) to self.comm
+            if backend_options is None:
+                backend_options = {}
+            if not isinstance(backend_options, Mapping):
+                raise TypeError(
+                    "backend_options must be a mapping of option names to values, got "
+                    f"{type(backend_options).__name__}"
+                )
+            if backend_options and backend == "auto":
+                raise ValueError(
+                    f"backend_options={dict(backend_options)!r} need a backend chosen by "
+                    "name (e.g. backend='symm_ht'), not 'auto'"
+                )
+            self.backend_options = dict(backend_options)
             auto = self._auto_classes(layout, dispatch_dtype) if backend == "auto" else None
             comm_plan = self._plan_comm(backend, layout, max_num_tokens, dispatch_dtype, auto)
             decode_plan = None
@@ -403,6 +426,7 @@ class EPMoE(nn.Module):
             "intermediate_size": repr(self.intermediate_size),
             "placement": describe_placement(self.placement, placement_name),
             "backend": repr(comm_plan.cls.name),
+            "backend_options": repr(comm_plan.options),
             "layout": repr(comm_plan.layout.value),
             "max_num_tokens": repr(self.max_num_tokens),
             "decode_backend": (
@@ -466,7 +490,8 @@ class EPMoE(nn.Module):
                 backend_cls = resolve_backend("auto", self.device, self.group, layout, spec)
         if spec.fp8_dispatch and not backend_cls.capabilities.fp8_dispatch:
             raise _no_fp8_dispatch(backend_cls.name)
-        plan = _CommPlan(backend_cls, spec, layout)
+        options = tuple(sorted(self.backend_options.items()))
+        plan = _CommPlan(backend_cls, spec, layout, options)
         plan.check()
         return plan
 
@@ -573,7 +598,7 @@ class EPMoE(nn.Module):
         small for the new largest e, or it cannot rebind) is closed and replaced by a fresh
         one of the same name and layout (collective, like its first construction: every
         rank takes the same branch, since all hold the same placement)."""
-        self.comm = _rebound(self.comm, rank_offsets, self.group)
+        self.comm = _rebound(self.comm, rank_offsets, self.group, self.backend_options)
         if self.decode_comm is not None:
             self.decode_comm = _rebound(self.decode_comm, rank_offsets, self.group)
 
@@ -1254,18 +1279,22 @@ def _check_weights(where: str, **weights: object) -> None:
             )
 
 
-def _rebound(comm: AllToAll, rank_offsets: tuple[int, ...], group) -> AllToAll:
+def _rebound(
+    comm: AllToAll, rank_offsets: tuple[int, ...], group, options: Mapping[str, Any] | None = None
+) -> AllToAll:
     """``comm`` moved to ``rank_offsets`` (``rebind``, keeping its buffers; a backend with
     fixed buffers grows them itself), or, when it refuses (a backend that cannot rebind), a
-    fresh backend of the same name and layout. The old one is closed only once the new one
-    exists, so a refusal of the new spec leaves the layer with a working backend.
+    fresh backend of the same name, layout and ``options``. The old one is closed only
+    once the new one exists, so a refusal of the new spec leaves the layer with a working
+    backend.
     Collective like a construction: every rank takes the same branch, since all hold the
     same placement."""
     try:
         comm.rebind(rank_offsets)
         return comm
     except (ValueError, NotImplementedError):
-        fresh = create_backend(comm.name, comm.spec.with_offsets(rank_offsets), group, comm.layout)
+        spec = comm.spec.with_offsets(rank_offsets)
+        fresh = create_backend(comm.name, spec, group, comm.layout, **(options or {}))
         comm.close()
         return fresh
 

@@ -14,6 +14,9 @@ while a CUDA graph is being captured is graph safe, and lets ``auto`` pick it
 from __future__ import annotations
 
 import importlib
+import inspect
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,8 @@ __all__ = [
     "available_backends",
     "backend_class",
     "backend_names",
+    "backend_option_names",
+    "check_backend_options",
     "create_backend",
     "resolve_backend",
 ]
@@ -179,14 +184,47 @@ def resolve_backend(
     )
 
 
+def backend_option_names(cls: type[AllToAll]) -> list[str]:
+    """The keyword options a backend's constructor takes beyond ``(spec, group, layout)``
+    (e.g. ``symm_ht``'s ``num_sms`` and ``tokens_per_flag``, ``deepep_ht``'s
+    ``worst_case_rows``), in signature order."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[4:]  # self, spec, ...
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds]
+
+
+def check_backend_options(cls: type[AllToAll], options: Mapping[str, Any]) -> None:
+    """Raise, naming the option and those the backend takes, unless every key of
+    ``options`` is one of :func:`backend_option_names` (values are checked by the
+    backend's constructor)."""
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise TypeError(
+            f"backend_options must be a mapping of option names to values, got {options!r}"
+        )
+    known = backend_option_names(cls)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        takes = f"takes {known}" if known else "takes no options"
+        raise ValueError(
+            f"backend {cls.name!r} has no option {', '.join(map(repr, unknown))}: it {takes}"
+        )
+
+
 def create_backend(
     name: str,
     spec: CommSpec,
     group: dist.ProcessGroup | None,
     layout: Layout | None = None,
+    **options: Any,
 ) -> AllToAll:
-    """Build backend ``name`` (or ``"auto"``) for ``spec`` on ``group``."""
-    return resolve_backend(name, spec.device, group, layout, spec)(spec, group, layout)
+    """Build backend ``name`` (or ``"auto"``) for ``spec`` on ``group``; ``options`` go to
+    the constructor of a backend chosen by name (see :func:`backend_option_names`)."""
+    cls = resolve_backend(name, spec.device, group, layout, spec)
+    if options:
+        if name == "auto":
+            raise ValueError("backend options need a backend chosen by name, not 'auto'")
+        check_backend_options(cls, options)
+    return cls(spec, group, layout, **options)
 
 
 def _device(

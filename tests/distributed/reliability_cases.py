@@ -139,6 +139,11 @@ def construction_mismatch(rank: int, world: int) -> list[dict]:
     refused = {  # one rank's argument is refused by its own checks
         "top_k=0 on one rank": (dict(top_k=0), ValueError, "top_k must be a positive int"),
         "backend='nope' on one rank": (dict(backend="nope"), ValueError, "unknown backend"),
+        "backend_options={'num_sms': 24} on one rank (all_to_all takes none)": (
+            dict(backend_options={"num_sms": 24}),
+            ValueError,
+            "backend 'all_to_all' has no option 'num_sms': it takes no options",
+        ),
     }
     for case, (kwargs, kind, own) in refused.items():
         with sweep.case(case):
