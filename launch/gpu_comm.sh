@@ -82,7 +82,7 @@ for s in "${STEPS[@]}"; do
         timeout "${HT_BENCH_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 128 512 4096 16384 --backends symm_ht:standard symm_ht:standard::0 \
             symm_ht:standard:32 symm_ht:standard:24 symm_ht:standard:24:0 \
-            symm_ll:expert_batched all_to_all:standard --iters 10 --warmup 3 \
+            all_to_all:standard --iters 10 --warmup 3 \
             --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1
         ;;
     conformance)
