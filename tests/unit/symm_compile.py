@@ -15,6 +15,8 @@ def _compile(fn, typed: dict[str, str], consts: dict) -> None:
     """``typed``: pointer and 64-bit arguments; every other non-constexpr one is int32."""
     if "PDL" in fn.arg_names:  # as launched on sm_90 (programmatic dependent launch)
         consts = dict(consts, PDL=True)
+    if "ROWS" in fn.arg_names and "ROWS" not in consts:  # (one token per step)
+        consts = dict(consts, ROWS=1)
     signature = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs={})
@@ -40,6 +42,11 @@ def main() -> None:
             consts = dict(blocks, BLOCK_W=2, BATCH=4, FENCE=True, PREQUANT=True, **quant)
             consts["COUNTED"] = False
             _compile(k.dispatch_send_kernel, dict(send, x_ptr=wire_ptr, xs_ptr="*fp32"), consts)
+        # symm_ht's counted send, several tokens at a time (FP8: quantized beforehand)
+        consts = dict(blocks, BLOCK_W=2, BATCH=1, FENCE=False, PREQUANT=fp8, **quant)
+        consts.update(COUNTED=True, ROWS=4)
+        xs = dict(x_ptr=wire_ptr, xs_ptr="*fp32") if fp8 else dict(xs_ptr="*bf16")
+        _compile(k.dispatch_send_kernel, dict(send, **xs), consts)
         for in_place in (True, False):  # rows read where they landed, or copied
             out = "*i32" if in_place else wire_ptr
             recv = dict(xo_ptr=out, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
@@ -67,7 +74,7 @@ def main() -> None:
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence, COUNTED=counted)
         consts["ROWS"] = 4
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 13} symm kernels for sm_90")
+    print(f"compiled {compiled + 15} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

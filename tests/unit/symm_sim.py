@@ -58,9 +58,10 @@ class TwoRanks:
         start = self.regions[parity].x
         return self.bufs[r][start : start + n * self.H * 4].view(torch.float32).view(n, -1)
 
-    def send(self, kernels, parity, r, inputs, grid: int, counted: bool) -> None:
+    def send(self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1) -> None:
         """Rank r's dispatch send half (``dispatch_send_kernel``, float32 rows, a flag per
-        token or, ``counted``, one count per program) on ``grid`` programs."""
+        token or, ``counted``, one count per program, ``rows`` tokens at a time) on
+        ``grid`` programs."""
         import triton.language as tl
 
         x, ids, w = inputs
@@ -70,7 +71,7 @@ class TwoRanks:
             self.H, self.E, self.M, self.W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
             K=self.K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128, FP8=False, WIRE=tl.float32,
             FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,
-            PREQUANT=False, COUNTED=counted,
+            PREQUANT=False, COUNTED=counted, ROWS=rows,
         )  # fmt: skip
 
     def combine_receive(

@@ -173,7 +173,7 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
     def grid(n, r):
         return max(1, min(n, sms[r]))
 
-    from epmoe.comm.symm.ht import RECV_ROWS, SEND_ROWS
+    from epmoe.comm.symm.ht import DISPATCH_ROWS, RECV_ROWS, SEND_ROWS
 
     per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted, ROWS=SEND_ROWS)
     published = [
@@ -185,7 +185,10 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
         for r in range(W):  # dispatch, send half
-            sim.send(k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted)
+            sim.send(
+                k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted,
+                rows=DISPATCH_ROWS if counted else 1,
+            )  # fmt: skip
         if counted:
             assert all(sim.counts(r, parity)[0] == list(Ts) for r in range(W))
         for r in range(W):  # dispatch, receive half

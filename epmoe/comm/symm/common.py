@@ -375,10 +375,11 @@ class SymmBackend(AllToAll):
             )  # fmt: skip
         return tr, x, ids, w, tr.take_parity(), consts
 
-    def _send(self, tr, x, ids, w, b: int, consts: dict, programs: int) -> None:
+    def _send(self, tr, x, ids, w, b: int, consts: dict, programs: int, rows: int = 1) -> None:
         """The dispatch's send half (``_dispatch_prologue``'s outputs) on ``programs``
-        programs, FP8 rows quantized first with ``_quantize_first``; gives parity ``b``
-        back when that or the launch fails (nothing was sent)."""
+        programs (counted: each sending ``rows`` tokens at a time), FP8 rows quantized
+        first with ``_quantize_first``; gives parity ``b`` back when that or the launch
+        fails (nothing was sent)."""
         k = kernels()
         spec = self.spec
         reg = tr.regions[b]
@@ -388,6 +389,8 @@ class SymmBackend(AllToAll):
                 from epmoe.kernels.ops import per_token_group_quant_fp8
 
                 x, x_scale = per_token_group_quant_fp8(x)
+            if tr.fp8 and x_scale is None:  # (several rows at once take FP8 pre-quantized)
+                rows = 1
             launch(k.dispatch_send_kernel)(
                 (programs,),
                 x, x if x_scale is None else x_scale, ids, w, self._owner_P, self._local_P,
@@ -395,7 +398,7 @@ class SymmBackend(AllToAll):
                 x.shape[0], tr.H, spec.num_physical, tr.M, self.world_size, tr.G, self.rank,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 BATCH=self._batch, FENCE=self._fence, PREQUANT=x_scale is not None,
-                COUNTED=self._counted, num_warps=tr.num_warps, **consts,
+                COUNTED=self._counted, ROWS=rows, num_warps=tr.num_warps, **consts,
             )  # fmt: skip
         except BaseException:
             tr.give_back(b)

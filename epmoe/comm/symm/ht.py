@@ -31,11 +31,14 @@ from epmoe.comm.symm.common import (
     launch,
 )
 
-# Rows (tokens) a combine program loads and stores at once: with few SMs (DeepEP's 24) a
-# program that takes one row at a time waits on a load latency per row; several in flight
-# keep the link busy. Send: copies of bf16 rows; receive: float32 sums of W partial rows.
+# Rows (tokens) a program loads and stores at once: with few SMs (DeepEP's 24) a program
+# that takes one row at a time waits on a load latency per row; several in flight keep
+# the link busy (24 SMs, 4096 tokens: combine 851 -> 460 µs). Combine send: copies of
+# bf16 rows; combine receive: float32 sums of W partial rows; dispatch (counted mode):
+# rows with their routing. The most that fit in registers without spills at 8 warps.
 SEND_ROWS = 4
 RECV_ROWS = 2
+DISPATCH_ROWS = 4
 
 
 class HTTransport(SymmTransport):
@@ -137,7 +140,8 @@ class SymmHTBackend(SymmBackend):
         tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
         W, T = self.world_size, x.shape[0]
         reg = tr.regions[b]
-        self._send(tr, x, ids, w, b, c, self._grid(max(T, 1)))
+        rows = DISPATCH_ROWS if self._counted else 1
+        self._send(tr, x, ids, w, b, c, self._grid(max(T, 1)), rows)
 
         def receive() -> DispatchResult:
             launch(k.ht_dispatch_recv_kernel)(

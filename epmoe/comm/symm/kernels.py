@@ -457,6 +457,56 @@ def _send_token(
 
 
 @triton.jit
+def _send_rows(
+    tR, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases, err_addr,
+    T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr, WIRE: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """``_send_token`` for the tokens ``tR [ROWS]`` (those below ``T``) at once, FP8 rows
+    quantized beforehand (``xs_ptr``: their scales): their routing, rows and stores issued
+    together, so that a program keeps ROWS tokens in flight instead of waiting on one
+    token's load latencies after another (``symm_ht``'s counted send on few SMs)."""
+    kk = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_W)
+    live = tR < T
+    t64 = tl.where(live, tR, 0).to(tl.int64)  # (tokens that exist)
+    km = live[:, None] & (kk < K)[None, :]
+    raw = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=km, other=-1)
+    wts = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=km, other=0.0)
+    valid = km & (raw >= 0) & (raw < P)
+    bad = km & ((raw < -1) | (raw >= P))
+    ids = tl.where(valid, raw, -1).to(tl.int32)
+    owner = tl.where(valid, tl.load(owner_ptr + tl.where(valid, ids, 0), mask=valid, other=0), -1)
+    local = tl.load(local_ptr + tl.where(valid, ids, 0), mask=valid, other=-1)
+    has = tl.max((owner[:, :, None] == rr[None, None, :]).to(tl.int32), 1)  # [ROWS, BLOCK_W]
+    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+        _report(err_addr, ERR_EXPERT_ID, OP_DISPATCH, src)
+    row = tl.cast(src, tl.int64) * M + t64  # their rows in every receiver's tok_*
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        c_ok = (cols < H)[None, :]
+        x = tl.load(x_ptr + t64[:, None] * H + cols[None, :], mask=live[:, None] & c_ok, other=0.0)
+        gg = h0 // 128 + tl.arange(0, BLOCK_H // 128)
+        g_ok = (gg < G)[None, :]
+        if FP8:
+            sv = tl.load(xs_ptr + t64[:, None] * G + gg[None, :], mask=live[:, None] & g_ok)
+        for r in range(W):
+            on = (tl.sum(tl.where(rr[None, :] == r, has, 0), 1) > 0)[:, None]
+            base = _pick(bases, rr, r)
+            tl.store(_at(base, off_x, WIRE) + row[:, None] * H + cols[None, :], x.to(WIRE),
+                     mask=on & c_ok)  # fmt: skip
+            if FP8:
+                tl.store(_at(base, off_s, tl.float32) + row[:, None] * G + gg[None, :], sv,
+                         mask=on & g_ok)  # fmt: skip
+    for r in range(W):
+        base = _pick(bases, rr, r)
+        at = row[:, None] * K + kk[None, :]
+        tl.store(_at(base, off_ids, tl.int32) + at, tl.where(owner == r, local, -1), mask=km)
+        tl.store(_at(base, off_w, tl.float32) + at, wts, mask=km)
+
+
+@triton.jit
 def _flag_token(t, bases, rr, T, M, W, src, off_flags, FENCED: tl.constexpr):
     """Token ``t``'s flag at every rank, all at once (a lane of ``bases [BLOCK_W]`` per rank;
     the caller loaded them before its stores, so nothing but the writes follows its fence):
@@ -634,6 +684,7 @@ def dispatch_send_kernel(
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     PREQUANT: tl.constexpr,  # x is FP8 already (quantized by a kernel of its own)
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
+    ROWS: tl.constexpr = 1,  # COUNTED: tokens a program sends at once (FP8: PREQUANT)
     PDL: tl.constexpr = False,
 ):
     """The send half alone (split phase; ``symm_ht``'s dispatch). Program p sends tokens
@@ -651,12 +702,22 @@ def dispatch_send_kernel(
     rr = tl.arange(0, BLOCK_W)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
     if COUNTED:
-        for t in range(pid, T, N):
-            _send_token(
-                t, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases,
-                err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
-                K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
-            )  # fmt: skip
+        if ROWS == 1:
+            for t in range(pid, T, N):
+                _send_token(
+                    t, x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases,
+                    err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
+                    K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, PREQUANT, WIRE, FP8_MAX, INV_FP8_MAX,
+                    EPS,
+                )  # fmt: skip
+        else:
+            tl.static_assert(PREQUANT or not FP8, "ROWS > 1 sends FP8 rows quantized first")
+            for t0 in range(pid, T, N * ROWS):
+                _send_rows(
+                    t0 + N * tl.arange(0, ROWS), x_ptr, xs_ptr, ids_ptr, w_ptr, owner_ptr,
+                    local_ptr, bases, err_addr, T, H, P, M, W, G, src, off_x, off_s, off_ids,
+                    off_w, K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, ROWS,
+                )  # fmt: skip
         n = _strided_count(pid, T, N)
         if n > 0:
             tl.debug_barrier()  # every store of the program is issued before the fence
