@@ -15,6 +15,7 @@ from epmoe.comm.all_to_all import AllToAllBackend
 from epmoe.comm.base import CommSpec
 from epmoe.layer import _rebound
 from epmoe.reference import assert_close
+from tests.unit.test_layer import layer_and_weights
 
 
 class TaggedBackend(AllToAllBackend):
@@ -63,17 +64,9 @@ def test_create_backend_passes_options_and_refuses_them_with_auto(tagged):
         create_backend("tagged", spec, None, colour="red")
 
 
-def _layer(**kwargs):
-    E, K, H, I = 8, 2, 16, 8
-    g = torch.Generator().manual_seed(0)
-    w13, w2 = torch.randn(E, 2 * I, H, generator=g) / 4, torch.randn(E, H, I, generator=g) / 3
-    layer = epmoe.EPMoE(E, K, H, I, params_dtype=torch.float32, device="cpu", **kwargs)
-    layer.load_experts(w13, w2)
-    return layer, w13, w2
-
-
 def test_the_layer_builds_its_backend_with_the_options_and_keeps_them(tagged):
-    layer, w13, w2 = _layer(experts="torch", backend="tagged", backend_options={"tag": "red"})
+    options = {"tag": "red"}
+    layer, w13, w2 = layer_and_weights(experts="torch", backend="tagged", backend_options=options)
     assert layer.comm.tag == "red" and layer.backend_options == {"tag": "red"}
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
     logits = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
@@ -96,4 +89,4 @@ def test_the_layer_builds_its_backend_with_the_options_and_keeps_them(tagged):
 )
 def test_bad_options_raise_naming_the_argument(tagged, kwargs, error, match):
     with pytest.raises(error, match=match):
-        _layer(experts="torch", **kwargs)
+        layer_and_weights(experts="torch", **kwargs)
