@@ -35,6 +35,22 @@ from epmoe.comm.base import (
 )
 
 NVL_BYTES_FLOOR = 1 << 28  # at least 256 MiB of NVLink buffer, as DeepEP's tests use more
+NVL_RECV_TOKENS = 256  # DeepEP's NVLink receive buffer per channel, in tokens (its configs')
+
+
+def _check_tuning(num_sms, nvl_chunks) -> None:
+    """Refuse, naming the option, an SM count or chunk sizes DeepEP would assert on."""
+    if num_sms is not None and (type(num_sms) is not int or num_sms < 2 or num_sms % 2):
+        raise ValueError(
+            f"num_sms must be an even int >= 2 (DeepEP runs a channel on two SMs), got {num_sms!r}"
+        )
+    if nvl_chunks is not None:
+        ok = isinstance(nvl_chunks, (tuple, list)) and len(nvl_chunks) == 2
+        if not ok or not all(type(c) is int and 0 < c < NVL_RECV_TOKENS for c in nvl_chunks):
+            raise ValueError(
+                "nvl_chunks must be (dispatch, combine) tokens per NVLink chunk, two ints in "
+                f"[1, {NVL_RECV_TOKENS}), got {nvl_chunks!r}"
+            )
 
 
 class DeepEPHTBackend(AllToAll):
@@ -72,13 +88,26 @@ class DeepEPHTBackend(AllToAll):
             return f"DeepEP's FP8 rows need H divisible by 128, not {spec.hidden_size}"
         return _deepep.even_partition_reason(spec)
 
-    def __init__(self, spec, group, layout=None, *, worst_case_rows: bool = False):
+    def __init__(
+        self,
+        spec,
+        group,
+        layout=None,
+        *,
+        worst_case_rows: bool = False,
+        num_sms: int | None = None,
+        nvl_chunks: tuple[int, int] | None = None,
+    ):
         """``worst_case_rows``: receive ``W·M`` rows (``M = spec.max_num_tokens``) with no
         CPU sync (DeepEP's ``num_worst_tokens``, one node), which makes the calls graph
         safe and every call at most M tokens; else exactly the rows that came, counted on
-        the host."""
+        the host. ``num_sms`` (even) and ``nvl_chunks`` (dispatch, combine: tokens per
+        NVLink chunk) tune DeepEP's kernels (its ``Config``); unset, DeepEP's recommended
+        configuration for this rank count (24 SMs). DeepEP's ``tests/test_intranode.py``
+        prints the best chunks for a machine."""
         if type(worst_case_rows) is not bool:
             raise TypeError(f"worst_case_rows must be a bool, got {worst_case_rows!r}")
+        _check_tuning(num_sms, nvl_chunks)
         super().__init__(spec, group, layout)
         self._worst = self.world_size * spec.max_num_tokens if worst_case_rows else 0
         if worst_case_rows:  # (this instance: the class answers for the default)
@@ -88,9 +117,16 @@ class DeepEPHTBackend(AllToAll):
         # worst-case dispatch queued before it may still write
         W, H = self.world_size, spec.hidden_size
         Buffer = self._deep_ep.Buffer
+        self._configs = self._tuned_configs(num_sms, nvl_chunks)  # (dispatch, combine)
+        dispatch_config, combine_config = (
+            tuned or default
+            for tuned, default in zip(
+                self._configs, (Buffer.get_dispatch_config(W), Buffer.get_combine_config(W))
+            )
+        )
         hint = max(
-            Buffer.get_dispatch_config(W).get_nvl_buffer_size_hint(H * 2, W),
-            Buffer.get_combine_config(W).get_nvl_buffer_size_hint(H * 2, W),
+            dispatch_config.get_nvl_buffer_size_hint(H * 2, W),
+            combine_config.get_nvl_buffer_size_hint(H * 2, W),
         )
         nvl_bytes = max(hint, NVL_BYTES_FLOOR)
         self._hold = _deepep.acquire_buffer(
@@ -102,6 +138,24 @@ class DeepEPHTBackend(AllToAll):
                 _deepep.process_group(self.group), nvl_bytes, 0, explicitly_destroy=True
             ),
         )
+
+    def _tuned_configs(self, num_sms, nvl_chunks) -> tuple:
+        """DeepEP ``Config``s for dispatch and combine from the options, or ``(None,
+        None)``: DeepEP's own choice per call."""
+        if num_sms is None and nvl_chunks is None:
+            return None, None
+        Buffer, Config = self._deep_ep.Buffer, self._deep_ep.Config
+        sms = num_sms if num_sms is not None else Buffer.num_sms
+        if nvl_chunks is not None:
+            return tuple(Config(sms, chunk, NVL_RECV_TOKENS) for chunk in nvl_chunks)
+        # DeepEP's recommended chunks with this SM count: its configs read Buffer.num_sms
+        old = Buffer.num_sms
+        try:
+            Buffer.num_sms = sms
+            W = self.world_size
+            return Buffer.get_dispatch_config(W), Buffer.get_combine_config(W)
+        finally:
+            Buffer.num_sms = old
 
     def _buffer(self):
         return self._hold.get().buffer
@@ -122,7 +176,9 @@ class DeepEPHTBackend(AllToAll):
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
             ids, spec.num_physical
         )
-        worst = {"num_worst_tokens": self._worst} if self._worst else {}
+        extra = {"num_worst_tokens": self._worst} if self._worst else {}
+        if self._configs[0] is not None:
+            extra["config"] = self._configs[0]
         recv_x, recv_ids, recv_weights, _, handle, _ = buffer.dispatch(
             x,
             topk_idx=ids,
@@ -131,7 +187,7 @@ class DeepEPHTBackend(AllToAll):
             num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert,
-            **worst,
+            **extra,
         )
         hidden, scale = recv_x if spec.fp8_dispatch else (recv_x, None)
         recv_ids = recv_ids.to(torch.int64)
@@ -153,7 +209,8 @@ class DeepEPHTBackend(AllToAll):
         check_combine_args(expert_out, result)
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"deepep_ht combines bf16 rows, got {expert_out.dtype}")
-        combined, _, _ = self._buffer().combine(expert_out.contiguous(), result.handle)
+        tuned = {} if self._configs[1] is None else {"config": self._configs[1]}
+        combined, _, _ = self._buffer().combine(expert_out.contiguous(), result.handle, **tuned)
         return Pending.done(combined)
 
     def close(self) -> None:

@@ -40,17 +40,22 @@ class _FakeBuffer:
         self.calls: list[str] = []
         _FakeBuffer.created += 1
 
-    class _Config:
+    num_sms = 24  # (DeepEP's class attribute, read by its recommended configs)
+
+    class _Config:  # deep_ep.Config: (num_sms, NVLink chunk tokens, NVLink receive tokens)
+        def __init__(self, num_sms=20, send=6, recv=256):
+            self.fields = (num_sms, send, recv)
+
         def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
             return 1 << 20
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        return _FakeBuffer._Config()
+        return _FakeBuffer._Config(_FakeBuffer.num_sms, 24, 256)
 
     @staticmethod
     def get_combine_config(num_ranks):
-        return _FakeBuffer._Config()
+        return _FakeBuffer._Config(_FakeBuffer.num_sms, 10, 256)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(M, hidden, num_ranks, num_experts):
@@ -68,8 +73,9 @@ class _FakeBuffer:
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
                  num_tokens_per_rdma_rank=None, is_token_in_rank=None,
-                 num_tokens_per_expert=None, num_worst_tokens=0):  # fmt: skip
+                 num_tokens_per_expert=None, num_worst_tokens=0, config=None):  # fmt: skip
         assert topk_weights.dtype == torch.float32
+        self.calls.append(("dispatch config", config and config.fields))
         keep = is_token_in_rank[:, 0]
         rows = (x[0][keep], x[1][keep]) if isinstance(x, tuple) else x[keep]
         ids, weights = topk_idx[keep], topk_weights[keep]
@@ -84,7 +90,8 @@ class _FakeBuffer:
             return rows, ids, weights, [], keep, None
         return rows, ids, weights, [], keep, None
 
-    def combine(self, x, handle):
+    def combine(self, x, handle, config=None):
+        self.calls.append(("combine config", config and config.fields))
         out = torch.zeros(handle.shape[0], x.shape[1], dtype=x.dtype)
         out[handle] = x[: int(handle.sum())]  # unweighted, one row per token (worst case:
         # the rows past the received ones are never read)
@@ -124,7 +131,7 @@ class _FakeBuffer:
 @pytest.fixture
 def fake_deep_ep(monkeypatch):
     module = types.ModuleType("deep_ep")
-    module.Buffer = _FakeBuffer
+    module.Buffer, module.Config = _FakeBuffer, _FakeBuffer._Config
     monkeypatch.setitem(sys.modules, "deep_ep", module)
     monkeypatch.setattr(transport, "_nvshmem_owner", None)
     _FakeBuffer.created = _FakeBuffer.destroyed = 0
@@ -219,6 +226,34 @@ def test_ht_worst_case_rows_fill_every_row_and_need_no_host_count(fake_deep_ep):
     with pytest.raises(TypeError, match="worst_case_rows must be a bool"):
         _backend("deepep_ht", _spec(M=M), Layout.STANDARD, worst_case_rows=1)
     comm.close()
+
+
+def test_ht_sm_budget_and_chunks_reach_deepep_and_are_checked(fake_deep_ep):
+    """``num_sms`` and ``nvl_chunks`` become DeepEP ``Config``s for dispatch and combine
+    (only the SM count: DeepEP's recommended chunks for it, its class setting left as it
+    was); without them DeepEP chooses per call; bad values are refused naming the option."""
+    x, ids, w, w13, w2 = _inputs()
+
+    def configs(**options):
+        comm = _backend("deepep_ht", _spec(), Layout.STANDARD, **options)
+        res = comm.dispatch(x, ids, w)
+        y = res.hidden.float() * (res.topk_weights * (res.topk_ids >= 0)).sum(-1, keepdim=True)
+        out = comm.combine(y.to(torch.bfloat16), res)
+        want = x.float() * (w * (ids >= 0)).sum(-1, keepdim=True)
+        assert_close(out, want, 2e-2, name=str(options))
+        calls = dict(c for c in comm._buffer().calls if isinstance(c, tuple))
+        comm.close()
+        return calls["dispatch config"], calls["combine config"]
+
+    assert configs() == (None, None)
+    assert configs(num_sms=16, nvl_chunks=(20, 8)) == ((16, 20, 256), (16, 8, 256))
+    assert configs(nvl_chunks=(20, 8)) == ((24, 20, 256), (24, 8, 256))
+    assert configs(num_sms=16) == ((16, 24, 256), (16, 10, 256))
+    assert fake_deep_ep.Buffer.num_sms == 24
+    for bad in (dict(num_sms=23), dict(num_sms=0), dict(nvl_chunks=(20,)),
+                dict(nvl_chunks=(0, 8)), dict(nvl_chunks=(20, 256))):  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            _backend("deepep_ht", _spec(), Layout.STANDARD, **bad)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
