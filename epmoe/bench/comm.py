@@ -80,7 +80,12 @@ from epmoe.bench.common import (
     time_fn,
     write_json,
 )
-from epmoe.comm import available_backends, backend_class, create_backend
+from epmoe.comm import (
+    available_backends,
+    backend_class,
+    check_backend_options,
+    create_backend,
+)
 from epmoe.comm.base import (
     FP8_GROUP,
     AllToAll,
@@ -170,7 +175,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_BACKENDS,
         help="name:layout pairs; symm_ht also name:layout:SMs[:ROWS] (an SM budget, rows "
         "stored per flag, 0: one count per program); symm_ll also name:layout:copy, "
-        "deepep_ht name:layout:fixed (worst-case rows, graph safe)",
+        "deepep_ht name:layout:fixed (worst-case rows, graph safe); any backend option as "
+        "name:layout:key=value[,key=value] (e.g. deepep_ht:standard:num_sms=24,nvl_chunks=20/8)",
     )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
@@ -629,13 +635,45 @@ def _a2a_reference(send_W: torch.Tensor, row_bytes: int, device, timing) -> tupl
     return over_ranks(ms, device), int(over_ranks(float(sum(recv_l)), device))
 
 
+def entry_options(text: str) -> dict[str, Any]:
+    """``key=value[,key=value]`` of a ``--backends`` entry → backend options: ints,
+    ``true``/``false``, ``a/b`` tuples of ints (``nvl_chunks=20/8``)."""
+    options: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"backend option {item!r}: expected key=value")
+        if raw.lower() in ("true", "false"):
+            options[key] = raw.lower() == "true"
+        elif "/" in raw:
+            options[key] = tuple(int(v) for v in raw.split("/"))
+        else:
+            options[key] = int(raw)
+    return options
+
+
+def budget_label(options: dict[str, Any]) -> str:
+    """The options of a ``--backends`` entry as its series' name: ``num_sms=24,...``."""
+
+    def text(v):
+        return "/".join(map(str, v)) if isinstance(v, tuple) else str(v).lower()
+
+    return ",".join(f"{k}={text(v)}" for k, v in options.items())
+
+
 def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> list[dict]:
     """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
     name, layout_name, *budget = entry.split(":")
     layout = Layout(layout_name)
     # name:layout:SMs[:rows per flag] (symm_ht), name:layout:copy (symm_ll),
-    # name:layout:fixed (deepep_ht's worst-case rows: no host sync, graph safe)
+    # name:layout:fixed (deepep_ht's worst-case rows: no host sync, graph safe), or any
+    # backend option as name:layout:key=value[,key=value] (see entry_options)
     options = {}
+    if budget and "=" in budget[-1]:
+        options.update(entry_options(budget.pop()))
+        base_label = f"{name}/{budget_label(options)}"
+    else:
+        base_label = None
     if budget == ["copy"]:  # symm_ll's first design: received rows copied into slabs
         options["rows_in_place"], budget = False, []
     if budget == ["fixed"]:
@@ -653,6 +691,8 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
         base["backend"] = f"{name}/copy"
     if "worst_case_rows" in options:
         base["backend"] = f"{name}/fixed"
+    if base_label is not None:  # (named by all its options)
+        base["backend"] = base_label
     reason = backend_skip_reason(name, layout, spec, x_TH.device, ctx["group"])
     if reason is not None:
         return [dict(base, mode="-", note=f"skipped: {reason}")]
@@ -660,6 +700,7 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
     if not options:
         comm = create_backend(name, spec, ctx["group"], layout)
     else:  # an SM budget (and rows per flag), copies: backends whose constructor takes them
+        check_backend_options(backend_class(name), options)
         comm = backend_class(name)(spec, ctx["group"], layout, **options)
     try:
         m = measure_dispatch_combine(comm, x_TH, ids_TK, weights_TK, ctx["timing"])

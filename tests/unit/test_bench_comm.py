@@ -135,6 +135,14 @@ def test_kernel_times_sum_each_phase_per_round_between_all_reduces():
     assert comm.phase_kernel_us(kernels[:1], ("dispatch", "combine"), "nccl") == [[], []]
 
 
+def test_backend_entries_take_any_option_as_key_value():
+    options = comm.entry_options("num_sms=24,nvl_chunks=20/8,worst_case_rows=true")
+    assert options == dict(num_sms=24, nvl_chunks=(20, 8), worst_case_rows=True)
+    assert comm.budget_label(options) == "num_sms=24,nvl_chunks=20/8,worst_case_rows=true"
+    with pytest.raises(ValueError, match="expected key=value"):
+        comm.entry_options("num_sms")
+
+
 def test_kernel_times_need_cuda_and_a_process_group():
     assert comm.time_kernels(lambda: None, lambda: None, torch.device("cpu")).startswith("n/a")
 
