@@ -585,12 +585,16 @@ class _Launcher:
         self.compiled: dict[tuple, object] = {}
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
-        self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
+        # the previous two launches' (args, parts): calls alternate between the two
+        # parities' buffers, so an argument is most often the one of the call before last
+        self._memo: tuple[tuple, tuple] = ((), ())
+        self._memo_before: tuple[tuple, tuple] = ((), ())
 
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
         num_warps_and = dict(num_warps=num_warps)
+        dev = _device_index()
         if self.pdl:
-            consts["PDL"] = pdl = pdl_enabled(_device_index()) and _capturing()
+            consts["PDL"] = pdl = pdl_enabled(dev) and _capturing()
             if pdl:
                 num_warps_and["launch_pdl"] = True
         if not self.direct:
@@ -601,15 +605,17 @@ class _Launcher:
         # device (a compiled kernel is loaded per device). Most arguments are the same
         # objects as in the previous launch (the transport's buffers, sizes, offsets): their
         # part is reused, only new objects (the caller's inputs) are looked at again
-        memo = self._memo
-        if memo is not None and len(memo[0]) == len(args):
+        (last, last_parts), (before, before_parts) = self._memo, self._memo_before
+        n = len(args)
+        if len(last) == n and len(before) == n:
             parts = tuple(
-                part if a is b else _specialization(a) for a, b, part in zip(args, memo[0], memo[1])
+                p if a is b else (q if a is c else _specialization(a))
+                for a, b, p, c, q in zip(args, last, last_parts, before, before_parts)
             )
         else:
             parts = tuple(map(_specialization, args))
-        self._memo = (args, parts)
-        key = (_device_index(), num_warps, tuple(consts.items()), parts)
+        self._memo_before, self._memo = self._memo, (args, parts)
+        key = (dev, num_warps, tuple(consts.items()), parts)
         kernel = self.compiled.get(key)
         if kernel is None:
             self.compiled[key] = self.fn[grid](*args, **num_warps_and, **consts)
