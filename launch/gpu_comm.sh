@@ -159,7 +159,8 @@ for s in "${STEPS[@]}"; do
             all_to_all:standard --iters 10 --warmup 3 --out "$OUT/comm_ep$NGPU.json" \
             >"$OUT/ep.log" 2>&1 &&
         timeout "${EP_LAYER_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
-            --tokens 128 4096 --experts triton --hot contiguous --out "$OUT/layer_ep$NGPU.json" \
+            --tokens 128 4096 --experts triton --backends all_to_all symm_ll symm_ht \
+            --hot contiguous --out "$OUT/layer_ep$NGPU.json" \
             >>"$OUT/ep.log" 2>&1
         ;;
     info)
