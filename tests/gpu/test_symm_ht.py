@@ -164,6 +164,15 @@ def test_layer_against_oracle(world):
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+def test_layer_with_few_sms_and_counts_against_oracle(world):
+    """EPMoE(backend_options=...): 3 SMs, so every kernel loops, and one count per
+    program, so the counted dispatch sends several tokens per step."""
+    requires_world(world)
+    options = {"num_sms": 3, "tokens_per_flag": 0}
+    run_on_ranks(layer_against_oracle, world, "symm_ht", options, timeout_s=300)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
 def test_graph_replays_with_changing_routing(world):
     requires_world(world)
     run_on_ranks(graph_replays, world, "symm_ht", timeout_s=300)

@@ -136,11 +136,12 @@ def _dequant(x):
     return (q.float().unflatten(-1, (-1, 128)) * s.unsqueeze(-1)).flatten(-2)[..., : x.shape[1]]
 
 
-def layer_against_oracle(rank, world, backend="symm_ll"):
-    """EPMoE with ``backend`` (symm_ll, or symm_ht from its own test module) and Triton
-    (and torch) experts against the oracle: bf16 and FP8 on the wire, linear / round-robin
-    / balanced placements, uneven and zero token counts, chunks above M_max, two
-    micro-batches in flight."""
+def layer_against_oracle(rank, world, backend="symm_ll", backend_options=None):
+    """EPMoE with ``backend`` (symm_ll, or symm_ht from its own test module; built with
+    ``backend_options``) and Triton (and torch) experts against the oracle: bf16 and FP8
+    on the wire, linear / round-robin / balanced placements, uneven and zero token counts,
+    chunks above M_max, two micro-batches in flight."""
+    options = dict(backend_options=backend_options or {})
     dev = torch.device("cuda", torch.cuda.current_device())
     from tests.distributed.cases import full_weights, placements, rank_tokens
 
@@ -153,7 +154,7 @@ def layer_against_oracle(rank, world, backend="symm_ll"):
                     layer = epmoe.EPMoE(
                         E, K, H, I, placement=placement, backend=backend, experts=experts,
                         max_num_tokens=M, device=dev,
-                        dispatch_dtype=FP8_DTYPE if fp8 else None,
+                        dispatch_dtype=FP8_DTYPE if fp8 else None, **options,
                     )  # fmt: skip
                     layer.load_experts(w13, w2)
                     for T in ([5, 0][rank % 2], M, 2 * M + 3):  # chunked above M_max
@@ -178,6 +179,7 @@ def layer_against_oracle(rank, world, backend="symm_ll"):
                 max_num_tokens=M,
                 device=dev,
                 micro_batches=mb,
+                **options,
             )  # fmt: skip
             for mb in (1, 2)
         ]
@@ -199,7 +201,8 @@ def layer_against_oracle(rank, world, backend="symm_ll"):
         from epmoe.comm import backend_class
 
         layout = next(iter(backend_class(backend).capabilities.layouts))
-        comm = create_backend(backend, _spec(placement, dev), None, layout)
+        spec = _spec(placement, dev)
+        comm = create_backend(backend, spec, None, layout, **options["backend_options"])
         from epmoe.experts.base import ExpertWeights
         from epmoe.experts.torch_experts import TorchExperts
 
