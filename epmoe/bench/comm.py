@@ -15,8 +15,9 @@ record per mode:
 * ``eager_kernels`` (CUDA): the GPU durations of the dispatch and combine kernels
   launched eagerly, from the profiler, with the ranks aligned before each round trip:
   DeepEP's own method for its published figures (:func:`time_kernels`). Host launch gaps
-  do not count; kernels not named ``dispatch`` / ``combine`` (an adapter's extra copies)
-  are left out, as DeepEP's test leaves them out;
+  do not count; kernels not named ``dispatch`` / ``combine`` (an adapter's extra copies,
+  the FP8 quantization that ``symm_ht`` and ``deepep_ht`` run before the send) are left
+  out, as DeepEP's test leaves them out (its FP8 figures take quantized input);
 * ``graph`` (``capabilities.graph_safe`` backends on CUDA): ``dispatch`` captured alone in
   one CUDA graph with static inputs, ``combine`` of its result in another, replayed
   alternately (captured collectives must be replayed on every rank the same number of
