@@ -60,7 +60,9 @@ def _experts(result, w13, w2):
 
 
 @pytest.mark.parametrize(
-    "per_flag", [1, 4, 0], ids=["1 row per flag", "4 rows per flag", "one count per program"]
+    "per_flag",
+    [1, 4, 8, 0],
+    ids=["1 row per flag", "4 rows per flag", "8 rows per flag", "one count per program"],
 )
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32 wire", "fp8 wire"])
 @pytest.mark.parametrize(("T", "M", "sms"), [(5, 8, 2), (0, 4, 1), (8, 8, None)],
@@ -175,7 +177,7 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
 
     from epmoe.comm.symm.ht import DISPATCH_ROWS, RECV_ROWS, SEND_ROWS
 
-    per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted, ROWS=SEND_ROWS)
+    per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted, ROWS=SEND_ROWS if counted else 1)
     published = [
         [(torch.full((W * M, K), -1), torch.zeros(W * M, K), torch.zeros(W, dtype=torch.int32))
          for _ in range(2)] for _ in range(W)

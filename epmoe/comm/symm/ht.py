@@ -173,7 +173,8 @@ class SymmHTBackend(SymmBackend):
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
-            BATCH=self._batch, FENCE=self._fence, COUNTED=self._counted, ROWS=SEND_ROWS,
+            BATCH=self._batch, FENCE=self._fence, COUNTED=self._counted,
+            ROWS=SEND_ROWS if self._counted else min(self._batch, SEND_ROWS),
             num_warps=tr.num_warps, **c,
         )  # fmt: skip
         programs = self._grid(max(h.num_tokens, 1))

@@ -1227,7 +1227,7 @@ def ht_combine_send_kernel(
     BATCH: tl.constexpr,  # rows a program stores before it raises their flags
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
-    ROWS: tl.constexpr = 4,  # COUNTED: rows a program loads and stores at once
+    ROWS: tl.constexpr = 4,  # rows a program loads and stores at once (flags: ROWS | BATCH)
     PDL: tl.constexpr = False,
 ):
     """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
@@ -1259,11 +1259,17 @@ def ht_combine_send_kernel(
             _fence_sys()
             tl.atomic_add(cdone, n, sem="relaxed", scope="sys")
     else:
+        tl.static_assert(BATCH % ROWS == 0, "ROWS must divide BATCH")
+        lanes = tl.arange(0, BATCH)
         for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
-            sent = _ht_combine_rows(
-                s, t0 + N * tl.arange(0, BATCH), T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me,
-                off_y, K, BLOCK_K, BLOCK_H,
-            ).to(tl.int32)  # fmt: skip
+            sent = tl.zeros((BATCH,), tl.int32)
+            for j0 in tl.static_range(0, BATCH, ROWS):  # ROWS of them in flight at once
+                ok = _ht_combine_rows(
+                    s, t0 + N * (j0 + tl.arange(0, ROWS)), T_s, y_ptr, bases_ptr, ids_out_ptr,
+                    H, M, me, off_y, K, BLOCK_K, BLOCK_H,
+                ).to(tl.int32)  # fmt: skip
+                for jj in tl.static_range(ROWS):
+                    sent = tl.where(lanes == j0 + jj, _pick(ok, tl.arange(0, ROWS), jj), sent)
             tl.debug_barrier()
             if FENCE:  # (see dispatch_send_kernel)
                 _fence_sys()
