@@ -310,7 +310,10 @@ class EPMoE(nn.Module):
                     f"backend_options={dict(backend_options)!r} need a backend chosen by "
                     "name (e.g. backend='symm_ht'), not 'auto'"
                 )
-            self.backend_options = dict(backend_options)
+            # (lists as tuples: ranks that pass [20, 8] and (20, 8) built the same layer)
+            self.backend_options = {
+                k: tuple(v) if isinstance(v, list) else v for k, v in backend_options.items()
+            }
             auto = self._auto_classes(layout, dispatch_dtype) if backend == "auto" else None
             comm_plan = self._plan_comm(backend, layout, max_num_tokens, dispatch_dtype, auto)
             decode_plan = None
@@ -598,7 +601,8 @@ class EPMoE(nn.Module):
         small for the new largest e, or it cannot rebind) is closed and replaced by a fresh
         one of the same name and layout (collective, like its first construction: every
         rank takes the same branch, since all hold the same placement)."""
-        self.comm = _rebound(self.comm, rank_offsets, self.group, self.backend_options)
+        options = getattr(self, "backend_options", {})  # (a layer pickled before them)
+        self.comm = _rebound(self.comm, rank_offsets, self.group, options)
         if self.decode_comm is not None:
             self.decode_comm = _rebound(self.decode_comm, rank_offsets, self.group)
 

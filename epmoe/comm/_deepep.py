@@ -116,6 +116,7 @@ def acquire_buffer(
             f"the {mode} DeepEP buffer of this group was allocated for "
             f"{ {k: have for k, (_, have) in small.items()} } and this layer needs "
             f"{ {k: want for k, (want, _) in small.items()} }: build every layer of the group "
-            "with the same hidden size, top-k and max_num_tokens (one buffer serves them all)"
+            "with the same hidden size, top-k, max_num_tokens and backend options (one buffer "
+            "serves them all)"
         )
     return hold

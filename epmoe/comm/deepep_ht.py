@@ -103,11 +103,16 @@ class DeepEPHTBackend(AllToAll):
         safe and every call at most M tokens; else exactly the rows that came, counted on
         the host. ``num_sms`` (even) and ``nvl_chunks`` (dispatch, combine: tokens per
         NVLink chunk) tune DeepEP's kernels (its ``Config``); unset, DeepEP's recommended
-        configuration for this rank count (24 SMs). DeepEP's ``tests/test_intranode.py``
-        prints the best chunks for a machine."""
+        configuration for this rank count at its ``Buffer.num_sms`` (20 in 567632d; its
+        README and tests set 24). DeepEP's ``tests/test_intranode.py`` prints the best
+        chunks for a machine."""
         if type(worst_case_rows) is not bool:
             raise TypeError(f"worst_case_rows must be a bool, got {worst_case_rows!r}")
         _check_tuning(num_sms, nvl_chunks)
+        if num_sms is not None and spec.device.type == "cuda":
+            have = torch.cuda.get_device_properties(spec.device).multi_processor_count
+            if num_sms > have:
+                raise ValueError(f"num_sms={num_sms} exceeds the {have} SMs of {spec.device}")
         super().__init__(spec, group, layout)
         self._worst = self.world_size * spec.max_num_tokens if worst_case_rows else 0
         if worst_case_rows:  # (this instance: the class answers for the default)

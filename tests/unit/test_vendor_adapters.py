@@ -40,7 +40,7 @@ class _FakeBuffer:
         self.calls: list[str] = []
         _FakeBuffer.created += 1
 
-    num_sms = 24  # (DeepEP's class attribute, read by its recommended configs)
+    num_sms = 20  # (DeepEP's class attribute, read by its recommended configs)
 
     class _Config:  # deep_ep.Config: (num_sms, NVLink chunk tokens, NVLink receive tokens)
         def __init__(self, num_sms=20, send=6, recv=256):
@@ -247,9 +247,9 @@ def test_ht_sm_budget_and_chunks_reach_deepep_and_are_checked(fake_deep_ep):
 
     assert configs() == (None, None)
     assert configs(num_sms=16, nvl_chunks=(20, 8)) == ((16, 20, 256), (16, 8, 256))
-    assert configs(nvl_chunks=(20, 8)) == ((24, 20, 256), (24, 8, 256))
+    assert configs(nvl_chunks=(20, 8)) == ((20, 20, 256), (20, 8, 256))
     assert configs(num_sms=16) == ((16, 24, 256), (16, 10, 256))
-    assert fake_deep_ep.Buffer.num_sms == 24
+    assert fake_deep_ep.Buffer.num_sms == 20
     for bad in (dict(num_sms=23), dict(num_sms=0), dict(nvl_chunks=(20,)),
                 dict(nvl_chunks=(0, 8)), dict(nvl_chunks=(20, 256))):  # fmt: skip
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -52,8 +52,10 @@ for its count to reach the total. ``done[s]`` is cleared with ``expect[s]`` by t
 ``cdone`` with ``started`` by the next dispatch's announcement, each before the release
 that lets a peer count again.
 
-Each program handles one token (one row), whole-row steps of ``BLOCK_H`` columns, so that
-a decode-sized call is a single wave of short programs with no serial latency chain.
+``symm_ll``'s programs handle one token (one row) each, whole-row steps of ``BLOCK_H``
+columns, so that a decode-sized call is a single wave of short programs with no serial
+latency chain. ``symm_ht``'s programs, capped by its SM budget, loop over tokens and take
+several at a time (``ROWS``: their loads in flight together).
 
 Each phase has its two halves as separate kernels (split phase: other work runs between
 send and receive) and fused into one launch (``ll_dispatch_kernel``, ``ll_combine_kernel``:
