@@ -1,10 +1,10 @@
-"""Two ranks of the symmetric-memory backends simulated in one process, for the protocol
+"""W ranks of the symmetric-memory backends simulated in one process, for the protocol
 tests under the Triton interpreter: a symmetric buffer per rank, reached by every
 rank's kernels through one address table, and the kernels of each phase launched rank by
-rank in the order the two streams would run them (every wait is then already met).
+rank in the order the W streams would run them (every wait is then already met).
 
-Shape legend: W = 2 ranks · M tokens per rank · H hidden · K top-k · E experts
-(linear placement: ``E / W`` per rank).
+Shape legend: W ranks (2 unless given) · M tokens per rank · H hidden · K top-k · E = 2W
+experts (linear placement: 2 per rank).
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import torch
 from epmoe.comm.symm.common import layout
 
 
-class TwoRanks:
+class Ranks:
     """Buffers, routing tables and checks shared by the ``symm_ll`` and ``symm_ht``
     protocol tests. ``W, M, H, K, E`` as in the legend; float32 rows on the wire."""
 
-    W, M, H, K, E = 2, 8, 128, 2, 4
+    M, H, K = 8, 128, 2
 
-    def __init__(self) -> None:
+    def __init__(self, W: int = 2) -> None:
+        self.W, self.E = W, 2 * W
+        self.BLOCK_W = 1 << max(W - 1, 0).bit_length()  # (a power of two >= W)
         W, M, H, K = self.W, self.M, self.H, self.K
         self.regions, nbytes = layout(W, M, H, K, torch.float32, torch.float32, False)
         self.bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(W)]
@@ -69,7 +71,7 @@ class TwoRanks:
         kernels.dispatch_send_kernel[(grid,)](
             x, x, ids, w, self.owner, self.local, self.bases, self.err.data_ptr(), x.shape[0],
             self.H, self.E, self.M, self.W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
-            K=self.K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128, FP8=False, WIRE=tl.float32,
+            K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W, BLOCK_H=128, FP8=False, WIRE=tl.float32,
             FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,
             PREQUANT=False, COUNTED=counted, ROWS=rows,
         )  # fmt: skip
@@ -84,7 +86,8 @@ class TwoRanks:
         out = torch.empty(T, self.H)
         kernels.combine_recv_kernel[(grid,)](
             out, ids, self.owner, self.bases, self.err.data_ptr(), T, self.H, self.E, self.W,
-            self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=2, BLOCK_H=128,
+            self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W,
+            BLOCK_H=128,
             COUNTED=counted, ROWS=rows,
         )  # fmt: skip
         want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
@@ -98,3 +101,6 @@ class TwoRanks:
         for r in range(W):
             f = self.flags(r, parity)
             assert not f[:W].any() and not f[2 * W : 2 * W + 2 * W * M].any(), (call, r)
+
+
+TwoRanks = Ranks  # (W = 2, the default)

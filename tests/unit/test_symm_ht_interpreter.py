@@ -158,19 +158,26 @@ def test_num_sms_and_tokens_per_flag_are_checked():
         _backend(spec, tokens_per_flag=3)
 
 
+CALLS = {  # tokens per rank in five calls: T = 0 on some rank, T = M, tokens that loop
+    2: [(5, 0), (0, 3), (7, 8), (1, 1), (8, 2)],
+    3: [(5, 0, 8), (0, 3, 1), (7, 8, 0), (1, 1, 6), (8, 2, 3)],
+}
+
+
+@pytest.mark.parametrize("W", [2, 3], ids=["W=2", "W=3"])
 @pytest.mark.parametrize("counted", [True, False], ids=["one count per program", "row flags"])
-def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(counted):
-    """Two ranks simulated in one process (``symm_sim``): five calls alternate the
+def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(counted, W):
+    """W ranks simulated in one process (``symm_sim``): five calls alternate the
     parities, with T = 0 on some rank, grids of different sizes (programs loop) and a
     token routed nowhere. After each phase the counts (counted mode) or flags (row flags)
     are what the protocol in ``kernels.py`` says, and combine returns each token's
     weighted rows."""
     from epmoe.comm.symm import kernels as k
-    from tests.unit.symm_sim import TwoRanks
+    from tests.unit.symm_sim import Ranks
 
-    sim = TwoRanks()
-    W, M, H, K = sim.W, sim.M, sim.H, sim.K
-    sms = [2, 3]
+    sim = Ranks(W)
+    M, H, K = sim.M, sim.H, sim.K
+    sms = [2, 3, 1][:W]
 
     def grid(n, r):
         return max(1, min(n, sms[r]))
@@ -182,7 +189,7 @@ def test_two_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(
         [(torch.full((W * M, K), -1), torch.zeros(W * M, K), torch.zeros(W, dtype=torch.int32))
          for _ in range(2)] for _ in range(W)
     ]  # fmt: skip
-    for n, Ts in enumerate([(5, 0), (0, 3), (7, 8), (1, 1), (8, 2)]):
+    for n, Ts in enumerate(CALLS[W]):
         parity = n % 2
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
