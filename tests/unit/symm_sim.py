@@ -16,15 +16,17 @@ from epmoe.comm.symm.common import layout
 
 class Ranks:
     """Buffers, routing tables and checks shared by the ``symm_ll`` and ``symm_ht``
-    protocol tests. ``W, M, H, K, E`` as in the legend; float32 rows on the wire."""
+    protocol tests. ``W, M, H, K, E`` as in the legend; float32 rows on the wire, or FP8
+    rows with float32 scales per 128 columns (``fp8``)."""
 
-    M, H, K = 8, 128, 2
+    M, K = 8, 2
 
-    def __init__(self, W: int = 2) -> None:
-        self.W, self.E = W, 2 * W
+    def __init__(self, W: int = 2, H: int = 128, fp8: bool = False) -> None:
+        self.W, self.E, self.H, self.G = W, 2 * W, H, -(-H // 128)
         self.BLOCK_W = 1 << max(W - 1, 0).bit_length()  # (a power of two >= W)
         W, M, H, K = self.W, self.M, self.H, self.K
-        self.regions, nbytes = layout(W, M, H, K, torch.float32, torch.float32, False)
+        wire = torch.float8_e4m3fn if fp8 else torch.float32
+        self.regions, nbytes = layout(W, M, H, K, wire, torch.float32, fp8)
         self.bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(W)]
         self.bases = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
         self.err = torch.zeros(1, dtype=torch.int32)

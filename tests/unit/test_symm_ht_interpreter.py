@@ -245,3 +245,56 @@ def test_two_results_in_flight_combine_to_their_own_tokens(per_flag):
             y = res.hidden * res.topk_weights.sum(1, keepdim=True)
             torch.testing.assert_close(comm.combine(y, res), x, msg=f"round {n}")
     comm.close()
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["good ids", "an id out of range"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 rows", "fp8 rows quantized first"])
+@pytest.mark.parametrize(
+    ("W", "Ts", "sms"),
+    [(2, (6, 5), 4), (3, (7, 0, 5), 2), (4, (6, 1, 6, 3), 1)],
+    ids=["W=2", "W=3", "W=4"],
+)
+def test_counted_send_of_several_tokens_stores_what_one_at_a_time_stores(W, Ts, sms, fp8, bad):
+    """``dispatch_send_kernel``'s counted mode with ``ROWS`` = DISPATCH_ROWS tokens per step
+    leaves every rank's buffer (rows, FP8 scales, routing, counts) and the error word byte
+    for byte as one token per step does: W ranks, T = 0 on one, programs that loop, rows of
+    300 columns in two column steps, a token routed nowhere and, with ``bad``, an id out of
+    range reported."""
+    import triton.language as tl
+
+    from epmoe.comm.symm import kernels as k
+    from epmoe.comm.symm.ht import DISPATCH_ROWS
+    from epmoe.reference import quantize_groups
+    from tests.unit.symm_sim import Ranks
+
+    def dispatch(rows: int):
+        sim = Ranks(W, H=300, fp8=fp8)
+        g = torch.Generator().manual_seed(7)
+        reg = sim.regions[0]
+        for r in range(W):
+            T = Ts[r]
+            x = torch.randn(T, sim.H, generator=g)
+            ids = torch.rand(T, sim.E, generator=g).argsort(1)[:, : sim.K].contiguous()
+            if T > 1:
+                ids[1] = -1
+            if bad and T > 2:
+                ids[2, 0] = sim.E + 3
+            w = torch.rand(T, sim.K, generator=g)
+            xs = x
+            if fp8:
+                x, xs = (t.contiguous() for t in quantize_groups(x))
+            k.dispatch_send_kernel[(max(1, min(max(T, 1), sms)),)](
+                x, xs, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(), T,
+                sim.H, sim.E, sim.M, W, sim.G, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
+                K=sim.K, BLOCK_K=2, BLOCK_W=sim.BLOCK_W, BLOCK_H=256, FP8=fp8,
+                WIRE=tl.float8e4nv if fp8 else tl.float32, FP8_MAX=448.0,
+                INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False, PREQUANT=fp8,
+                COUNTED=True, ROWS=rows,
+            )  # fmt: skip
+        return [b.clone() for b in sim.bufs], sim.err.item()
+
+    one, err_one = dispatch(1)
+    several, err_several = dispatch(DISPATCH_ROWS)
+    assert err_one == err_several and (err_one != 0) == bad
+    for r in range(W):
+        assert torch.equal(one[r], several[r]), f"rank {r}"
