@@ -332,6 +332,21 @@ def _route_token(ids_ptr, owner_ptr, t64, P, K: tl.constexpr, kk, k_mask, rr):
 
 
 @triton.jit
+def _route_rows(ids_ptr, owner_ptr, t64, live, P, K: tl.constexpr, kk, rr):
+    """``_route_token`` for the tokens ``t64 [R]`` at once (``live [R]``: those that exist;
+    the others read as routed nowhere): ``ids``, ``valid``, ``bad``, ``owner`` ``[R,
+    BLOCK_K]`` and ``has [R, BLOCK_W]``."""
+    km = live[:, None] & (kk < K)[None, :]
+    raw = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=km, other=-1)
+    valid = km & (raw >= 0) & (raw < P)
+    bad = km & ((raw < -1) | (raw >= P))
+    ids = tl.where(valid, raw, -1).to(tl.int32)
+    owner = tl.where(valid, tl.load(owner_ptr + tl.where(valid, ids, 0), mask=valid, other=0), -1)
+    has = tl.max((owner[:, :, None] == rr[None, None, :]).to(tl.int32), 1)
+    return ids, valid, bad, owner, has
+
+
+@triton.jit
 def _row_cols(h0, BLOCK_H: tl.constexpr, GROUPED: tl.constexpr):
     """Columns ``[h0, h0 + BLOCK_H)`` of a row: ``[BLOCK_H]``, or with ``GROUPED`` (FP8)
     ``[BLOCK_H // 128, 128]``, a scale group per tile row, so that the rows are loaded in
@@ -474,14 +489,9 @@ def _send_rows(
     live = tR < T
     t64 = tl.where(live, tR, 0).to(tl.int64)  # (tokens that exist)
     km = live[:, None] & (kk < K)[None, :]
-    raw = tl.load(ids_ptr + t64[:, None] * K + kk[None, :], mask=km, other=-1)
     wts = tl.load(w_ptr + t64[:, None] * K + kk[None, :], mask=km, other=0.0)
-    valid = km & (raw >= 0) & (raw < P)
-    bad = km & ((raw < -1) | (raw >= P))
-    ids = tl.where(valid, raw, -1).to(tl.int32)
-    owner = tl.where(valid, tl.load(owner_ptr + tl.where(valid, ids, 0), mask=valid, other=0), -1)
+    ids, valid, bad, owner, has = _route_rows(ids_ptr, owner_ptr, t64, live, P, K, kk, rr)
     local = tl.load(local_ptr + tl.where(valid, ids, 0), mask=valid, other=-1)
-    has = tl.max((owner[:, :, None] == rr[None, None, :]).to(tl.int32), 1)  # [ROWS, BLOCK_W]
     if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
         _report(err_addr, ERR_EXPERT_ID, OP_DISPATCH, src)
     row = tl.cast(src, tl.int64) * M + t64  # their rows in every receiver's tok_*
@@ -941,11 +951,7 @@ def _combine_recv_rows(
     rr = tl.arange(0, BLOCK_W)
     live = tR < T
     t64 = tl.where(live, tR, 0).to(tl.int64)  # (tokens that exist)
-    raw = tl.load(ids_ptr + t64[:, None] * K + kk[None, :],
-                  mask=live[:, None] & (kk < K)[None, :], other=-1)  # fmt: skip
-    valid = (raw >= 0) & (raw < P)
-    owner = tl.where(valid, tl.load(owner_ptr + tl.where(valid, raw, 0), mask=valid, other=0), -1)
-    has = tl.max((owner[:, :, None] == rr[None, None, :]).to(tl.int32), 1)  # [ROWS, BLOCK_W]
+    _, _, _, _, has = _route_rows(ids_ptr, owner_ptr, t64, live, P, K, kk, rr)
     r_any = tl.minimum(rr, W - 1)[None, :]  # (a valid address in every lane)
     mine = (has > 0) & (rr < W)[None, :]
     base = tl.load(bases_ptr + me)
