@@ -81,12 +81,7 @@ from epmoe.bench.common import (
     time_fn,
     write_json,
 )
-from epmoe.comm import (
-    available_backends,
-    backend_class,
-    check_backend_options,
-    create_backend,
-)
+from epmoe.comm import available_backends, backend_class, create_backend
 from epmoe.comm.base import (
     FP8_GROUP,
     AllToAll,
@@ -698,11 +693,7 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
     if reason is not None:
         return [dict(base, mode="-", note=f"skipped: {reason}")]
     device = x_TH.device
-    if not options:
-        comm = create_backend(name, spec, ctx["group"], layout)
-    else:  # an SM budget (and rows per flag), copies: backends whose constructor takes them
-        check_backend_options(backend_class(name), options)
-        comm = backend_class(name)(spec, ctx["group"], layout, **options)
+    comm = create_backend(name, spec, ctx["group"], layout, **options)  # (options checked)
     try:
         m = measure_dispatch_combine(comm, x_TH, ids_TK, weights_TK, ctx["timing"])
         if ctx["profile"]:

@@ -20,8 +20,9 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import epmoe  # noqa: E402
+from epmoe.bench.comm import wire_spec  # noqa: E402
 from epmoe.comm import backend_class, create_backend  # noqa: E402
-from epmoe.comm.base import FP8_DTYPE, CommSpec, Layout  # noqa: E402
+from epmoe.comm.base import FP8_DTYPE, Layout  # noqa: E402
 from epmoe.reference import TOLERANCES, assert_close, quantize_groups  # noqa: E402
 from tests.harness import Sweep, requires_world, run_on_ranks  # noqa: E402
 
@@ -31,15 +32,7 @@ H, E, K, I, M = 384, 16, 4, 128, 32  # H: three FP8 groups, a partial copy step
 
 
 def _spec(placement, dev, fp8=False, dtype=torch.bfloat16, M_max=M):
-    return CommSpec(
-        hidden_size=H,
-        top_k=K,
-        rank_offsets=placement.rank_offsets,
-        max_num_tokens=M_max,
-        dtype=dtype,
-        device=dev,
-        dispatch_dtype=FP8_DTYPE if fp8 else None,
-    )
+    return wire_spec(H, K, placement, M_max, dtype, dev, FP8_DTYPE if fp8 else dtype)
 
 
 def _routing(rank, T, g, one_expert=None):
