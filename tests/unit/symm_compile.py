@@ -15,8 +15,9 @@ def _compile(fn, typed: dict[str, str], consts: dict) -> None:
     """``typed``: pointer and 64-bit arguments; every other non-constexpr one is int32."""
     if "PDL" in fn.arg_names:  # as launched on sm_90 (programmatic dependent launch)
         consts = dict(consts, PDL=True)
-    if "ROWS" in fn.arg_names and "ROWS" not in consts:  # (one token per step)
-        consts = dict(consts, ROWS=1)
+    for name in ("ROWS", "RANKS"):  # (one token per step, one rank's row per load)
+        if name in fn.arg_names and name not in consts:
+            consts = dict(consts, **{name: 1})
     signature = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs={})
@@ -31,7 +32,7 @@ def main() -> None:
         wire, wire_ptr = (tl.float8e4nv, "*fp8e4nv") if fp8 else (tl.bfloat16, "*bf16")
         blocks = dict(K=8, BLOCK_K=8, BLOCK_H=8192, FP8=fp8, WIRE=wire)
         send = dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr="*fp32", owner_ptr="*i32")
-        send.update(local_ptr="*i32", **shared)
+        send.update(local_ptr="*i32", routes_ptr="*i32", **shared)
         quant = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10)
         for batch, fence, counted in ((1, False, False), (4, True, False), (1, False, True)):
             consts = dict(blocks, BLOCK_W=2, BATCH=batch, FENCE=fence, PREQUANT=False, **quant)
@@ -40,13 +41,17 @@ def main() -> None:
             )
         if fp8:  # symm_ht's FP8 send of rows quantized beforehand
             consts = dict(blocks, BLOCK_W=2, BATCH=4, FENCE=True, PREQUANT=True, **quant)
-            consts["COUNTED"] = False
+            consts.update(COUNTED=False, ROUTES=True)
             _compile(k.dispatch_send_kernel, dict(send, x_ptr=wire_ptr, xs_ptr="*fp32"), consts)
-        # symm_ht's counted send, several tokens at a time (FP8: quantized beforehand)
+        # symm_ht's counted send, several tokens at a time (FP8: quantized beforehand, and
+        # quantized in the send)
         consts = dict(blocks, BLOCK_W=2, BATCH=1, FENCE=False, PREQUANT=fp8, **quant)
-        consts.update(COUNTED=True, ROWS=4)
+        consts.update(COUNTED=True, ROWS=4, ROUTES=True)
         xs = dict(x_ptr=wire_ptr, xs_ptr="*fp32") if fp8 else dict(xs_ptr="*bf16")
         _compile(k.dispatch_send_kernel, dict(send, **xs), consts)
+        if fp8:
+            consts.update(PREQUANT=False, ROWS=2)
+            _compile(k.dispatch_send_kernel, dict(send, xs_ptr="*bf16"), consts)
         for in_place in (True, False):  # rows read where they landed, or copied
             out = "*i32" if in_place else wire_ptr
             recv = dict(xo_ptr=out, so_ptr="*fp32", cnt_ptr="*i32", pos_ptr="*i32")
@@ -55,26 +60,27 @@ def main() -> None:
             _compile(k.ll_dispatch_recv_kernel, recv, consts)
             fused = dict(consts, BLOCK_W=2, STAMPS=in_place, **quant)
             _compile(k.ll_dispatch_kernel, dict(send, stamps_ptr="*i64", **recv), fused)
-        compiled += 7 + fp8
+        compiled += 7 + 2 * fp8
     csend = dict(y_ptr="*bf16", pos_ptr="*i32", recv_t_ptr="*i32", cnt_ptr="*i32", **shared)
     _compile(k.ll_combine_send_kernel, csend, dict(K=8, BLOCK_K=8, BLOCK_H=8192, BLOCK_E=256))
-    crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", **shared)
+    crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", routes_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
     for counted in (False, True):
-        for rows in (1, 2):  # symm_ll's one token per program, symm_ht's several
-            _compile(k.combine_recv_kernel, crecv, dict(combine, COUNTED=counted, ROWS=rows))
+        for rows, ranks in ((1, 1), (2, 2)):  # symm_ll's one token per program, symm_ht's
+            consts = dict(combine, COUNTED=counted, ROWS=rows, RANKS=ranks)
+            _compile(k.combine_recv_kernel, crecv, consts)
     for stamps in (False, True):
         fused = dict(combine, BLOCK_E=256, STAMPS=stamps)
         _compile(k.ll_combine_kernel, dict(csend, stamps_ptr="*i64", **crecv), fused)
     ht = dict(ids_out_ptr="*i64", w_out_ptr="*fp32", recv_t_ptr="*i32", **shared)
-    for counted in (False, True):
-        _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8, COUNTED=counted))
+    for counted, rows in ((False, 1), (True, 1), (True, 64)):
+        _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8, COUNTED=counted, ROWS=rows))
     hsend = dict(y_ptr="*bf16", ids_out_ptr="*i64", recv_t_ptr="*i32", **shared)
     for batch, fence, counted in ((1, False, False), (4, True, False), (1, False, True)):
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence, COUNTED=counted)
         consts["ROWS"] = 4 if counted else min(batch, 4)  # as ht.py launches it
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 15} symm kernels for sm_90")
+    print(f"compiled {compiled + 16} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

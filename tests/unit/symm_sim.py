@@ -34,6 +34,8 @@ class Ranks:
         self.owner = torch.arange(self.E, dtype=torch.int32) // per_rank
         self.local = torch.arange(self.E, dtype=torch.int32) % per_rank
         self.gen = torch.Generator().manual_seed(0)
+        # [W, parity, M] the ranks each token went to (the dispatch send's routes)
+        self.routes = torch.zeros(W, 2, M, dtype=torch.int32)
 
     def inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x [T, H], ids [T, K], w [T, K])``: distinct experts per token, token 1 (when
@@ -71,26 +73,28 @@ class Ranks:
         x, ids, w = inputs
         reg = self.regions[parity]
         kernels.dispatch_send_kernel[(grid,)](
-            x, x, ids, w, self.owner, self.local, self.bases, self.err.data_ptr(), x.shape[0],
+            x, x, ids, w, self.owner, self.local, self.bases, self.err.data_ptr(),
+            self.routes[r, parity], x.shape[0],
             self.H, self.E, self.M, self.W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
             K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W, BLOCK_H=128, FP8=False, WIRE=tl.float32,
             FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,
-            PREQUANT=False, COUNTED=counted, ROWS=rows,
+            PREQUANT=False, COUNTED=counted, ROWS=rows, ROUTES=True,
         )  # fmt: skip
 
     def combine_receive(
-        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1
+        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1, ranks: int = 1
     ) -> None:
-        """Rank r's combine receive (``rows`` tokens per program at a time), checked: each
-        token's rows times its router weights."""
+        """Rank r's combine receive (``rows`` tokens per program at a time, ``ranks`` ranks'
+        partial rows loaded at once), checked: each token's rows times its router weights."""
         x, ids, w = inputs
         T, reg = x.shape[0], self.regions[parity]
         out = torch.empty(T, self.H)
         kernels.combine_recv_kernel[(grid,)](
-            out, ids, self.owner, self.bases, self.err.data_ptr(), T, self.H, self.E, self.W,
+            out, ids, self.owner, self.bases, self.err.data_ptr(), self.routes[r, parity],
+            T, self.H, self.E, self.W,
             self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W,
             BLOCK_H=128,
-            COUNTED=counted, ROWS=rows,
+            COUNTED=counted, ROWS=rows, RANKS=ranks,
         )  # fmt: skip
         want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
         torch.testing.assert_close(out, want, msg=f"rank {r}")

@@ -182,7 +182,9 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
     def grid(n, r):
         return max(1, min(n, sms[r]))
 
-    from epmoe.comm.symm.ht import DISPATCH_ROWS, RECV_ROWS, SEND_ROWS
+    from epmoe.comm.symm.ht import DISPATCH_ROWS, RECV_RANKS, RECV_ROWS, SEND_ROWS
+
+    publish = 2 if counted else 1  # (ht.py's PUBLISH_ROWS is more than M = 8: blocks loop)
 
     per_flag = dict(BATCH=1, FENCE=False, COUNTED=counted, ROWS=SEND_ROWS if counted else 1)
     published = [
@@ -202,9 +204,9 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
             assert all(sim.counts(r, parity)[0] == list(Ts) for r in range(W))
         for r in range(W):  # dispatch, receive half
             ids_out, w_out, recv_t = published[r][parity]
-            k.ht_dispatch_recv_kernel[(W, grid(M, r))](
+            k.ht_dispatch_recv_kernel[(W, grid(-(-M // publish), r))](
                 sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, 10**9,
-                reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=counted,
+                reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=counted, ROWS=publish,
             )  # fmt: skip
             assert recv_t.tolist() == list(Ts)
         for r in range(W):  # combine, send half: identity experts, weighted
@@ -219,8 +221,9 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
                 assert sim.counts(r, parity) == ([0] * W, [Ts[r]] * W), (n, r)
         for r in range(W):  # combine, receive half
             sim.combine_receive(
-                k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted, rows=RECV_ROWS
-            )
+                k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted, rows=RECV_ROWS,
+                ranks=RECV_RANKS,
+            )  # fmt: skip
         sim.assert_reset(parity, n)
 
 
@@ -248,7 +251,10 @@ def test_two_results_in_flight_combine_to_their_own_tokens(per_flag):
 
 
 @pytest.mark.parametrize("bad", [False, True], ids=["good ids", "an id out of range"])
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 rows", "fp8 rows quantized first"])
+@pytest.mark.parametrize(
+    "fp8", [False, "first", "in the send"],
+    ids=["fp32 rows", "fp8 rows quantized first", "fp8 rows quantized in the send"],
+)  # fmt: skip
 @pytest.mark.parametrize(
     ("W", "Ts", "sms"),
     [(2, (6, 5), 4), (3, (7, 0, 5), 2), (4, (6, 1, 6, 3), 1)],
@@ -256,19 +262,21 @@ def test_two_results_in_flight_combine_to_their_own_tokens(per_flag):
 )
 def test_counted_send_of_several_tokens_stores_what_one_at_a_time_stores(W, Ts, sms, fp8, bad):
     """``dispatch_send_kernel``'s counted mode with ``ROWS`` = DISPATCH_ROWS tokens per step
-    leaves every rank's buffer (rows, FP8 scales, routing, counts) and the error word byte
-    for byte as one token per step does: W ranks, T = 0 on one, programs that loop, rows of
-    300 columns in two column steps, a token routed nowhere and, with ``bad``, an id out of
-    range reported."""
+    (FUSED_FP8_ROWS when it quantizes FP8 rows itself) leaves every rank's buffer (rows, FP8
+    scales, routing, counts), the routes it keeps for the combine and the error word byte
+    for byte as one token per step does:
+    W ranks, T = 0 on one, programs that loop, rows of 300 columns in two column steps (a
+    partial last scale group), a token routed nowhere and, with ``bad``, an id out of range
+    reported."""
     import triton.language as tl
 
     from epmoe.comm.symm import kernels as k
-    from epmoe.comm.symm.ht import DISPATCH_ROWS
+    from epmoe.comm.symm.ht import DISPATCH_ROWS, FUSED_FP8_ROWS
     from epmoe.reference import quantize_groups
     from tests.unit.symm_sim import Ranks
 
     def dispatch(rows: int):
-        sim = Ranks(W, H=300, fp8=fp8)
+        sim = Ranks(W, H=300, fp8=bool(fp8))
         g = torch.Generator().manual_seed(7)
         reg = sim.regions[0]
         for r in range(W):
@@ -281,20 +289,22 @@ def test_counted_send_of_several_tokens_stores_what_one_at_a_time_stores(W, Ts, 
                 ids[2, 0] = sim.E + 3
             w = torch.rand(T, sim.K, generator=g)
             xs = x
-            if fp8:
+            if fp8 == "first":
                 x, xs = (t.contiguous() for t in quantize_groups(x))
             k.dispatch_send_kernel[(max(1, min(max(T, 1), sms)),)](
-                x, xs, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(), T,
+                x, xs, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(),
+                sim.routes[r, 0], T,
                 sim.H, sim.E, sim.M, W, sim.G, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 K=sim.K, BLOCK_K=2, BLOCK_W=sim.BLOCK_W, BLOCK_H=256, FP8=fp8,
                 WIRE=tl.float8e4nv if fp8 else tl.float32, FP8_MAX=448.0,
-                INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False, PREQUANT=fp8,
-                COUNTED=True, ROWS=rows,
+                INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,
+                PREQUANT=fp8 == "first", COUNTED=True, ROWS=rows, ROUTES=True,
             )  # fmt: skip
-        return [b.clone() for b in sim.bufs], sim.err.item()
+        return [b.clone() for b in sim.bufs] + [sim.routes.clone()], sim.err.item()
 
     one, err_one = dispatch(1)
-    several, err_several = dispatch(DISPATCH_ROWS)
+    several, err_several = dispatch(FUSED_FP8_ROWS if fp8 == "in the send" else DISPATCH_ROWS)
     assert err_one == err_several and (err_one != 0) == bad
     for r in range(W):
         assert torch.equal(one[r], several[r]), f"rank {r}"
+    assert torch.equal(one[W], several[W]), "routes"

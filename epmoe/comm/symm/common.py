@@ -389,38 +389,55 @@ class SymmBackend(AllToAll):
                 from epmoe.kernels.ops import per_token_group_quant_fp8
 
                 x, x_scale = per_token_group_quant_fp8(x)
-            if tr.fp8 and x_scale is None:  # (several rows at once take FP8 pre-quantized)
-                rows = 1
+            routes = self._routes(tr, b)
             launch(k.dispatch_send_kernel)(
                 (programs,),
                 x, x if x_scale is None else x_scale, ids, w, self._owner_P, self._local_P,
-                tr.bases, tr.err_addr,
+                tr.bases, tr.err_addr, ids if routes is None else routes,
                 x.shape[0], tr.H, spec.num_physical, tr.M, self.world_size, tr.G, self.rank,
                 reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 BATCH=self._batch, FENCE=self._fence, PREQUANT=x_scale is not None,
-                COUNTED=self._counted, ROWS=rows, num_warps=tr.num_warps, **consts,
+                COUNTED=self._counted, ROWS=rows, ROUTES=routes is not None,
+                num_warps=tr.num_warps, **consts,
             )  # fmt: skip
         except BaseException:
             tr.give_back(b)
             raise
 
+    def _routes(self, tr: SymmTransport, parity: int) -> torch.Tensor | None:
+        """``[M]`` int32 that the dispatch send fills on ``parity`` with the ranks each
+        token went to (a bit per rank), for a combine receive that takes several tokens at
+        once; None: not kept (one token per step reads its routing itself)."""
+        return None
+
     def _combine_receive(
-        self, h: SymmHandle, consts: dict, programs: int, rows: int = 1
+        self,
+        h: SymmHandle,
+        consts: dict,
+        programs: int,
+        rows: int = 1,
+        ranks: int = 1,
+        num_warps: int | None = None,
     ) -> torch.Tensor:
         """The combine's receive half on ``programs`` programs, each taking ``rows`` tokens
-        at a time: ``[T, H]``, the sum of the partial rows each rank sent back for this
-        rank's tokens; ends the call (parity given back, errors reported)."""
+        at a time (``rows`` > 1: loading ``ranks`` ranks' partial rows at once): ``[T, H]``,
+        the sum of the partial rows each rank sent back for this rank's tokens; ends the
+        call (parity given back, errors reported)."""
         k = kernels()
         tr, spec, W, T = h.transport, self.spec, self.world_size, h.num_tokens
         reg = tr.regions[h.parity]
         out = torch.empty(T, tr.H, dtype=spec.dtype, device=tr.device)
+        routes = self._routes(tr, h.parity)
+        if rows > 1 and routes is None:
+            raise AssertionError(f"{self.name}: several rows per step read the dispatch's routes")
         launch(k.combine_recv_kernel)(
             (programs,),
             out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
+            h.ids_TK if routes is None else routes,
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
-            BLOCK_W=pow2(W), COUNTED=self._counted, ROWS=rows, num_warps=tr.num_warps,
-            **consts,
+            BLOCK_W=pow2(W), COUNTED=self._counted, ROWS=rows, RANKS=min(ranks, W),
+            num_warps=num_warps or tr.num_warps, **consts,
         )  # fmt: skip
         self._combine_done(h)
         return out

@@ -39,12 +39,22 @@ from epmoe.comm.symm.common import (
 SEND_ROWS = 4
 RECV_ROWS = 2
 DISPATCH_ROWS = 4
+FUSED_FP8_ROWS = 2  # the same, FP8 quantized in the send (float32 copies of the rows)
+FUSED_FP8_MIN_SMS = 64  # FP8 quantized in the send from this many SMs (see _quantize_first)
+# Combine receive: ranks whose partial rows a program loads at once (W = 2: 67 -> ? µs at
+# 4096 tokens) and its warps.
+RECV_RANKS = 2
+RECV_WARPS = 8
+# Rows of routing a program of the counted dispatch's receive publishes at once (after its
+# one wait nothing orders them): 64 rows of ids and weights, 4 KiB in flight per program.
+PUBLISH_ROWS = 64
 
 
 class HTTransport(SymmTransport):
     """``symm_ht``'s buffers for one shape, shared by layers: the symmetric regions
     (``common.SymmTransport``; the received rows stay there) and, per parity, the
-    published ``ids_out [R, K]`` int64 and ``w_out [R, K]`` float32 and ``recv_t [W]``."""
+    published ``ids_out [R, K]`` int64 and ``w_out [R, K]`` float32 and ``recv_t [W]``, and
+    ``routes [M]`` of this rank's tokens."""
 
     name = "symm_ht"
 
@@ -55,10 +65,14 @@ class HTTransport(SymmTransport):
         self.recv_t = [
             torch.zeros(self.world_size, dtype=torch.int32, device=dev) for _ in range(2)
         ]
+        # [M] int32 per parity: the ranks each of this rank's tokens went to, a bit each
+        # (the dispatch send writes it, the combine receive reads it: one load per token,
+        # not its ids and their owners one after the other)
+        self.routes = [torch.zeros(self.M, dtype=torch.int32, device=dev) for _ in range(2)]
 
     def close(self) -> None:
         super().close()
-        self.ids_out = self.w_out = self.recv_t = []
+        self.ids_out = self.w_out = self.recv_t = self.routes = []
 
 
 class SymmHTBackend(SymmBackend):
@@ -74,7 +88,6 @@ class SymmHTBackend(SymmBackend):
     name = "symm_ht"
     transport_class = HTTransport
     sized_by_local_experts = False  # rows stay where they land: no [e, C, H] buffer
-    _quantize_first = True  # FP8: 232 -> 181 µs at 4096 tokens (docs/benchmarks.md)
     capabilities = Capabilities(
         layouts=frozenset({Layout.STANDARD}),
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
@@ -96,20 +109,18 @@ class SymmHTBackend(SymmBackend):
         layout=None,
         *,
         num_sms: int | None = None,
-        tokens_per_flag: int = 4,
+        tokens_per_flag: int = 0,
     ):
-        """``num_sms``: programs per kernel (default every SM). ``tokens_per_flag``: rows a
-        program stores before it raises their flags (1, 2, 4 or 8): one system fence per
-        batch of rows, then relaxed flag writes, so more rows per flag keep more stores in
-        flight per SM and fence less. Measured on 2×H200 (docs/benchmarks.md, 4096 tokens,
-        bf16): dispatch 299 µs with 1 row per flag, 230 with 4, 225 with 8 (FP8: 286, 228,
-        261); 4 is the default. 0: no flag per row; each program streams all its rows, then
-        fences once and adds the number of its tokens to a count per source that the
-        receivers wait for (they need every row before the experts run anyway), so no
-        program ever waits for its own stores mid-way (small SM budgets, where per-batch fences
-        left the link idle: at 24 SMs dispatch 501 -> 336 µs; 205 -> 191 with every SM).
-        Every rank must pass the same value (the two modes signal differently: a mismatch
-        reads as a timeout)."""
+        """``num_sms``: programs per kernel (default every SM). ``tokens_per_flag``: 0 (the
+        default), no flag per row: each program streams all its rows, then fences once and
+        adds the number of its tokens to a count per source that the receivers wait for
+        (they need every row before the experts run anyway), so no program ever waits for
+        its own stores mid-way. 1, 2, 4 or 8: rows a program stores before it raises their
+        flags (one system fence per batch, then relaxed flag writes). Measured on 2×H200 at
+        4096 tokens (docs/benchmarks.md, 2026-12-01, graph, dispatch / combine µs): 0 gives
+        187 / 237 bf16 and 130 / 237 FP8 on 132 SMs, 271 / 450 and 196 / 449 on 24; 4 rows
+        per flag 208 / 247, 160 / 248, 491 / 573 and 469 / 574. Every rank must pass the
+        same value (the two modes signal differently: a mismatch reads as a timeout)."""
         # checked before the transport is taken (nothing to release on a refusal)
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
@@ -127,6 +138,18 @@ class SymmHTBackend(SymmBackend):
         super().__init__(spec, group, layout)
 
     @property
+    def _quantize_first(self) -> bool:
+        """FP8: quantize in a kernel of its own before the send (on every SM) when the send
+        has few SMs, in the send itself otherwise. Measured at 4096 tokens on 2×H200
+        (docs/benchmarks.md): on 132 SMs 103 µs in the send against 121 first; on 24 SMs
+        the send's quantization is the bottleneck, 274 against 152. With row flags
+        (``tokens_per_flag`` > 0) always first (232 -> 181 µs)."""
+        return not self._counted or self.num_sms < FUSED_FP8_MIN_SMS
+
+    def _routes(self, tr: HTTransport, parity: int) -> torch.Tensor:
+        return tr.routes[parity]
+
+    @property
     def num_sms(self) -> int:
         """Programs per kernel: ``num_sms`` if given, else every SM of the device."""
         return min(self._sms or self._live().num_sms, self._live().num_sms)
@@ -141,15 +164,20 @@ class SymmHTBackend(SymmBackend):
         tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
         W, T = self.world_size, x.shape[0]
         reg = tr.regions[b]
-        rows = DISPATCH_ROWS if self._counted else 1
+        rows = 1
+        if self._counted:  # (FP8 quantized in the send holds fewer rows in registers)
+            rows = FUSED_FP8_ROWS if tr.fp8 and not self._quantize_first else DISPATCH_ROWS
         self._send(tr, x, ids, w, b, c, self._grid(max(T, 1)), rows)
+
+        publish = PUBLISH_ROWS if self._counted else 1
 
         def receive() -> DispatchResult:
             launch(k.ht_dispatch_recv_kernel)(
-                (W, self._grid(tr.M)),
+                (W, self._grid(-(-tr.M // publish))),
                 tr.bases, tr.ids_out[b], tr.w_out[b], tr.recv_t[b], tr.err_addr,
                 tr.M, W, self.rank, tr.timeout_ns, reg.flags, reg.ids, reg.w,
-                K=c["K"], BLOCK_K=c["BLOCK_K"], COUNTED=self._counted, num_warps=1,
+                K=c["K"], BLOCK_K=c["BLOCK_K"], COUNTED=self._counted, ROWS=publish,
+                num_warps=4 if publish > 1 else 1,
             )  # fmt: skip
             rows, scale = tr.rows(b)
             return DispatchResult(
@@ -179,4 +207,8 @@ class SymmHTBackend(SymmBackend):
             num_warps=tr.num_warps, **c,
         )  # fmt: skip
         programs = self._grid(max(h.num_tokens, 1))
-        return Pending(lambda: self._combine_receive(h, c, programs, rows=RECV_ROWS))
+        return Pending(
+            lambda: self._combine_receive(
+                h, c, programs, rows=RECV_ROWS, ranks=RECV_RANKS, num_warps=RECV_WARPS
+            )
+        )
