@@ -14,6 +14,8 @@
 #                        (every SM and DeepEP's 24, 4 rows per flag and one count per program)
 #     conformance        the registry's conformance suite, FP8 weights, shard loading and
 #                        bitwise determinism (symm_* with Triton experts too) on NCCL
+#     prefill            the layer at 4096 tokens per rank on symm_ht, all_to_all and symm_ll
+#                        (chunked), with one and two micro-batches
 #     overlap            prefill (4096 tokens) on symm_ht with one and two micro-batches in one
 #                        run, and decode with FP8 expert weights
 #     eplb               the EPLB placement benchmark and its balancedness plot
@@ -80,10 +82,15 @@ for s in "${STEPS[@]}"; do
         EPMOE_TEST_DEVICE=cuda timeout "${HT_TESTS_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_symm_ht.py >"$OUT/ht.log" 2>&1 &&
         timeout "${HT_BENCH_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
-            --tokens 128 512 4096 16384 --backends symm_ht:standard symm_ht:standard::0 \
-            symm_ht:standard:32 symm_ht:standard:24 symm_ht:standard:24:0 \
-            all_to_all:standard --iters 10 --warmup 3 \
-            --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1
+            --tokens 512 4096 16384 --dispatch-dtypes bfloat16 float8_e4m3fn \
+            --backends symm_ht:standard symm_ht:standard:66 symm_ht:standard:32 \
+            symm_ht:standard:24 symm_ht:standard::4 all_to_all:standard --iters 10 --warmup 3 \
+            --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1 &&
+        # symm_ll beside it where its [e, W·M, H] buffers fit (16384 tokens per rank do not)
+        timeout "${HT_LL_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
+            --tokens 512 4096 --dispatch-dtypes bfloat16 float8_e4m3fn \
+            --backends symm_ll:expert_batched --iters 10 --warmup 3 \
+            --out "$OUT/comm_ht_ll.json" >>"$OUT/ht.log" 2>&1
         ;;
     conformance)
         worlds=1,2; [ "$NGPU" -gt 2 ] && worlds="1,2,$NGPU"
@@ -100,6 +107,11 @@ for s in "${STEPS[@]}"; do
         timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 --max-num-tokens 128 --experts triton --backends symm_ll \
             --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1
+        ;;
+    prefill)
+        timeout "${PREFILL_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --parts layer --tokens 4096 --experts triton --backends symm_ht all_to_all symm_ll \
+            --micro-batches 1 2 --iters 10 --out "$OUT/layer_prefill.json" >"$OUT/prefill.log" 2>&1
         ;;
     eplb)
         timeout "${EPLB_LIMIT_S:-120}" python3 -m epmoe.bench eplb --out "$OUT/eplb.json" \
