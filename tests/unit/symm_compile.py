@@ -66,8 +66,9 @@ def main() -> None:
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", routes_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
     for counted in (False, True):
-        for rows, ranks in ((1, 1), (2, 2)):  # symm_ll's one token per program, symm_ht's
-            consts = dict(combine, COUNTED=counted, ROWS=rows, RANKS=ranks)
+        for rows, ranks, prefetch in ((1, 1, False), (2, 2, False), (2, 2, True)):
+            # symm_ll's one token per program, symm_ht's several (rows prefetched or not)
+            consts = dict(combine, COUNTED=counted, ROWS=rows, RANKS=ranks, PREFETCH=prefetch)
             _compile(k.combine_recv_kernel, crecv, consts)
     for stamps in (False, True):
         fused = dict(combine, BLOCK_E=256, STAMPS=stamps)
@@ -80,7 +81,7 @@ def main() -> None:
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence, COUNTED=counted)
         consts["ROWS"] = 4 if counted else min(batch, 4)  # as ht.py launches it
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 16} symm kernels for sm_90")
+    print(f"compiled {compiled + 18} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

@@ -64,10 +64,20 @@ def _experts(result, w13, w2):
     [1, 4, 8, 0],
     ids=["1 row per flag", "4 rows per flag", "8 rows per flag", "one count per program"],
 )
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32 wire", "fp8 wire"])
+@pytest.mark.parametrize(
+    "fp8", [False, "first", "in the send"],
+    ids=["fp32 wire", "fp8 wire quantized first", "fp8 wire quantized in the send"],
+)  # fmt: skip
 @pytest.mark.parametrize(("T", "M", "sms"), [(5, 8, 2), (0, 4, 1), (8, 8, None)],
                          ids=["T=5 loops", "T=0", "T=M"])  # fmt: skip
-def test_dispatch_delivers_rows_in_place_and_combine_matches_the_oracle(fp8, T, M, sms, per_flag):
+def test_dispatch_delivers_rows_in_place_and_combine_matches_the_oracle(
+    fp8, T, M, sms, per_flag, monkeypatch
+):
+    """``fp8``: quantized by a kernel of its own before the send, or (counted mode, from
+    ``FUSED_FP8_MIN_SMS``, lowered here: the CPU has 4 "SMs") in the send itself."""
+    import epmoe.comm.symm.ht as ht
+
+    monkeypatch.setattr(ht, "FUSED_FP8_MIN_SMS", 1 if fp8 == "in the send" else 10**6)
     E, K, H, I = 6, 3, 256, 32
     placement = epmoe.ExpertPlacement.linear(E, 1)
     spec = CommSpec(
@@ -156,6 +166,22 @@ def test_num_sms_and_tokens_per_flag_are_checked():
         ValueError, match=r"tokens_per_flag must be 0 \(one count per program\), 1, 2, 4 or 8"
     ):
         _backend(spec, tokens_per_flag=3)
+
+
+def test_more_ranks_than_the_routes_mask_holds_are_refused(monkeypatch):
+    """Each token's destination ranks are an int32 mask: a group of 33 ranks is refused
+    (``_ranks_reason``, which ``unavailable_reason`` adds for ``available_backends`` and
+    ``auto``) and by the constructor, naming the limit and the way out, before any buffer
+    is taken."""
+    import epmoe.comm.symm.ht as ht
+
+    monkeypatch.setattr(ht.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(ht.dist, "get_world_size", lambda group=None: 33)
+    reason = ht._ranks_reason(None)
+    assert reason is not None and "at most 32 ranks" in reason and "has 33" in reason
+    spec = CommSpec(128, 2, (0, 4), 4, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"symm_ht: at most 32 ranks .* use all_to_all"):
+        _backend(spec)
 
 
 CALLS = {  # tokens per rank in five calls: T = 0 on some rank, T = M, tokens that loop

@@ -273,7 +273,7 @@ class SymmBackend(AllToAll):
     # program at its end (kernels: COUNTED)
     _counted = False
     # FP8 dispatch: rows quantized by a kernel of their own (every SM) before the send,
-    # instead of row by row in the send programs (symm_ht: there it set each row's latency)
+    # instead of in the send programs (symm_ht decides by its mode and SM count)
     _quantize_first = False
 
     @classmethod
@@ -418,9 +418,11 @@ class SymmBackend(AllToAll):
         rows: int = 1,
         ranks: int = 1,
         num_warps: int | None = None,
+        prefetch: bool = False,
     ) -> torch.Tensor:
         """The combine's receive half on ``programs`` programs, each taking ``rows`` tokens
-        at a time (``rows`` > 1: loading ``ranks`` ranks' partial rows at once): ``[T, H]``,
+        at a time (``rows`` > 1: loading ``ranks`` ranks' partial rows at once, with
+        ``prefetch`` the next step's rows asked of the L2 first): ``[T, H]``,
         the sum of the partial rows each rank sent back for this rank's tokens; ends the
         call (parity given back, errors reported)."""
         k = kernels()
@@ -437,6 +439,7 @@ class SymmBackend(AllToAll):
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
             BLOCK_W=pow2(W), COUNTED=self._counted, ROWS=rows, RANKS=min(ranks, W),
+            PREFETCH=prefetch and rows > 1,
             num_warps=num_warps or tr.num_warps, **consts,
         )  # fmt: skip
         self._combine_done(h)

@@ -21,6 +21,7 @@ M = M_max tokens per rank · R = W·M received rows.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pending
 from epmoe.comm.symm.common import (
@@ -41,10 +42,12 @@ RECV_ROWS = 2
 DISPATCH_ROWS = 4
 FUSED_FP8_ROWS = 2  # the same, FP8 quantized in the send (float32 copies of the rows)
 FUSED_FP8_MIN_SMS = 64  # FP8 quantized in the send from this many SMs (see _quantize_first)
-# Combine receive: ranks whose partial rows a program loads at once (W = 2: 67 -> ? µs at
-# 4096 tokens) and its warps.
+# Combine receive: ranks whose partial rows a program loads at once, and its warps.
 RECV_RANKS = 2
 RECV_WARPS = 8
+RECV_PREFETCH = False  # the next step's partial rows asked of the L2 first
+# The dispatch keeps each token's destination ranks as an int32 mask (HTTransport.routes)
+MAX_RANKS = 32
 # Rows of routing a program of the counted dispatch's receive publishes at once (after its
 # one wait nothing orders them): 64 rows of ids and weights, 4 KiB in flight per program.
 PUBLISH_ROWS = 64
@@ -129,6 +132,9 @@ class SymmHTBackend(SymmBackend):
                 f"tokens_per_flag must be 0 (one count per program), 1, 2, 4 or 8, got "
                 f"{tokens_per_flag!r}"
             )
+        reason = _ranks_reason(group)
+        if reason is not None:
+            raise ValueError(f"symm_ht: {reason}")
         from epmoe.comm.symm.kernels import batch_fence
 
         self._sms = num_sms
@@ -148,6 +154,10 @@ class SymmHTBackend(SymmBackend):
 
     def _routes(self, tr: HTTransport, parity: int) -> torch.Tensor:
         return tr.routes[parity]
+
+    @classmethod
+    def unavailable_reason(cls, device, group=None) -> str | None:
+        return super().unavailable_reason(device, group) or _ranks_reason(group)
 
     @property
     def num_sms(self) -> int:
@@ -207,8 +217,15 @@ class SymmHTBackend(SymmBackend):
             num_warps=tr.num_warps, **c,
         )  # fmt: skip
         programs = self._grid(max(h.num_tokens, 1))
-        return Pending(
-            lambda: self._combine_receive(
-                h, c, programs, rows=RECV_ROWS, ranks=RECV_RANKS, num_warps=RECV_WARPS
-            )
+        recv = dict(rows=RECV_ROWS, ranks=RECV_RANKS, num_warps=RECV_WARPS, prefetch=RECV_PREFETCH)
+        return Pending(lambda: self._combine_receive(h, c, programs, **recv))
+
+
+def _ranks_reason(group) -> str | None:
+    W = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if W > MAX_RANKS:
+        return (
+            f"at most {MAX_RANKS} ranks (each token's destination ranks are kept as a 32-bit "
+            f"mask), the group has {W}: use all_to_all"
         )
+    return None

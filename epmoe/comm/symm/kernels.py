@@ -131,6 +131,22 @@ def _pause():
         )
 
 
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """Ask the L2 for the 128-byte lines at ``ptrs`` (where ``mask``), without waiting
+    and without registers to hold them: a later load of them waits on the L2, not on
+    HBM."""
+    if not _INTERPRET:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptrs, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 def batch_fence(batch: int) -> bool:
     """Whether a kernel storing ``batch`` rows per barrier fences once for them and writes
     their flags relaxed (``FENCE``): for batches of more than one row on a GPU; one row
@@ -432,7 +448,8 @@ def _send_token(
     """Token ``t``'s row to every rank holding one of its experts and its routing to every
     rank (stores only: its flag follows a barrier, see ``_flag_token``); ``bases
     [BLOCK_W]``: each rank's buffer address, loaded once by the caller. ``ROUTES``: the
-    ranks it went to, a bit each, into ``routes_ptr[t]`` (``_route_bits``).
+    ranks it went to, a bit each, into ``routes_ptr[t]`` (``symm_ht``'s combine receive
+    reads them).
 
     Latency is the cost at decode sizes, so every load that does not depend on another is
     issued up front: the token's ids and weights and the first columns of its row; only
@@ -1087,6 +1104,7 @@ def combine_recv_kernel(
     COUNTED: tl.constexpr,  # the senders count tokens per program instead of flagging rows
     ROWS: tl.constexpr = 1,  # tokens a program takes at once (symm_ht: more than one)
     RANKS: tl.constexpr = 1,  # ROWS > 1: ranks whose partial rows it loads at once
+    PREFETCH: tl.constexpr = False,  # ROWS > 1: the next step's rows into the L2 first
     PDL: tl.constexpr = False,
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
@@ -1110,6 +1128,14 @@ def combine_recv_kernel(
             tR = t0 + G * tl.arange(0, ROWS)
             ahead = tR + G * ROWS
             bits_ahead = tl.load(routes_ptr + ahead, mask=ahead < T, other=0)
+            if PREFETCH:  # the next step's partial rows, every rank's, into the L2
+                comb_y = _at(tl.load(bases_ptr + me), off_y, tl.int8)
+                esize: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
+                lines = tl.arange(0, BLOCK_H * esize // 128) * 128
+                for r in range(W):
+                    row = (r * M + ahead).to(tl.int64) * H * esize
+                    _prefetch_l2(comb_y + row[:, None] + lines[None, :],
+                                 (ahead < T)[:, None] & (lines < H * esize)[None, :])  # fmt: skip
             _combine_recv_rows(
                 tR, bits, out_ptr, bases_ptr, err_addr, T, H, W, M, me, timeout_ns,
                 off_flags, off_y, BLOCK_W, BLOCK_H, ROWS, COUNTED, RANKS,
@@ -1201,7 +1227,8 @@ def ht_dispatch_recv_kernel(
 ):
     """Program (s, p) publishes rows p, p + G, ... of source s's M rows, once the source's
     count says they came (``expect``, then with ``COUNTED`` ``done[s]`` reaching it);
-    ``COUNTED`` with ``ROWS`` > 1: blocks of ROWS rows, p, p + G, ... (after the one wait
+    ``COUNTED`` with ``ROWS`` > 1: blocks p, p + G, ... of ROWS contiguous rows (block b is
+    rows ``[b·ROWS, (b + 1)·ROWS)``; after the one wait
     no row waits for anything, so a block's loads all go out together: one row at a time
     cost 15 µs at 4096 tokens on 132 SMs, 74 µs on 24)."""
     _after_prior(PDL)
