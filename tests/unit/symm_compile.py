@@ -66,10 +66,10 @@ def main() -> None:
     crecv = dict(out_ptr="*bf16", ids_ptr="*i64", owner_ptr="*i32", routes_ptr="*i32", **shared)
     combine = dict(K=8, BLOCK_K=8, BLOCK_W=2, BLOCK_H=8192)
     for counted in (False, True):
-        for rows, ranks, prefetch in ((1, 1, False), (2, 2, False), (2, 2, True)):
+        for rows, ranks, prefetch, block_h in ((1, 1, 0, 8192), (4, 2, 0, 4096), (4, 2, 1, 4096)):
             # symm_ll's one token per program, symm_ht's several (rows prefetched or not)
             consts = dict(combine, COUNTED=counted, ROWS=rows, RANKS=ranks, PREFETCH=prefetch)
-            _compile(k.combine_recv_kernel, crecv, consts)
+            _compile(k.combine_recv_kernel, crecv, dict(consts, BLOCK_H=block_h))
     for stamps in (False, True):
         fused = dict(combine, BLOCK_E=256, STAMPS=stamps)
         _compile(k.ll_combine_kernel, dict(csend, stamps_ptr="*i64", **crecv), fused)

@@ -418,11 +418,11 @@ class SymmBackend(AllToAll):
         rows: int = 1,
         ranks: int = 1,
         num_warps: int | None = None,
-        prefetch: bool = False,
+        prefetch: int = 0,
     ) -> torch.Tensor:
         """The combine's receive half on ``programs`` programs, each taking ``rows`` tokens
-        at a time (``rows`` > 1: loading ``ranks`` ranks' partial rows at once, with
-        ``prefetch`` the next step's rows asked of the L2 first): ``[T, H]``,
+        at a time (``rows`` > 1: loading ``ranks`` ranks' partial rows at once, with the
+        rows ``prefetch`` steps ahead asked of the L2 first): ``[T, H]``,
         the sum of the partial rows each rank sent back for this rank's tokens; ends the
         call (parity given back, errors reported)."""
         k = kernels()
@@ -439,7 +439,7 @@ class SymmBackend(AllToAll):
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
             BLOCK_W=pow2(W), COUNTED=self._counted, ROWS=rows, RANKS=min(ranks, W),
-            PREFETCH=prefetch and rows > 1,
+            PREFETCH=prefetch if rows > 1 else 0,
             num_warps=num_warps or tr.num_warps, **consts,
         )  # fmt: skip
         self._combine_done(h)

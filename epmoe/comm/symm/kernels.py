@@ -147,6 +147,19 @@ def _prefetch_l2(ptrs, mask):
         )
 
 
+@triton.jit
+def _prefetch_rows(comb_y, tR, T, W, M, H, out_ptr, ROW_BYTES: tl.constexpr):
+    """``_prefetch_l2`` of every rank's partial rows (in ``comb_y``, a byte pointer) of the
+    tokens ``tR`` below ``T``: their 128-byte lines, ``ROW_BYTES`` of a row at a time."""
+    esize: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
+    lines = tl.arange(0, ROW_BYTES // 128) * 128
+    for r in range(W):
+        row = (r * M + tR).to(tl.int64) * H * esize
+        for l0 in range(0, H * esize, ROW_BYTES):
+            ok = (tR < T)[:, None] & (l0 + lines < H * esize)[None, :]
+            _prefetch_l2(comb_y + row[:, None] + l0 + lines[None, :], ok)
+
+
 def batch_fence(batch: int) -> bool:
     """Whether a kernel storing ``batch`` rows per barrier fences once for them and writes
     their flags relaxed (``FENCE``): for batches of more than one row on a GPU; one row
@@ -1104,7 +1117,7 @@ def combine_recv_kernel(
     COUNTED: tl.constexpr,  # the senders count tokens per program instead of flagging rows
     ROWS: tl.constexpr = 1,  # tokens a program takes at once (symm_ht: more than one)
     RANKS: tl.constexpr = 1,  # ROWS > 1: ranks whose partial rows it loads at once
-    PREFETCH: tl.constexpr = False,  # ROWS > 1: the next step's rows into the L2 first
+    PREFETCH: tl.constexpr = 0,  # ROWS > 1: steps ahead whose rows it asks of the L2
     PDL: tl.constexpr = False,
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
@@ -1124,18 +1137,16 @@ def combine_recv_kernel(
     else:  # each step's routes loaded a step ahead: its rows' loads wait on nothing
         tR = tl.program_id(0) + G * tl.arange(0, ROWS)
         bits = tl.load(routes_ptr + tR, mask=tR < T, other=0)
+        comb_y = _at(tl.load(bases_ptr + me), off_y, tl.int8)
+        ROW_BYTES: tl.constexpr = BLOCK_H * out_ptr.dtype.element_ty.primitive_bitwidth // 8
+        for d in tl.static_range(PREFETCH):  # the first PREFETCH steps' rows
+            _prefetch_rows(comb_y, tR + d * G * ROWS, T, W, M, H, out_ptr, ROW_BYTES)
         for t0 in range(tl.program_id(0), tl.maximum(T, 1), G * ROWS):
             tR = t0 + G * tl.arange(0, ROWS)
             ahead = tR + G * ROWS
             bits_ahead = tl.load(routes_ptr + ahead, mask=ahead < T, other=0)
-            if PREFETCH:  # the next step's partial rows, every rank's, into the L2
-                comb_y = _at(tl.load(bases_ptr + me), off_y, tl.int8)
-                esize: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth // 8
-                lines = tl.arange(0, BLOCK_H * esize // 128) * 128
-                for r in range(W):
-                    row = (r * M + ahead).to(tl.int64) * H * esize
-                    _prefetch_l2(comb_y + row[:, None] + lines[None, :],
-                                 (ahead < T)[:, None] & (lines < H * esize)[None, :])  # fmt: skip
+            if PREFETCH > 0:  # the rows PREFETCH steps ahead, every rank's, into the L2
+                _prefetch_rows(comb_y, tR + PREFETCH * G * ROWS, T, W, M, H, out_ptr, ROW_BYTES)
             _combine_recv_rows(
                 tR, bits, out_ptr, bases_ptr, err_addr, T, H, W, M, me, timeout_ns,
                 off_flags, off_y, BLOCK_W, BLOCK_H, ROWS, COUNTED, RANKS,
