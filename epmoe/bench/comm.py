@@ -17,7 +17,9 @@ record per mode:
   DeepEP's own method for its published figures (:func:`time_kernels`). Host launch gaps
   do not count; kernels not named ``dispatch`` / ``combine`` (an adapter's extra copies,
   the FP8 quantization that ``symm_ht`` and ``deepep_ht`` run before the send) are left
-  out, as DeepEP's test leaves them out (its FP8 figures take quantized input);
+  out, as DeepEP's test leaves them out (its FP8 figures take quantized input); every
+  kernel's own median (``kernels_us``, rank 0) is kept and printed: where a phase's time
+  goes;
 * ``graph`` (``capabilities.graph_safe`` backends on CUDA): ``dispatch`` captured alone in
   one CUDA graph with static inputs, ``combine`` of its result in another, replayed
   alternately (captured collectives must be replayed on every rank the same number of
@@ -394,15 +396,34 @@ def phase_kernel_us(
     return [[r[i] for r in rounds] for i in range(len(phases))]
 
 
+def kernel_medians(kernels: Sequence[tuple[str, float, float]], delimiter: str) -> dict[str, float]:
+    """The median µs per round of each GPU kernel by name (``kernels`` and rounds as in
+    :func:`phase_kernel_us`; a kernel run twice in a round counts as their sum): where a
+    phase's time goes, e.g. a send half against its receive half, or an adapter's copies."""
+    rounds: list[dict[str, float]] = []
+    for name, _, duration in sorted(kernels, key=lambda k: k[1]):
+        if delimiter in name:
+            rounds.append({})
+        elif rounds:
+            rounds[-1][name] = rounds[-1].get(name, 0.0) + duration
+    names = {n for r in rounds for n in r}
+    return {n: median([r[n] for r in rounds if n in r]) for n in sorted(names)}
+
+
 def time_kernels(
-    dispatch: Callable[[], Any], combine: Callable[[], Any], device: torch.device
+    dispatch: Callable[[], Any],
+    combine: Callable[[], Any],
+    device: torch.device,
+    by_kernel: dict[str, float] | None = None,
 ) -> tuple[float, float] | str:
     """Median ms of the dispatch and the combine kernels launched eagerly, ranks aligned:
     DeepEP's own method (``bench_kineto`` with ``barrier_comm_profiling``). Before each of
     :data:`KERNEL_ROUNDS` round trips the GPU spins (the host queues the round meanwhile)
     and an all-reduce starts the ranks together; the profiler's kernel durations are summed
     per phase by name (``dispatch`` / ``combine``, as DeepEP's are picked). Host launch
-    gaps do not count (``eager_b2b`` has them). A string says why it cannot run."""
+    gaps do not count (``eager_b2b`` has them). A string says why it cannot run.
+    ``by_kernel``: filled with this rank's :func:`kernel_medians` (every kernel of the
+    rounds, the GPU spin and the all-reduce left out)."""
     if device.type != "cuda" or not dist.is_initialized():
         return "n/a: kernel times need CUDA and a process group"
     from torch.profiler import ProfilerActivity, profile
@@ -421,6 +442,10 @@ def time_kernels(
         if e.device_type == torch.autograd.DeviceType.CUDA
     ]
     d_us, c_us = phase_kernel_us(kernels, ("dispatch", "combine"), delimiter="nccl")
+    if by_kernel is not None:
+        medians = kernel_medians(kernels, delimiter="nccl")
+        by_kernel.update({n: us for n, us in medians.items() if "sleep" not in n.lower()
+                          and "spin" not in n.lower()})  # fmt: skip
     if over_ranks(float(not d_us), device) > 0:  # every rank reports, or none
         return "n/a: no kernels named dispatch and combine in each round on every rank"
     return median(d_us) / 1e3, median(c_us) / 1e3
@@ -522,6 +547,7 @@ def measure_dispatch_combine(
     expert_out = identity_expert_out(first, dtype)
     comm.combine(expert_out, first)
     state: dict[str, Any] = {}
+    by_kernel: dict[str, float] = {}
 
     def dispatch() -> None:
         state["result"] = comm.dispatch(x_TH, ids_TK, weights_TK)
@@ -536,7 +562,8 @@ def measure_dispatch_combine(
     out: dict[str, Any] = dict(
         eager=both(time_phases, [dispatch, combine]),
         eager_b2b=both(time_stream, [dispatch, combine]),
-        eager_kernels=time_kernels(dispatch, combine, device),
+        eager_kernels=time_kernels(dispatch, combine, device, by_kernel),
+        kernels_us=by_kernel,
         graph_error=None,
     )
     result = comm.dispatch(x_TH, ids_TK, weights_TK)
@@ -739,6 +766,8 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
         if mode == "eager":
             rec.update(a2a_us=a2a_ms * 1e3, dispatch_vs_a2a=a2a_ms / d_ms)
             rec.update(combine_vs_a2a=a2a_ms / c_ms)
+        if mode == "eager_kernels" and m.get("kernels_us"):
+            rec["kernels_us"] = dict(m["kernels_us"])  # (this rank's; rank 0's are kept)
         _add_goals(rec, mode, wire, T, H, K)
         records.append(rec)
     return records
@@ -1009,6 +1038,12 @@ def main(args) -> list[dict] | None:
         print("goals (the symm_ll issue):")
         for line in goal_summary(records):
             print("  " + line)
+        broken_down = [r for r in records if r.get("kernels_us")]
+        if broken_down:
+            print("\nkernels per round trip (eager_kernels, rank 0, median µs):")
+        for r in broken_down:
+            parts = ", ".join(f"{n[:48]} {us:.1f}" for n, us in r["kernels_us"].items())
+            print(f"  {r['backend']}:{r['layout']} {r['wire']} T={r['T']} SMs {r['sms']}: {parts}")
         wrong = [r for r in records if r.get("wrong")]
         for r in wrong:
             print(f"WRONG RESULT: {r['backend']}:{r['layout']} {r['wire']} T={r['T']} "

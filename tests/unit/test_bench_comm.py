@@ -135,6 +135,22 @@ def test_kernel_times_sum_each_phase_per_round_between_all_reduces():
     assert comm.phase_kernel_us(kernels[:1], ("dispatch", "combine"), "nccl") == [[], []]
 
 
+def test_kernel_medians_are_per_round_sums_by_name():
+    kernels = [
+        ("nccl_allreduce", 0.0, 1.0),
+        ("send", 10.0, 4.0),
+        ("recv", 20.0, 1.0),
+        ("recv", 25.0, 1.0),  # twice in a round: their sum
+        ("nccl_allreduce", 100.0, 1.0),
+        ("send", 110.0, 6.0),
+        ("recv", 120.0, 3.0),
+        ("nccl_allreduce", 200.0, 1.0),
+        ("send", 210.0, 5.0),
+    ]
+    assert comm.kernel_medians(kernels, "nccl") == {"recv": 2.5, "send": 5.0}
+    assert comm.kernel_medians(kernels[1:2], "nccl") == {}  # no round started
+
+
 def test_backend_entries_take_any_option_as_key_value():
     options = comm.entry_options("num_sms=24,nvl_chunks=20/8,worst_case_rows=true")
     assert options == dict(num_sms=24, nvl_chunks=(20, 8), worst_case_rows=True)
