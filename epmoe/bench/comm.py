@@ -378,8 +378,8 @@ def phase_kernel_us(
     """Per round, the µs of GPU kernels whose names contain each of ``phases``.
 
     ``kernels``: ``(name, start_us, duration_us)`` of every GPU kernel of a profile, in any
-    order; a kernel whose name contains ``delimiter`` (the all-reduce that aligns the
-    ranks) starts a round. Kernels before the first delimiter, and rounds in which a phase
+    order; a kernel whose name contains ``delimiter`` (the GPU spin before each round)
+    starts a round. Kernels before the first delimiter, and rounds in which a phase
     ran no kernel, are left out. Returns one list per phase, one sum per round."""
     rounds: list[list[float]] = []
     for name, _, duration in sorted(kernels, key=lambda k: k[1]):
@@ -441,11 +441,11 @@ def time_kernels(
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     ]
-    d_us, c_us = phase_kernel_us(kernels, ("dispatch", "combine"), delimiter="nccl")
+    # each round starts with the GPU spin (also at W = 1, where the all-reduce runs no kernel)
+    d_us, c_us = phase_kernel_us(kernels, ("dispatch", "combine"), delimiter="spin_kernel")
     if by_kernel is not None:
-        medians = kernel_medians(kernels, delimiter="nccl")
-        by_kernel.update({n: us for n, us in medians.items() if "sleep" not in n.lower()
-                          and "spin" not in n.lower()})  # fmt: skip
+        medians = kernel_medians(kernels, delimiter="spin_kernel")
+        by_kernel.update({n: us for n, us in medians.items() if "nccl" not in n.lower()})
     if over_ranks(float(not d_us), device) > 0:  # every rank reports, or none
         return "n/a: no kernels named dispatch and combine in each round on every rank"
     return median(d_us) / 1e3, median(c_us) / 1e3
