@@ -109,9 +109,15 @@ for s in "${STEPS[@]}"; do
             --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1
         ;;
     prefill)
-        timeout "${PREFILL_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
-            --parts layer --tokens 4096 --experts triton --backends symm_ht all_to_all symm_ll \
-            --micro-batches 1 2 --iters 10 --out "$OUT/layer_prefill.json" >"$OUT/prefill.log" 2>&1
+        # one process per backend, each writing its records (a time limit keeps the first)
+        end=$((SECONDS + ${PREFILL_LIMIT_S:-400}))
+        : >"$OUT/prefill.log"
+        for b in symm_ht all_to_all symm_ll; do
+            [ $((end - SECONDS)) -lt 30 ] && { echo "prefill: no time left for $b" >>"$OUT/prefill.log"; continue; }
+            timeout $((end - SECONDS)) python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+                --parts layer --tokens 4096 --experts triton --backends "$b" \
+                --micro-batches 1 2 --iters 10 --out "$OUT/layer_prefill_$b.json" >>"$OUT/prefill.log" 2>&1
+        done
         ;;
     eplb)
         timeout "${EPLB_LIMIT_S:-120}" python3 -m epmoe.bench eplb --out "$OUT/eplb.json" \
