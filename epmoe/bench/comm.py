@@ -396,15 +396,26 @@ def phase_kernel_us(
     return [[r[i] for r in rounds] for i in range(len(phases))]
 
 
-def kernel_medians(kernels: Sequence[tuple[str, float, float]], delimiter: str) -> dict[str, float]:
-    """The median µs per round of each GPU kernel by name (``kernels`` and rounds as in
-    :func:`phase_kernel_us`; a kernel run twice in a round counts as their sum): where a
-    phase's time goes, e.g. a send half against its receive half, or an adapter's copies."""
+def kernel_medians(
+    kernels: Sequence[tuple[str, float, float]], delimiter: str, skip_first: str | None = None
+) -> dict[str, float]:
+    """The median µs per round of each GPU kernel by name: where a phase's time goes, e.g.
+    a send half against its receive half, or an adapter's copies. ``kernels`` as in
+    :func:`phase_kernel_us`; a kernel whose name contains ``delimiter`` starts a round (the
+    kernels before the first are left out), and in each round the first kernel whose name
+    contains ``skip_first`` (the all-reduce that aligns the ranks) is left out too. A
+    kernel run twice in a round counts as their sum; its median is over the rounds it ran
+    in."""
     rounds: list[dict[str, float]] = []
+    skipped = True
     for name, _, duration in sorted(kernels, key=lambda k: k[1]):
         if delimiter in name:
             rounds.append({})
+            skipped = skip_first is None
         elif rounds:
+            if not skipped and skip_first in name:
+                skipped = True
+                continue
             rounds[-1][name] = rounds[-1].get(name, 0.0) + duration
     names = {n for r in rounds for n in r}
     return {n: median([r[n] for r in rounds if n in r]) for n in sorted(names)}
@@ -423,7 +434,7 @@ def time_kernels(
     per phase by name (``dispatch`` / ``combine``, as DeepEP's are picked). Host launch
     gaps do not count (``eager_b2b`` has them). A string says why it cannot run.
     ``by_kernel``: filled with this rank's :func:`kernel_medians` (every kernel of the
-    rounds, the GPU spin and the all-reduce left out)."""
+    rounds but the GPU spin and the all-reduce that aligns them)."""
     if device.type != "cuda" or not dist.is_initialized():
         return "n/a: kernel times need CUDA and a process group"
     from torch.profiler import ProfilerActivity, profile
@@ -444,8 +455,7 @@ def time_kernels(
     # each round starts with the GPU spin (also at W = 1, where the all-reduce runs no kernel)
     d_us, c_us = phase_kernel_us(kernels, ("dispatch", "combine"), delimiter="spin_kernel")
     if by_kernel is not None:
-        medians = kernel_medians(kernels, delimiter="spin_kernel")
-        by_kernel.update({n: us for n, us in medians.items() if "nccl" not in n.lower()})
+        by_kernel.update(kernel_medians(kernels, "spin_kernel", skip_first="AllReduce"))
     if over_ranks(float(not d_us), device) > 0:  # every rank reports, or none
         return "n/a: no kernels named dispatch and combine in each round on every rank"
     return median(d_us) / 1e3, median(c_us) / 1e3

@@ -82,10 +82,13 @@ class Ranks:
         )  # fmt: skip
 
     def combine_receive(
-        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1, ranks: int = 1
-    ) -> None:
+        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1, ranks: int = 1,
+        prefetch: int = 0,
+    ) -> None:  # fmt: skip
         """Rank r's combine receive (``rows`` tokens per program at a time, ``ranks`` ranks'
-        partial rows loaded at once), checked: each token's rows times its router weights."""
+        partial rows loaded at once, ``prefetch`` steps ahead asked of the L2: the loop and
+        its masks run, the PTX prefetch does not under the interpreter), checked: each
+        token's rows times its router weights."""
         x, ids, w = inputs
         T, reg = x.shape[0], self.regions[parity]
         out = torch.empty(T, self.H)
@@ -94,7 +97,7 @@ class Ranks:
             T, self.H, self.E, self.W,
             self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W,
             BLOCK_H=128,
-            COUNTED=counted, ROWS=rows, RANKS=ranks,
+            COUNTED=counted, ROWS=rows, RANKS=ranks, PREFETCH=prefetch,
         )  # fmt: skip
         want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
         torch.testing.assert_close(out, want, msg=f"rank {r}")

@@ -136,19 +136,32 @@ def test_kernel_times_sum_each_phase_per_round_between_all_reduces():
 
 
 def test_kernel_medians_are_per_round_sums_by_name():
-    kernels = [
-        ("nccl_allreduce", 0.0, 1.0),
-        ("send", 10.0, 4.0),
-        ("recv", 20.0, 1.0),
-        ("recv", 25.0, 1.0),  # twice in a round: their sum
-        ("nccl_allreduce", 100.0, 1.0),
-        ("send", 110.0, 6.0),
-        ("recv", 120.0, 3.0),
-        ("nccl_allreduce", 200.0, 1.0),
-        ("send", 210.0, 5.0),
+    spin, align = "at::cuda::spin_kernel", "ncclDevKernel_AllReduce_Sum_f32"
+    kernels = [  # (name, start µs, duration µs) as time_kernels profiles them
+        ("send", -10.0, 9.0),  # before the first round: left out
+        (spin, 0.0, 500.0),
+        (align, 500.0, 1.0),  # the round's aligning all-reduce: left out
+        ("send", 510.0, 4.0),
+        ("recv", 520.0, 1.0),
+        ("recv", 525.0, 1.0),  # twice in a round: their sum
+        ("ncclDevKernel_SendRecv", 530.0, 2.0),  # a backend's own NCCL kernel: kept
+        (align, 535.0, 7.0),  # a backend's own all-reduce after the first: kept
+        (spin, 1000.0, 500.0),
+        (align, 1500.0, 1.0),
+        ("send", 1510.0, 6.0),
+        ("recv", 1520.0, 3.0),
+        (spin, 2000.0, 500.0),
+        ("send", 2510.0, 5.0),  # W = 1: no all-reduce kernel in the round
     ]
-    assert comm.kernel_medians(kernels, "nccl") == {"recv": 2.5, "send": 5.0}
-    assert comm.kernel_medians(kernels[1:2], "nccl") == {}  # no round started
+    assert comm.kernel_medians(kernels, "spin_kernel", skip_first="AllReduce") == {
+        "recv": 2.5, "send": 5.0, "ncclDevKernel_SendRecv": 2.0, align: 7.0,
+    }  # fmt: skip
+    assert comm.kernel_medians(kernels[:1], "spin_kernel") == {}  # no round started
+    d_us, c_us = comm.phase_kernel_us(
+        [(n.replace("send", "dispatch").replace("recv", "combine"), t, d) for n, t, d in kernels],
+        ("dispatch", "combine"), delimiter="spin_kernel",
+    )  # fmt: skip
+    assert d_us == [4.0, 6.0] and c_us == [2.0, 3.0]  # (the third round has no combine)
 
 
 def test_backend_entries_take_any_option_as_key_value():

@@ -197,18 +197,19 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
     parities, with T = 0 on some rank, grids of different sizes (programs loop) and a
     token routed nowhere. After each phase the counts (counted mode) or flags (row flags)
     are what the protocol in ``kernels.py`` says, and combine returns each token's
-    weighted rows."""
+    weighted rows. Rows of 300 columns: every kernel loops over column blocks of 128 (the
+    combine receive's prefetch over its byte chunks too), the last one partial."""
     from epmoe.comm.symm import kernels as k
     from tests.unit.symm_sim import Ranks
 
-    sim = Ranks(W)
+    sim = Ranks(W, H=300)
     M, H, K = sim.M, sim.H, sim.K
     sms = [2, 3, 1][:W]
 
     def grid(n, r):
         return max(1, min(n, sms[r]))
 
-    from epmoe.comm.symm.ht import DISPATCH_ROWS, RECV_RANKS, RECV_ROWS, SEND_ROWS
+    from epmoe.comm.symm.ht import DISPATCH_ROWS, RECV_PREFETCH, RECV_RANKS, RECV_ROWS, SEND_ROWS
 
     publish = 2 if counted else 1  # (ht.py's PUBLISH_ROWS is more than M = 8: blocks loop)
 
@@ -248,7 +249,7 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
         for r in range(W):  # combine, receive half
             sim.combine_receive(
                 k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted, rows=RECV_ROWS,
-                ranks=RECV_RANKS,
+                ranks=RECV_RANKS, prefetch=RECV_PREFETCH,
             )  # fmt: skip
         sim.assert_reset(parity, n)
 
