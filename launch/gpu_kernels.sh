@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check of the Triton MoE kernels on one GPU (H100/H200), in one call of about 7 minutes:
-#   1. tests/gpu/test_triton_experts_gpu.py   (bf16 / FP8 against the oracle, graphs, ...)
+#   1. tests/gpu/test_triton_experts_gpu.py, test_wgmma_kernels.py (against the oracle, graphs)
 #   2. python -m epmoe.bench experts --configs (default tiling, a tiling sweep, baselines,
 #      per-step times, compiler resource report)
 #   3. tests/unit/test_triton_kernels.py on CUDA, if time is left
@@ -53,7 +53,7 @@ cat "$WORK/env.log"
 
 # Worst case with the defaults: 175 + 175 + 65 s of steps, plus start-up and the summary:
 # about 7 minutes.
-step gpu_tests 170 python -m pytest tests/gpu/test_triton_experts_gpu.py -q -rf \
+step gpu_tests 200 python -m pytest tests/gpu/test_triton_experts_gpu.py tests/gpu/test_wgmma_kernels.py -q -rf \
     --junitxml="$WORK/gpu_tests.xml"
 
 # shellcheck disable=SC2086

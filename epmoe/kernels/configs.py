@@ -30,6 +30,7 @@ import torch
 AUTOTUNE_ENV = "EPMOE_TRITON_AUTOTUNE"
 FP8_GROUP = 128
 LAYOUTS = ("standard", "batched")
+KERNELS = ("dot", "wgmma")
 _SMEM_BYTES = 227 * 1024  # H100/H200 shared memory per block (opt-in maximum)
 
 
@@ -65,12 +66,19 @@ class MoEConfig:
     tile (the Standard layout pads each group to ``block_m / 2`` only). At about one block
     of rows per expert it cuts the rows the tiles compute from ≈ 1.5× to ≈ 1.25× the useful
     ones while the other blocks keep the full-height MMA.
+
+    ``kernel``: ``"dot"``, the portable ``tl.dot`` kernels (``grouped_gemm``), or
+    ``"wgmma"``, the Hopper (sm_90) Gluon kernels of the Standard layout (``wgmma``), which
+    keep an MMA in flight while FP8's block scales are applied. A ``wgmma`` config has
+    ``block_m = 16 · num_warps`` in both GEMMs, ``block_k`` of 128 bytes, ``gate_up.block_n``
+    128 and an even ``down.block_n`` (two accumulator tiles of ``down.block_n / 2``).
     """
 
     block_m: int
     gate_up: GemmConfig
     down: GemmConfig
     half_tail: bool = False
+    kernel: str = "dot"
 
     def __post_init__(self) -> None:
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -79,6 +87,27 @@ class MoEConfig:
             raise ValueError(
                 f"half_tail needs block_m >= 32 (tiles of at least 16 rows), got {self.block_m}"
             )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.kernel == "wgmma":
+            self._check_wgmma()
+
+    def _check_wgmma(self) -> None:
+        gu, dn = self.gate_up, self.down
+        problems = []
+        if self.half_tail:
+            problems.append("half_tail=False (one tile height)")
+        for name, c in (("gate_up", gu), ("down", dn)):
+            if c.num_warps not in (4, 8) or self.block_m != 16 * c.num_warps:
+                problems.append(f"{name}.num_warps 4 or 8 with block_m = 16 · num_warps")
+            if c.num_stages < 3:
+                problems.append(f"{name}.num_stages >= 3")
+        if gu.block_n != 128:
+            problems.append("gate_up.block_n = 128")
+        if dn.block_n < 32:
+            problems.append("down.block_n >= 32 (two tiles of down.block_n / 2)")
+        if problems:
+            raise ValueError(f"a kernel='wgmma' config needs {'; '.join(problems)}; got {self}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -90,6 +119,7 @@ class MoEConfig:
             gate_up=GemmConfig(**d["gate_up"]),
             down=GemmConfig(**d["down"]),
             half_tail=_bool_field(d, "half_tail"),
+            kernel=str(d.get("kernel", "dot")),
         )
 
     def short(self) -> str:
@@ -99,7 +129,8 @@ class MoEConfig:
             return f"{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}g{c.group_m}"
 
         half = "h" if self.half_tail else ""
-        return f"m{self.block_m}{half} gu{g(self.gate_up)} dn{g(self.down)}"
+        kernel = "" if self.kernel == "dot" else f" {self.kernel}"
+        return f"m{self.block_m}{half} gu{g(self.gate_up)} dn{g(self.down)}{kernel}"
 
 
 def _bool_field(d: dict[str, Any], key: str) -> bool:
@@ -121,6 +152,40 @@ def check_config(config: MoEConfig, fp8: bool) -> None:
                 f"FP8 needs {name}.block_k to divide {FP8_GROUP} (one scale per step), got "
                 f"{c.block_k}"
             )
+
+
+@functools.cache
+def wgmma_available(device_index: int) -> bool:
+    """Whether CUDA device ``device_index`` runs ``kernel="wgmma"`` configs: an sm_90 GPU and
+    a Triton with Gluon's Hopper module (asked once per device)."""
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    try:
+        from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def wgmma_config(dtype: str) -> MoEConfig | None:
+    """The Hopper kernels' tiling for the Standard layout in ``dtype`` (None for fp32):
+    128-row blocks over two warpgroups, four stages of 128-byte K steps, GEMM 2 tiles of
+    256 columns (two accumulators of 128)."""
+    if dtype == "fp32":
+        return None
+    block_k = 128 if dtype == "fp8" else 64
+    G = GemmConfig
+    return MoEConfig(128, G(128, block_k, 8, 8, 4), G(256, block_k, 8, 8, 4), kernel="wgmma")
+
+
+def _runnable(config: MoEConfig, device: torch.device) -> bool:
+    """False for a ``wgmma`` config on a device or Triton that cannot run it."""
+    if config.kernel != "wgmma":
+        return True
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return wgmma_available(index)
 
 
 def dtype_name(weight_dtype: torch.dtype) -> str:
@@ -302,6 +367,10 @@ def candidate_configs(
             for cfg in variants:
                 if cfg not in out and smem_bytes(cfg, nbytes, nbytes) <= _SMEM_BYTES:
                     out.append(cfg)
+    hopper = wgmma_config(dtype)
+    tiles = intermediate_size % 128 == 0 and hidden_size % 256 == 0  # (gate_up, down) tiles
+    if layout == "standard" and hopper is not None and tiles and base.block_m >= 64:
+        out.append(hopper)  # sm_90 only: select_config drops it elsewhere
     return out
 
 
@@ -363,7 +432,7 @@ def select_config(
         table = load_table(_device_name(index))
         key = problem_key(layout, dtype, hidden_size, intermediate_size, num_experts)
         hit = lookup(table, key, m)
-        if hit is not None:
+        if hit is not None and _runnable(hit, device):
             return hit
         tune = autotune_enabled() if allow_autotune is None else allow_autotune
         if tune and run is not None and not torch.cuda.is_current_stream_capturing():
@@ -371,6 +440,7 @@ def select_config(
             cands = candidate_configs(
                 layout, dtype, bucket, hidden_size, intermediate_size, num_experts, top_k
             )
+            cands = [c for c in cands if _runnable(c, device)]
             return autotune((key, bucket, top_k, device.index), cands, run)
     return heuristic_config(
         layout, dtype, m, hidden_size, intermediate_size, num_experts, top_k, device.type

@@ -420,6 +420,8 @@ def gate_up(
     N = two_i // 2
     cfg = config.gate_up
     r = _rows(rows, config, e, x, row_index)
+    if config.kernel == "wgmma":
+        return _gate_up_wgmma(x, w13, r, config, activation, x_scale, w13_scale, fp8)
     y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
     # FP8: tiles one quantization group wide quantize in their epilogue; other widths store
     # fp32 (what the epilogue quantizes) and are quantized below, one more pass over every
@@ -519,6 +521,9 @@ def down(
             raise ValueError("the Standard layout needs topk_weights_RK for down()")
         out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
+    if config.kernel == "wgmma":
+        _down_wgmma(h, w2, r, config, h_scale, w2_scale, fp8, weights, out)
+        return out
     w_block, ws_strides = _weight_scale_strides(w2_scale, w2, "w2_scale")
     n_blocks = _cdiv(H, cfg.block_n)
     m_blocks, m_splits = _launch_rows(r, config.block_m, e, n_blocks, h.device, m_splits)
@@ -566,6 +571,151 @@ def down(
         num_stages=cfg.num_stages,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# The Hopper (sm_90) Gluon kernels of the Standard layout (configs with kernel="wgmma")
+
+
+def wgmma_unsupported(
+    config: MoEConfig, a: torch.Tensor, w: torch.Tensor, n_cols: int, tile_n: int, batched: bool
+) -> str | None:
+    """Why ``config``'s ``wgmma`` kernels cannot run this GEMM (``a [rows, K]`` against
+    ``w [e, N_w, K]``, ``n_cols`` output columns in tiles of ``tile_n``), or None."""
+    if batched:
+        return "they run the Standard layout only (use a kernel='dot' config for ExpertBatched)"
+    if interpreted():
+        return "the Triton interpreter does not run Gluon kernels"
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
+        return f"they need an sm_90 GPU (H100/H200), got {a.device}"
+    if a.dtype not in (torch.bfloat16, torch.float16, FP8_DTYPE):
+        return f"they take bf16, fp16 or FP8 operands, got {a.dtype}"
+    K = a.shape[-1]
+    block_k = config.gate_up.block_k
+    if block_k * a.element_size() != 128 or config.down.block_k * a.element_size() != 128:
+        return f"block_k must be {128 // a.element_size()} for {a.dtype} (128-byte rows)"
+    if n_cols % tile_n or K % block_k:
+        return (
+            f"the output columns ({n_cols}) must be a multiple of {tile_n} and K ({K}) of {block_k}"
+        )
+    for name, t in (("activations", a), ("weights", w)):
+        if (
+            t.stride(-1) != 1
+            or any((st * t.element_size()) % 16 for st in t.stride()[:-1])
+            or t.data_ptr() % 16
+        ):
+            return f"the {name} need unit stride along K and 16-byte aligned rows"
+    return None
+
+
+def _wgmma_module():
+    from epmoe.kernels import wgmma  # Gluon: imported on first use (sm_90 only)
+
+    return wgmma
+
+
+def _launch_wgmma(
+    gate_up: bool,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    out_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    r: _Rows,
+    config: MoEConfig,
+    n_cols: int,
+    activation: str,
+    fp8: bool,
+) -> None:
+    cfg = config.gate_up if gate_up else config.down
+    block_n = cfg.block_n if gate_up else cfg.block_n // 2
+    reason = wgmma_unsupported(config, a, w, n_cols, cfg.block_n, r.batched)
+    if reason is not None:
+        raise ValueError(f"config {config.short()} (kernel='wgmma') cannot run here: {reason}")
+    w_block, ws_strides = _weight_scale_strides(w_scale, w, "w_scale")
+    if fp8 and (a_scale.stride(-1) != 1 or (w_block and ws_strides[2] != 1)):
+        raise ValueError("kernel='wgmma' needs FP8 scales with unit stride along K")
+    grid = (r.num_m_blocks * (n_cols // cfg.block_n),)
+    if grid[0] == 0:
+        return
+    _wgmma_module().pair_gemm_kernel[grid](
+        a,
+        a_scale if a_scale is not None else a,
+        w,
+        w_scale if w_scale is not None else w,
+        out,
+        out_scale if out_scale is not None else out,
+        topk_weights if topk_weights is not None else out,
+        r.sorted_pairs,
+        r.block_expert,
+        r.block_start,
+        r.block_rows,
+        n_cols,
+        a.shape[-1],
+        r.num_pairs,
+        r.num_m_blocks,
+        a.stride(0),
+        a_scale.stride(0) if a_scale is not None else 0,
+        w.stride(0),
+        w.stride(1),
+        ws_strides[0],
+        ws_strides[1],
+        out.stride(0),
+        out_scale.stride(0) if out_scale is not None else 0,
+        GATE_UP=gate_up,
+        TOP_K=r.top_k if gate_up else 1,
+        ACTIVATION=activation,
+        FP8=fp8,
+        W_BLOCK_SCALE=w_block,
+        FP8_MAX=FP8_MAX,
+        INV_FP8_MAX=INV_FP8_MAX,
+        BLOCK_M=config.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+    )
+
+
+def _gate_up_wgmma(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    r: _Rows,
+    config: MoEConfig,
+    activation: str,
+    x_scale: torch.Tensor | None,
+    w13_scale: torch.Tensor | None,
+    fp8: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``gate_up`` on the Hopper kernels: ``y [P_pad, I]`` (FP8 with its group scales)."""
+    N = w13.shape[1] // 2
+    P_pad = r.sorted_pairs.shape[0]
+    y = torch.empty((P_pad, N), dtype=x.dtype, device=x.device)
+    y_scale = None
+    if fp8:
+        y_scale = torch.empty((P_pad, _cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device)
+    _launch_wgmma(True, x, x_scale, w13, w13_scale, y, y_scale, None, r, config, N, activation, fp8)
+    return y, y_scale
+
+
+def _down_wgmma(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    r: _Rows,
+    config: MoEConfig,
+    h_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
+    fp8: bool,
+    weights: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """``down`` on the Hopper kernels, into ``out [P_pad, H]`` (router-weighted rows)."""
+    _launch_wgmma(
+        False, h, h_scale, w2, w2_scale, out, None, weights, r, config, w2.shape[1], "silu", fp8
+    )
 
 
 def sum_topk(y_pos: torch.Tensor, aligned: AlignedPairs, out_dtype: torch.dtype) -> torch.Tensor:

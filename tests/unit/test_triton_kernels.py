@@ -619,6 +619,45 @@ def test_half_tail_config_and_alignment_must_match():
         ops.gate_up(x, w13, aligned, half)
 
 
+def test_wgmma_configs_are_checked_and_refused_where_they_cannot_run():
+    """``kernel="wgmma"`` configs: validated when built, kept through JSON, offered to the
+    autotuner for the Standard layout only, and refused with the reason off sm_90 (here:
+    CPU) instead of falling through to a wrong kernel."""
+    fp8 = configs.wgmma_config("fp8")
+    assert fp8.kernel == "wgmma" and configs.wgmma_config("fp32") is None
+    assert MoEConfig.from_dict(json.loads(json.dumps(fp8.to_dict()))) == fp8
+    assert fp8.short().endswith(" wgmma")
+    legacy = {k: v for k, v in fp8.to_dict().items() if k != "kernel"}
+    assert MoEConfig.from_dict(legacy).kernel == "dot"  # tables written before the field
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        MoEConfig(128, fp8.gate_up, fp8.down, kernel="cutlass")
+    with pytest.raises(ValueError, match="half_tail=False"):
+        MoEConfig(128, fp8.gate_up, fp8.down, half_tail=True, kernel="wgmma")
+    with pytest.raises(ValueError, match="block_m = 16 · num_warps"):
+        MoEConfig(64, fp8.gate_up, fp8.down, kernel="wgmma")
+    for dtype in ("bf16", "fp8"):
+        configs.check_config(configs.wgmma_config(dtype), dtype == "fp8")
+        std = configs.candidate_configs("standard", dtype, 4096, 7168, 2048, 128, 8)
+        assert configs.wgmma_config(dtype) in std
+        batched = configs.candidate_configs("batched", dtype, 256, 7168, 2048, 128, 8)
+        assert all(c.kernel == "dot" for c in batched)
+    assert not configs._runnable(fp8, torch.device("cpu"))
+    assert configs._runnable(SMALL, torch.device("cpu"))
+
+    e, H, I, R = 2, 256, 128, 4
+    x = torch.randn(R, H, device=DEVICE)
+    w13 = torch.randn(e, 2 * I, H, device=DEVICE)
+    w2 = torch.randn(e, H, I, device=DEVICE)
+    ids = torch.zeros(R, 1, dtype=torch.int64, device=DEVICE)
+    w = torch.ones(R, 1, device=DEVICE)
+    bf16 = configs.wgmma_config("bf16")
+    reason = ops.wgmma_unsupported(bf16, x, w13, I, 128, batched=False)
+    assert reason is not None
+    with pytest.raises(ValueError, match="kernel='wgmma'.*cannot run here"):
+        ops.fused_moe_standard(x, ids, w, w13, w2, config=bf16)
+    assert "Standard layout only" in ops.wgmma_unsupported(bf16, x, w13, I, 128, batched=True)
+
+
 def test_config_tables_and_heuristics(monkeypatch, tmp_path):
     cfg = MoEConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4))
     assert MoEConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg

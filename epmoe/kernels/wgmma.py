@@ -1,0 +1,299 @@
+"""Hopper grouped GEMMs of the Standard layout written in Gluon: asynchronous warpgroup MMAs
+kept in flight across FP8's per-K-step rescale.
+
+Shape legend as in ``grouped_gemm``: R received rows · H hidden size · I intermediate size ·
+e local experts · K top-k · P = R·K pairs · P_pad padded positions · B row blocks ·
+G = 128 (FP8 group size).
+
+Why a second implementation. In the portable ``tl.dot`` kernels an FP8 K step must rescale
+the fp32 accumulator by that step's block scales before the next MMA may add into it, and
+Triton then waits for every MMA to finish before the warps rescale (``pendings = 0``): the
+tensor cores idle during each rescale (docs/kernels.md). Here each program owns two
+accumulator tiles that share the activation tile — GEMM 1's gate and up tiles, or two
+halves of a 256-column GEMM 2 tile — and issues their MMAs in alternation::
+
+    issue MMA(acc_0, step k)          # acc_0 was rescaled for step k last iteration
+    wait until ≤ 1 MMA in flight       # MMA(acc_1, step k-1) is done
+    rescale acc_1 for step k           # ... while MMA(acc_0, step k) runs
+    issue MMA(acc_1, step k)
+    wait until ≤ 1 MMA in flight       # MMA(acc_0, step k) is done
+    rescale acc_0 for step k+1         # ... while MMA(acc_1, step k) runs
+
+so one MMA is always in flight while the other tile is rescaled, with the registers of two
+tiles only (what the ``tl.dot`` kernel holds already). Rescaling keeps ``acc = Σ_g' s_g' ·
+D_g' / s_g`` (``grouped_gemm._rescale``): one multiply per element and step. The scales
+are loaded two steps ahead, so their latency stays off the chain of MMAs.
+
+Measured on one H200 (docs/kernels.md, third round): FP8 GEMMs 6–13 % faster than the
+``tl.dot`` kernels, which ship for bf16 (faster there) and for every other case.
+
+Loads: ``cp.async`` of 16 bytes per thread into a ring of ``STAGES`` shared-memory stages
+(the activation rows are gathered, so TMA's box loads do not apply to them). A stage is
+refilled two steps after its MMAs were issued: by then every warpgroup has waited for them
+and passed the step's CTA barrier, so neither warpgroup can overwrite operands the other's
+MMA still reads.
+
+Scope: the Standard layout with ``half_tail=False``; K and the output columns multiples of
+the tile; operands with unit stride along K. ``ops`` checks these and the device (sm_90)
+before choosing these kernels; everything else runs the portable kernels.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+ROW_COUNT_ARGS = ["num_pairs", "num_m_blocks"]
+
+
+@gluon.jit
+def _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M: gl.constexpr):
+    """Grouped order: GROUP_M consecutive row blocks sweep the columns together."""
+    per_group = GROUP_M * num_n_blocks
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_rows = gl.minimum(num_m_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _issue_loads(
+    a_smem, b0_smem, b1_smem, stage, a_ptrs, a_mask, b0_ptrs, b1_ptrs, k_off, STEPS_AHEAD_OK
+):
+    """One K step's three operand tiles into ``stage`` (one cp.async group, committed even
+    when empty so that group counting stays per step)."""
+    if STEPS_AHEAD_OK:
+        async_copy.async_copy_global_to_shared(a_smem.index(stage), a_ptrs + k_off, mask=a_mask)
+        async_copy.async_copy_global_to_shared(b0_smem.index(stage), b0_ptrs + k_off)
+        async_copy.async_copy_global_to_shared(b1_smem.index(stage), b1_ptrs + k_off)
+    async_copy.commit_group()
+
+
+@gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
+def pair_gemm_kernel(
+    # pointers
+    a_ptr,  # GATE_UP: x [R, H] (rows gathered by pair // TOP_K); else h [P_pad, I] by position
+    a_scale_ptr,  # FP8: [rows of a, K / G] float32 group scales
+    w_ptr,  # [e, N_w, K] weights (GATE_UP: w13 with N_w = 2N; else w2 with N_w = N)
+    w_scale_ptr,  # FP8: [e, N_w / G, K / G] float32 block scales, or [e] per expert
+    out_ptr,  # GATE_UP: y [P_pad, N] (FP8 with y_scale, else a's dtype); else [P_pad, N]
+    out_scale_ptr,  # GATE_UP and FP8: [P_pad, N / G] float32 group scales of y
+    topk_weights_ptr,  # not GATE_UP: [P] float32 router weight of each pair
+    sorted_pairs_ptr,  # [P_pad] int32 pair r·K + k per position, P at padding
+    block_expert_ptr,  # [B] int32 expert of each row block, -1 past the last one
+    block_start_ptr,  # [B] int32 first padded position of each row block
+    block_rows_ptr,  # [B] int32 padded positions of each row block, 0 past the last
+    # sizes
+    N,  # output columns (GATE_UP: I; else H)
+    K,  # reduction (GATE_UP: H; else I)
+    num_pairs,  # P (the sentinel)
+    num_m_blocks,  # B
+    # strides (elements; unit stride along K and along the output columns)
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_om,
+    stride_osm,
+    # meta-parameters
+    GATE_UP: gl.constexpr,  # GEMM 1 (act(gate)·up, tiles n and N + n) else GEMM 2 (n, n + BN)
+    TOP_K: gl.constexpr,
+    ACTIVATION: gl.constexpr,
+    FP8: gl.constexpr,
+    W_BLOCK_SCALE: gl.constexpr,
+    FP8_MAX: gl.constexpr,
+    INV_FP8_MAX: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,  # columns of each of the two accumulator tiles
+    BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    # ---- layouts: wgmma accumulators over num_warps // 4 warpgroups along M; 16-byte
+    # cp.async vectors; 128-byte swizzled operand tiles
+    ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
+    )
+    VEC: gl.constexpr = 128 // ELEM_BITS  # elements per 16 bytes
+    THREADS_K: gl.constexpr = BLOCK_K // VEC
+    load_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, VEC],
+        threads_per_warp=[32 // THREADS_K, THREADS_K],
+        warps_per_cta=[num_warps, 1],
+        order=[1, 0],
+    )
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=ELEM_BITS, rank=2
+    )
+    rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_mma: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    rows_load: gl.constexpr = gl.SliceLayout(1, load_layout)
+    cols_load: gl.constexpr = gl.SliceLayout(0, load_layout)
+
+    # ---- this program's tile: row block pid_m of the align table, column block pid_n
+    TILE_N: gl.constexpr = BLOCK_N if GATE_UP else 2 * BLOCK_N
+    num_n_blocks = N // TILE_N
+    pid_m, pid_n = _tile_ids(gl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    rows = gl.load(block_rows_ptr + pid_m)
+    if rows == 0:
+        return
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    first = gl.load(block_start_ptr + pid_m).to(gl.int64)
+    n0 = pid_n * TILE_N
+    if GATE_UP:
+        nb1 = n0 + N  # the up rows of w13
+    else:
+        nb1 = n0 + BLOCK_N
+
+    # rows of the tile in the load layout (pointers) ...
+    pos_l = first + gl.arange(0, BLOCK_M, layout=rows_load)
+    pair_l = gl.load(sorted_pairs_ptr + pos_l)
+    valid_l = pair_l < num_pairs
+    if GATE_UP:
+        src_l = gl.where(valid_l, pair_l // TOP_K, 0).to(gl.int64)
+    else:
+        src_l = pos_l
+    # ... and in the accumulator layout (scales, epilogue)
+    pos_m = first + gl.arange(0, BLOCK_M, layout=rows_mma)
+    pair_m = gl.load(sorted_pairs_ptr + pos_m)
+    valid_m = pair_m < num_pairs
+    if GATE_UP:
+        src_m = gl.where(valid_m, pair_m // TOP_K, 0).to(gl.int64)
+    else:
+        src_m = pos_m
+
+    offs_k = gl.arange(0, BLOCK_K, layout=cols_load)
+    a_ptrs = a_ptr + src_l[:, None] * stride_am + offs_k[None, :]
+    a_mask = valid_l[:, None]  # constant along K: 16-byte copies
+    offs_n = gl.arange(0, BLOCK_N, layout=rows_load).to(gl.int64)
+    w_base = w_ptr + expert * stride_we
+    b0_ptrs = w_base + (n0 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+    b1_ptrs = w_base + (nb1 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+
+    a_smem = gl.allocate_shared_memory(
+        a_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem_layout
+    )
+    b0_smem = gl.allocate_shared_memory(
+        w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem_layout
+    )
+    b1_smem = gl.allocate_shared_memory(
+        w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem_layout
+    )
+
+    num_k = K // BLOCK_K
+    # Prologue: steps 0 .. STAGES - 3 in flight (a stage is refilled two steps after use).
+    for j in gl.static_range(STAGES - 2):
+        _issue_loads(
+            a_smem, b0_smem, b1_smem, j, a_ptrs, a_mask, b0_ptrs, b1_ptrs, j * BLOCK_K, j < num_k
+        )
+
+    acc0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+    acc1_tok = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout))
+
+    if FP8:
+        # Scales are loaded two steps ahead (their latency stays off the MMA chain); past the
+        # last step they read 1 (the last rescale is then the final multiply).
+        as_ptrs = a_scale_ptr + src_m * stride_asm  # [BLOCK_M] group scales, step 0
+        ws_base = w_scale_ptr + expert * stride_wse
+        if W_BLOCK_SCALE:
+            ws0_ptr = ws_base + (n0 // BLOCK_K) * stride_wsn
+            ws1_ptr = ws_base + (nb1 // BLOCK_K) * stride_wsn
+            ws_step = 1
+        else:  # one scale per expert
+            ws0_ptr = ws_base
+            ws1_ptr = ws_base
+            ws_step = 0
+        xs_cur = gl.load(as_ptrs, mask=valid_m, other=1.0)
+        w0_cur = gl.load(ws0_ptr)
+        w1_cur = gl.load(ws1_ptr)
+        has_1 = num_k > 1
+        xs_1 = gl.load(as_ptrs + 1, mask=valid_m & has_1, other=1.0)
+        w0_1 = gl.load(ws0_ptr + ws_step, mask=has_1, other=1.0)
+        w1_1 = gl.load(ws1_ptr + ws_step, mask=has_1, other=1.0)
+        # acc0 is zero: no rescale before step 0. acc1's factor for its next step, and its
+        # scale at the last step issued (multiplied back after the loop):
+        r1 = gl.full([BLOCK_M], 1.0, gl.float32, layout=rows_mma)
+        s1 = r1
+
+    for k in range(num_k):
+        stage = k % STAGES
+        # step k's tiles have landed (for this thread), then are visible to the async
+        # proxy (wgmma) of every thread
+        async_copy.wait_group(STAGES - 3)
+        fence_async_shared()
+        gl.thread_barrier()
+        # refill the stage of step k - 2 with step k + STAGES - 2: every warpgroup waited for
+        # step k - 2's MMAs before it reached the barrier above
+        nxt = k + STAGES - 2
+        _issue_loads(
+            a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b0_ptrs, b1_ptrs,
+            nxt * BLOCK_K, nxt < num_k,
+        )  # fmt: skip
+        a_s = a_smem.index(stage)
+        tok0 = warpgroup_mma(a_s, b0_smem.index(stage).permute((1, 0)), acc0, is_async=True)
+        acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
+        if FP8:
+            has_2 = k + 2 < num_k
+            xs_2 = gl.load(as_ptrs + (k + 2), mask=valid_m & has_2, other=1.0)
+            w0_2 = gl.load(ws0_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
+            w1_2 = gl.load(ws1_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
+            acc1 = acc1 * r1[:, None]
+        acc1_tok = warpgroup_mma(a_s, b1_smem.index(stage).permute((1, 0)), acc1, is_async=True)
+        acc0 = warpgroup_mma_wait(1, deps=[tok0])  # MMA(acc0, k) done; acc1's runs
+        if FP8:
+            x_ratio = xs_cur / xs_1
+            acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
+            r1 = x_ratio * (w1_cur / w1_1)
+            s1 = xs_cur * w1_cur
+            xs_cur = xs_1
+            w0_cur = w0_1
+            w1_cur = w1_1
+            xs_1 = xs_2
+            w0_1 = w0_2
+            w1_1 = w1_2
+    acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
+    async_copy.wait_group(0)
+    if FP8:  # acc1 holds Σ s·D / s_last: multiply the last step's scales back
+        acc1 = acc1 * s1[:, None]
+
+    # ---- epilogue
+    offs_c = gl.arange(0, BLOCK_N, layout=cols_mma)
+    out_rows = out_ptr + pos_m[:, None] * stride_om
+    store_mask = valid_m[:, None] & (offs_c[None, :] < BLOCK_N)
+    if GATE_UP:
+        if ACTIVATION == "silu":
+            act = acc0 / (1.0 + gl.exp(-acc0))
+        else:
+            act = 0.5 * acc0 * (1.0 + gl.erf(acc0 * 0.7071067811865476))
+        h = act * acc1
+        y_ptrs = out_rows + (n0 + offs_c)[None, :]
+        if FP8:  # one group of G columns per tile: quantize it for GEMM 2 (as quant.py)
+            scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * INV_FP8_MAX
+            q = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
+            gl.store(y_ptrs, q.to(out_ptr.dtype.element_ty), mask=store_mask)
+            gl.store(out_scale_ptr + pos_m * stride_osm + pid_n, scale, mask=valid_m)
+        else:
+            gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        router_w = gl.load(topk_weights_ptr + pair_m, mask=valid_m, other=0.0)
+        out0 = acc0 * router_w[:, None]
+        out1 = acc1 * router_w[:, None]
+        gl.store(
+            out_rows + (n0 + offs_c)[None, :], out0.to(out_ptr.dtype.element_ty), mask=store_mask
+        )
+        gl.store(
+            out_rows + (n0 + BLOCK_N + offs_c)[None, :],
+            out1.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )

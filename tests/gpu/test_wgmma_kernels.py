@@ -1,0 +1,160 @@
+"""GPU tier of the Hopper (sm_90) Gluon kernels of the Standard layout (``kernel="wgmma"``
+configs): bf16 and FP8 (block and per-expert scales) against the float64 oracle, rows on
+both sides of every tile boundary, equal to the portable kernels, CUDA-graph capture, and
+clear errors where they cannot run.
+
+Tolerances (relative, ‖out − ref‖ / ‖ref‖): bf16 2e-2 and FP8 6e-2
+(``epmoe.reference.TOLERANCES``). Shape legend: R rows · H hidden · I intermediate ·
+e local experts · K top-k.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epmoe.reference import (
+    TOLERANCES,
+    assert_close,
+    dequantize_block,
+    moe,
+    quantize_block,
+    quantize_groups,
+)
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gpu mark
+    pytest.skip("needs CUDA", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the wgmma kernels need an sm_90 GPU", allow_module_level=True)
+
+from epmoe.kernels import ops  # noqa: E402
+from epmoe.kernels.configs import GemmConfig, MoEConfig  # noqa: E402
+
+DEV = torch.device("cuda")
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+G = GemmConfig
+WGMMA = {
+    "fp8": MoEConfig(128, G(128, 128, 8, 8, 4), G(256, 128, 8, 8, 4), kernel="wgmma"),
+    "bf16": MoEConfig(128, G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 4), kernel="wgmma"),
+}
+DOT = {
+    "fp8": MoEConfig(128, G(128, 128, 8, 8, 3), G(128, 128, 8, 8, 4)),
+    "bf16": MoEConfig(128, G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 3)),
+}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _weights(dtype: str, e: int, H: int, I: int, seed: int, per_expert: bool = False):
+    """Kernel weights ``(w13, w2, w13_scale, w2_scale)`` and the oracle's float64 ones."""
+    g = _gen(seed)
+    w13 = torch.randn(e, 2 * I, H, generator=g, device=DEV) * H**-0.5
+    w2 = torch.randn(e, H, I, generator=g, device=DEV) * I**-0.5
+    if dtype == "fp8":
+        (q13, s13), (q2, s2) = (quantize_block(w, per_matrix=per_expert) for w in (w13, w2))
+        ref = dequantize_block(q13, s13).double(), dequantize_block(q2, s2).double()
+        return (q13, q2, s13, s2), ref
+    return (w13.to(BF16), w2.to(BF16), None, None), (w13.to(BF16).double(), w2.to(BF16).double())
+
+
+def _ids(R: int, K: int, e: int, E: int, seed: int) -> torch.Tensor:
+    ids = torch.rand(R, E, generator=_gen(seed), device=DEV).argsort(dim=1)[:, :K]
+    return torch.where(ids < e, ids, -1)
+
+
+def _run(x, ids, w, weights, cfg, x_scale=None):
+    q13, q2, s13, s2 = weights
+    return ops.fused_moe_standard(
+        x, ids, w, q13, q2, hidden_scale=x_scale, w13_scale=s13, w2_scale=s2, config=cfg
+    )
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_every_tile_boundary(dtype):
+    """Experts with 0, 1, 127, 128, 129, 255, 256 and 300 rows (K = 1) at DeepSeek-V3's H
+    and I: against the oracle, and equal to the portable kernels up to rounding."""
+    counts = [0, 1, 127, 128, 129, 255, 256, 300]
+    e, H, I = len(counts), 7168, 2048
+    weights, (w13d, w2d) = _weights(dtype, e, H, I, seed=1)
+    ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
+    R = ids.numel()
+    ids = ids[torch.randperm(R, generator=_gen(2), device=DEV)][:, None]
+    x = torch.randn(R, H, generator=_gen(3), device=DEV).to(BF16)
+    w = torch.rand(R, 1, generator=_gen(4), device=DEV) + 0.1
+    out = _run(x, ids, w, weights, WGMMA[dtype])
+    ref = moe(x.double(), w13d, w2d, w, ids)
+    rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
+    assert_close(out, ref, rtol, name=f"wgmma {dtype}")
+    portable = _run(x, ids, w, weights, DOT[dtype])
+    assert_close(out, portable, rtol / 4, name=f"wgmma vs dot {dtype}")
+
+
+@pytest.mark.parametrize("fp8_input", [False, True], ids=["bf16-in", "fp8-in"])
+@pytest.mark.parametrize("per_expert", [False, True], ids=["block-scales", "per-expert-scales"])
+@pytest.mark.parametrize(
+    "R,K,e,E,H,I",
+    [
+        pytest.param(300, 8, 16, 32, 1024, 512, id="EP-half-local"),
+        pytest.param(512, 8, 8, 256, 7168, 2048, id="deepseek-shape"),
+    ],
+)
+def test_fp8_top_k(R, K, e, E, H, I, per_expert, fp8_input):
+    """Top-K routing over E experts, e of them local (the Standard layout's gather)."""
+    weights, (w13d, w2d) = _weights("fp8", e, H, I, seed=R + e, per_expert=per_expert)
+    x = torch.randn(R, H, generator=_gen(R), device=DEV).to(BF16)
+    ids = _ids(R, K, e, E, seed=R + 1)
+    w = torch.rand(R, K, generator=_gen(R + 2), device=DEV)
+    if fp8_input:
+        xq, xs = quantize_groups(x)
+        out = _run(xq, ids, w, weights, WGMMA["fp8"], xs)
+    else:
+        out = _run(x, ids, w, weights, WGMMA["fp8"])
+    ref = moe(x.double(), w13d, w2d, w, ids)
+    assert out.dtype == BF16
+    assert_close(out, ref, TOLERANCES[FP8], name="wgmma fp8 top-k")
+
+
+def test_bf16_top_k_and_graph_replay():
+    """bf16 with top-8 routing, then the same layer captured in a CUDA graph and replayed
+    on new inputs and routes written in place (no host synchronisation)."""
+    R, K, e, E, H, I = 256, 8, 8, 64, 2048, 768
+    weights, (w13d, w2d) = _weights("bf16", e, H, I, seed=5)
+    x = torch.randn(R, H, generator=_gen(6), device=DEV).to(BF16)
+    ids, w = _ids(R, K, e, E, seed=7), torch.rand(R, K, generator=_gen(8), device=DEV)
+    out = _run(x, ids, w, weights, WGMMA["bf16"])
+    assert_close(out, moe(x.double(), w13d, w2d, w, ids), TOLERANCES[BF16], name="bf16")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out_graph = _run(x, ids, w, weights, WGMMA["bf16"])
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in range(2):
+        x.copy_(torch.randn(R, H, generator=_gen(10 + step), device=DEV).to(BF16))
+        ids.copy_(_ids(R, K, e, E, seed=20 + step))
+        graph.replay()
+        eager = _run(x, ids, w, weights, WGMMA["bf16"])
+        torch.cuda.synchronize()
+        assert torch.equal(out_graph, eager), f"replay {step}"
+
+
+def test_unsupported_cases_name_the_fix():
+    """Shapes the kernels cannot tile, and the ExpertBatched layout, are refused with the
+    reason (never a wrong answer)."""
+    e, H, I, R = 2, 1000, 256, 16
+    weights, _ = _weights("bf16", e, H, I, seed=9)
+    x = torch.randn(R, H, device=DEV).to(BF16)
+    ids = torch.zeros(R, 1, dtype=torch.int64, device=DEV)
+    w = torch.ones(R, 1, device=DEV)
+    with pytest.raises(ValueError, match="kernel='wgmma'.*multiple of"):
+        _run(x, ids, w, weights, WGMMA["bf16"])
+    q13, q2, _, _ = _weights("bf16", e, 1024, I, seed=9)[0]
+    counts = torch.tensor([3, 0], dtype=torch.int32, device=DEV)
+    xb = torch.randn(e, 8, 1024, device=DEV).to(BF16)
+    with pytest.raises(ValueError, match="Standard layout only"):
+        ops.fused_moe_batched(xb, counts, q13, q2, config=WGMMA["bf16"])
