@@ -71,7 +71,8 @@ class MoEConfig:
     ``"wgmma"``, the Hopper (sm_90) Gluon kernels of the Standard layout (``wgmma``), which
     keep an MMA in flight while FP8's block scales are applied. A ``wgmma`` config has
     ``block_m = 16 · num_warps`` in both GEMMs, ``block_k`` of 128 bytes, ``gate_up.block_n``
-    128 and an even ``down.block_n`` (two accumulator tiles of ``down.block_n / 2``).
+    128 and an even ``down.block_n`` (two accumulator tiles of ``down.block_n / 2``); with
+    ``half_tail`` the two warpgroups of a half-height tile split its columns.
     """
 
     block_m: int
@@ -95,8 +96,6 @@ class MoEConfig:
     def _check_wgmma(self) -> None:
         gu, dn = self.gate_up, self.down
         problems = []
-        if self.half_tail:
-            problems.append("half_tail=False (one tile height)")
         for name, c in (("gate_up", gu), ("down", dn)):
             if c.num_warps not in (4, 8) or self.block_m != 16 * c.num_warps:
                 problems.append(f"{name}.num_warps 4 or 8 with block_m = 16 · num_warps")
@@ -169,13 +168,14 @@ def wgmma_available(device_index: int) -> bool:
 
 def wgmma_config(dtype: str) -> MoEConfig | None:
     """The Hopper kernels' tiling for the Standard layout in ``dtype`` (None for fp32):
-    128-row blocks over two warpgroups, four stages of 128-byte K steps, GEMM 2 tiles of
-    256 columns (two accumulators of 128)."""
+    128-row blocks over two warpgroups, half-height tails, four stages of 128-byte K steps,
+    GEMM 2 tiles of 256 columns (two accumulators of 128)."""
     if dtype == "fp32":
         return None
     block_k = 128 if dtype == "fp8" else 64
     G = GemmConfig
-    return MoEConfig(128, G(128, block_k, 8, 8, 4), G(256, block_k, 8, 8, 4), kernel="wgmma")
+    gate_up, down = G(128, block_k, 8, 8, 4), G(256, block_k, 8, 8, 4)
+    return MoEConfig(128, gate_up, down, half_tail=True, kernel="wgmma")
 
 
 def _runnable(config: MoEConfig, device: torch.device) -> bool:

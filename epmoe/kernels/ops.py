@@ -676,6 +676,7 @@ def _launch_wgmma(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages,
+        HALF_TAIL=config.half_tail,
         num_warps=cfg.num_warps,
     )
 

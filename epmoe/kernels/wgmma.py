@@ -76,61 +76,33 @@ def _issue_loads(
     async_copy.commit_group()
 
 
-@gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
-def pair_gemm_kernel(
-    # pointers
-    a_ptr,  # GATE_UP: x [R, H] (rows gathered by pair // TOP_K); else h [P_pad, I] by position
-    a_scale_ptr,  # FP8: [rows of a, K / G] float32 group scales
-    w_ptr,  # [e, N_w, K] weights (GATE_UP: w13 with N_w = 2N; else w2 with N_w = N)
-    w_scale_ptr,  # FP8: [e, N_w / G, K / G] float32 block scales, or [e] per expert
-    out_ptr,  # GATE_UP: y [P_pad, N] (FP8 with y_scale, else a's dtype); else [P_pad, N]
-    out_scale_ptr,  # GATE_UP and FP8: [P_pad, N / G] float32 group scales of y
-    topk_weights_ptr,  # not GATE_UP: [P] float32 router weight of each pair
-    sorted_pairs_ptr,  # [P_pad] int32 pair r·K + k per position, P at padding
-    block_expert_ptr,  # [B] int32 expert of each row block, -1 past the last one
-    block_start_ptr,  # [B] int32 first padded position of each row block
-    block_rows_ptr,  # [B] int32 padded positions of each row block, 0 past the last
-    # sizes
-    N,  # output columns (GATE_UP: I; else H)
-    K,  # reduction (GATE_UP: H; else I)
-    num_pairs,  # P (the sentinel)
-    num_m_blocks,  # B
-    # strides (elements; unit stride along K and along the output columns)
-    stride_am,
-    stride_asm,
-    stride_we,
-    stride_wn,
-    stride_wse,
-    stride_wsn,
-    stride_om,
-    stride_osm,
-    # meta-parameters
-    GATE_UP: gl.constexpr,  # GEMM 1 (act(gate)·up, tiles n and N + n) else GEMM 2 (n, n + BN)
-    TOP_K: gl.constexpr,
-    ACTIVATION: gl.constexpr,
-    FP8: gl.constexpr,
-    W_BLOCK_SCALE: gl.constexpr,
-    FP8_MAX: gl.constexpr,
-    INV_FP8_MAX: gl.constexpr,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,  # columns of each of the two accumulator tiles
-    BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    STAGES: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    # ---- layouts: wgmma accumulators over num_warps // 4 warpgroups along M; 16-byte
-    # cp.async vectors; 128-byte swizzled operand tiles
+@gluon.jit
+def _pair_tile(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+    sorted_pairs_ptr, expert, first, pid_n, n0, nb1, N, K, num_pairs,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
+    W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
+    TILE_M: gl.constexpr, WARPS_N: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+):  # fmt: skip
+    """One ``[TILE_M, 2 · BLOCK_N]`` output tile (see pair_gemm_kernel): the K loop and the
+    epilogue, with the warpgroups along M (``WARPS_N = 1``) or, for a half-height tile,
+    along N (``WARPS_N = 2``)."""
+    # ---- layouts: wgmma accumulators over the warpgroups (along M, or along N for a
+    # half-height tile); 16-byte cp.async vectors; 128-byte swizzled operand tiles
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
+        version=[3, 0],
+        warps_per_cta=[NUM_WARPS // WARPS_N, WARPS_N],
+        instr_shape=[16, BLOCK_N // WARPS_N, 256 // ELEM_BITS],
     )
     VEC: gl.constexpr = 128 // ELEM_BITS  # elements per 16 bytes
     THREADS_K: gl.constexpr = BLOCK_K // VEC
     load_layout: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, VEC],
         threads_per_warp=[32 // THREADS_K, THREADS_K],
-        warps_per_cta=[num_warps, 1],
+        warps_per_cta=[NUM_WARPS, 1],
         order=[1, 0],
     )
     smem_layout: gl.constexpr = gl.NVMMASharedLayout(
@@ -141,31 +113,16 @@ def pair_gemm_kernel(
     rows_load: gl.constexpr = gl.SliceLayout(1, load_layout)
     cols_load: gl.constexpr = gl.SliceLayout(0, load_layout)
 
-    # ---- this program's tile: row block pid_m of the align table, column block pid_n
-    TILE_N: gl.constexpr = BLOCK_N if GATE_UP else 2 * BLOCK_N
-    num_n_blocks = N // TILE_N
-    pid_m, pid_n = _tile_ids(gl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
-    rows = gl.load(block_rows_ptr + pid_m)
-    if rows == 0:
-        return
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-    first = gl.load(block_start_ptr + pid_m).to(gl.int64)
-    n0 = pid_n * TILE_N
-    if GATE_UP:
-        nb1 = n0 + N  # the up rows of w13
-    else:
-        nb1 = n0 + BLOCK_N
-
     # rows of the tile in the load layout (pointers) ...
-    pos_l = first + gl.arange(0, BLOCK_M, layout=rows_load)
-    pair_l = gl.load(sorted_pairs_ptr + pos_l)
+    pos_l = first + gl.arange(0, TILE_M, layout=rows_load)
+    pair_l = gl.load(sorted_pairs_ptr + pos_l)  # every position of a block is in the table
     valid_l = pair_l < num_pairs
     if GATE_UP:
         src_l = gl.where(valid_l, pair_l // TOP_K, 0).to(gl.int64)
     else:
         src_l = pos_l
     # ... and in the accumulator layout (scales, epilogue)
-    pos_m = first + gl.arange(0, BLOCK_M, layout=rows_mma)
+    pos_m = first + gl.arange(0, TILE_M, layout=rows_mma)
     pair_m = gl.load(sorted_pairs_ptr + pos_m)
     valid_m = pair_m < num_pairs
     if GATE_UP:
@@ -182,7 +139,7 @@ def pair_gemm_kernel(
     b1_ptrs = w_base + (nb1 + offs_n)[:, None] * stride_wn + offs_k[None, :]
 
     a_smem = gl.allocate_shared_memory(
-        a_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem_layout
+        a_ptr.dtype.element_ty, [STAGES, TILE_M, BLOCK_K], smem_layout
     )
     b0_smem = gl.allocate_shared_memory(
         w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem_layout
@@ -198,13 +155,13 @@ def pair_gemm_kernel(
             a_smem, b0_smem, b1_smem, j, a_ptrs, a_mask, b0_ptrs, b1_ptrs, j * BLOCK_K, j < num_k
         )
 
-    acc0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-    acc1_tok = warpgroup_mma_init(gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout))
+    acc0 = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
+    acc1_tok = warpgroup_mma_init(gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout))
 
     if FP8:
         # Scales are loaded two steps ahead (their latency stays off the MMA chain); past the
         # last step they read 1 (the last rescale is then the final multiply).
-        as_ptrs = a_scale_ptr + src_m * stride_asm  # [BLOCK_M] group scales, step 0
+        as_ptrs = a_scale_ptr + src_m * stride_asm  # [TILE_M] group scales, step 0
         ws_base = w_scale_ptr + expert * stride_wse
         if W_BLOCK_SCALE:
             ws0_ptr = ws_base + (n0 // BLOCK_K) * stride_wsn
@@ -223,7 +180,7 @@ def pair_gemm_kernel(
         w1_1 = gl.load(ws1_ptr + ws_step, mask=has_1, other=1.0)
         # acc0 is zero: no rescale before step 0. acc1's factor for its next step, and its
         # scale at the last step issued (multiplied back after the loop):
-        r1 = gl.full([BLOCK_M], 1.0, gl.float32, layout=rows_mma)
+        r1 = gl.full([TILE_M], 1.0, gl.float32, layout=rows_mma)
         s1 = r1
 
     for k in range(num_k):
@@ -297,3 +254,82 @@ def pair_gemm_kernel(
             out1.to(out_ptr.dtype.element_ty),
             mask=store_mask,
         )
+
+
+@gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
+def pair_gemm_kernel(
+    # pointers
+    a_ptr,  # GATE_UP: x [R, H] (rows gathered by pair // TOP_K); else h [P_pad, I] by position
+    a_scale_ptr,  # FP8: [rows of a, K / G] float32 group scales
+    w_ptr,  # [e, N_w, K] weights (GATE_UP: w13 with N_w = 2N; else w2 with N_w = N)
+    w_scale_ptr,  # FP8: [e, N_w / G, K / G] float32 block scales, or [e] per expert
+    out_ptr,  # GATE_UP: y [P_pad, N] (FP8 with y_scale, else a's dtype); else [P_pad, N]
+    out_scale_ptr,  # GATE_UP and FP8: [P_pad, N / G] float32 group scales of y
+    topk_weights_ptr,  # not GATE_UP: [P] float32 router weight of each pair
+    sorted_pairs_ptr,  # [P_pad] int32 pair r·K + k per position, P at padding
+    block_expert_ptr,  # [B] int32 expert of each row block, -1 past the last one
+    block_start_ptr,  # [B] int32 first padded position of each row block
+    block_rows_ptr,  # [B] int32 padded positions of each row block, 0 past the last
+    # sizes
+    N,  # output columns (GATE_UP: I; else H)
+    K,  # reduction (GATE_UP: H; else I)
+    num_pairs,  # P (the sentinel)
+    num_m_blocks,  # B
+    # strides (elements; unit stride along K and along the output columns)
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_om,
+    stride_osm,
+    # meta-parameters
+    GATE_UP: gl.constexpr,  # GEMM 1 (act(gate)·up, tiles n and N + n) else GEMM 2 (n, n + BN)
+    TOP_K: gl.constexpr,
+    ACTIVATION: gl.constexpr,
+    FP8: gl.constexpr,
+    W_BLOCK_SCALE: gl.constexpr,
+    FP8_MAX: gl.constexpr,
+    INV_FP8_MAX: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,  # columns of each of the two accumulator tiles
+    BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    HALF_TAIL: gl.constexpr,  # blocks of <= BLOCK_M / 2 rows run a half-height tile
+    num_warps: gl.constexpr,
+):
+    # this program's tile: row block pid_m of the align table, column block pid_n
+    TILE_N: gl.constexpr = BLOCK_N if GATE_UP else 2 * BLOCK_N
+    num_n_blocks = N // TILE_N
+    pid_m, pid_n = _tile_ids(gl.program_id(0), num_m_blocks, num_n_blocks, GROUP_M)
+    rows = gl.load(block_rows_ptr + pid_m)
+    if rows == 0:
+        return
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    first = gl.load(block_start_ptr + pid_m).to(gl.int64)
+    n0 = pid_n * TILE_N
+    if GATE_UP:
+        nb1 = n0 + N  # the up rows of w13
+    else:
+        nb1 = n0 + BLOCK_N
+
+    if HALF_TAIL:  # noqa: SIM102
+        if rows <= BLOCK_M // 2:
+            # an expert's last rows: half the MMA work; the two warpgroups split the columns
+            _pair_tile(
+                a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+                topk_weights_ptr, sorted_pairs_ptr, expert, first, pid_n, n0, nb1, N, K,
+                num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
+                stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+                INV_FP8_MAX, BLOCK_M // 2, 2, BLOCK_N, BLOCK_K, STAGES, num_warps,
+            )  # fmt: skip
+            return
+    _pair_tile(
+        a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
+        topk_weights_ptr, sorted_pairs_ptr, expert, first, pid_n, n0, nb1, N, K,
+        num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
+        stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+        INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps,
+    )  # fmt: skip

@@ -10,6 +10,8 @@ e local experts · K top-k.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -73,11 +75,13 @@ def _run(x, ids, w, weights, cfg, x_scale=None):
     )
 
 
+@pytest.mark.parametrize("half_tail", [False, True], ids=["one-height", "half-tails"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_every_tile_boundary(dtype):
-    """Experts with 0, 1, 127, 128, 129, 255, 256 and 300 rows (K = 1) at DeepSeek-V3's H
-    and I: against the oracle, and equal to the portable kernels up to rounding."""
-    counts = [0, 1, 127, 128, 129, 255, 256, 300]
+def test_every_tile_boundary(dtype, half_tail):
+    """Experts with rows on both sides of every tile boundary (K = 1) at DeepSeek-V3's H
+    and I, with and without half-height tail tiles: against the oracle, and equal to the
+    portable kernels up to rounding."""
+    counts = [0, 1, 63, 64, 65, 127, 128, 129, 192, 255, 256, 300]
     e, H, I = len(counts), 7168, 2048
     weights, (w13d, w2d) = _weights(dtype, e, H, I, seed=1)
     ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
@@ -85,7 +89,8 @@ def test_every_tile_boundary(dtype):
     ids = ids[torch.randperm(R, generator=_gen(2), device=DEV)][:, None]
     x = torch.randn(R, H, generator=_gen(3), device=DEV).to(BF16)
     w = torch.rand(R, 1, generator=_gen(4), device=DEV) + 0.1
-    out = _run(x, ids, w, weights, WGMMA[dtype])
+    cfg = dataclasses.replace(WGMMA[dtype], half_tail=half_tail)
+    out = _run(x, ids, w, weights, cfg)
     ref = moe(x.double(), w13d, w2d, w, ids)
     rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
     assert_close(out, ref, rtol, name=f"wgmma {dtype}")
@@ -93,6 +98,7 @@ def test_every_tile_boundary(dtype):
     assert_close(out, portable, rtol / 4, name=f"wgmma vs dot {dtype}")
 
 
+@pytest.mark.parametrize("half_tail", [False, True], ids=["one-height", "half-tails"])
 @pytest.mark.parametrize("fp8_input", [False, True], ids=["bf16-in", "fp8-in"])
 @pytest.mark.parametrize("per_expert", [False, True], ids=["block-scales", "per-expert-scales"])
 @pytest.mark.parametrize(
@@ -102,17 +108,18 @@ def test_every_tile_boundary(dtype):
         pytest.param(512, 8, 8, 256, 7168, 2048, id="deepseek-shape"),
     ],
 )
-def test_fp8_top_k(R, K, e, E, H, I, per_expert, fp8_input):
+def test_fp8_top_k(R, K, e, E, H, I, per_expert, fp8_input, half_tail):
     """Top-K routing over E experts, e of them local (the Standard layout's gather)."""
+    cfg = dataclasses.replace(WGMMA["fp8"], half_tail=half_tail)
     weights, (w13d, w2d) = _weights("fp8", e, H, I, seed=R + e, per_expert=per_expert)
     x = torch.randn(R, H, generator=_gen(R), device=DEV).to(BF16)
     ids = _ids(R, K, e, E, seed=R + 1)
     w = torch.rand(R, K, generator=_gen(R + 2), device=DEV)
     if fp8_input:
         xq, xs = quantize_groups(x)
-        out = _run(xq, ids, w, weights, WGMMA["fp8"], xs)
+        out = _run(xq, ids, w, weights, cfg, xs)
     else:
-        out = _run(x, ids, w, weights, WGMMA["fp8"])
+        out = _run(x, ids, w, weights, cfg)
     ref = moe(x.double(), w13d, w2d, w, ids)
     assert out.dtype == BF16
     assert_close(out, ref, TOLERANCES[FP8], name="wgmma fp8 top-k")
