@@ -52,7 +52,11 @@ def _compile(fn, args: tuple, meta: dict):
     from triton.compiler import ASTSource
 
     meta = dict(meta)
-    options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
+    options = {"num_warps": meta.pop("num_warps")}
+    if "num_stages" in meta:  # (the Gluon kernels pipeline by hand: STAGES)
+        options["num_stages"] = meta.pop("num_stages")
+    if "num_warps" in fn.arg_names:  # a Gluon kernel reads it as a constexpr argument
+        meta["num_warps"] = options["num_warps"]
     names = fn.arg_names
     keep = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
     signature, constants, attrs = {}, dict(meta), {}
@@ -69,6 +73,8 @@ def _compile(fn, args: tuple, meta: dict):
                     attrs[(i,)] = [["tt.divisibility", 16]]
     for name in constants:
         signature[name] = "constexpr"
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     src = ASTSource(
         fn,
         {n: signature[n] for n in names if n in signature},
@@ -128,10 +134,16 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
     def scales(*shape):
         return torch.empty(*shape) if fp8 else None
 
-    gate_up, down = _Capture(), _Capture()
+    gate_up, down, pair = _Capture(), _Capture(), _Capture()
+    hopper = None
+    if config.kernel == "wgmma":
+        from epmoe.kernels import wgmma as hopper
     with (
         mock.patch.object(grouped_gemm, "gate_up_kernel", gate_up),
         mock.patch.object(grouped_gemm, "down_kernel", down),
+        # kernel="wgmma": both GEMMs launch wgmma.pair_gemm_kernel (GATE_UP tells them apart)
+        mock.patch.object(ops, "_wgmma_module", lambda: mock.Mock(pair_gemm_kernel=pair)),
+        mock.patch.object(ops, "wgmma_unsupported", lambda *a, **k: None),
         mock.patch.object(ops, "_check_device", lambda *t: torch.device("cpu")),
         # FP8 GEMM 1 tiles narrower than a group quantize in a separate kernel: not reported
         mock.patch.object(ops, "per_token_group_quant_fp8", lambda y, counts=None: (y, None)),
@@ -155,16 +167,24 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
             scales(e, H // 128, I // 128),
             torch.empty(R, K),
         )
+    if hopper is not None:
+        launches = {meta["GATE_UP"]: (args, meta) for args, meta in pair.launches}
+        kernels = [
+            ("gate_up", launches[True], hopper.pair_gemm_kernel),
+            ("down", launches[False], hopper.pair_gemm_kernel),
+        ]
+    else:
+        kernels = [
+            ("gate_up", gate_up.launches[0], grouped_gemm.gate_up_kernel),
+            ("down", down.launches[0], grouped_gemm.down_kernel),
+        ]
     rows = []
-    for name, capture, fn in (
-        ("gate_up", gate_up, grouped_gemm.gate_up_kernel),
-        ("down", down, grouped_gemm.down_kernel),
-    ):
+    for name, launch, fn in kernels:
         row = {"dtype": dtype, "config": config.short(), "kernel": name}
         try:
-            row.update(_resources(_compile(fn, *capture.launches[0])))
+            row.update(_resources(_compile(fn, *launch)))
         except Exception as exc:  # e.g. out of shared memory
-            row["error"] = str(exc).splitlines()[0][:200]
+            row["error"] = " ".join(str(exc).splitlines())[-400:]
         rows.append(row)
     return rows
 

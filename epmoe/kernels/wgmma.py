@@ -49,6 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 ROW_COUNT_ARGS = ["num_pairs", "num_m_blocks"]
+# cp.async's builtin: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before
+# (Triton 3.6, our GPU image, has only that one). Both run here; CPU CI compiles with 3.9.
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# the CTA barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.9
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -70,9 +75,9 @@ def _issue_loads(
     """One K step's three operand tiles into ``stage`` (one cp.async group, committed even
     when empty so that group counting stays per step)."""
     if STEPS_AHEAD_OK:
-        async_copy.async_copy_global_to_shared(a_smem.index(stage), a_ptrs + k_off, mask=a_mask)
-        async_copy.async_copy_global_to_shared(b0_smem.index(stage), b0_ptrs + k_off)
-        async_copy.async_copy_global_to_shared(b1_smem.index(stage), b1_ptrs + k_off)
+        _cp_async(a_smem.index(stage), a_ptrs + k_off, mask=a_mask)
+        _cp_async(b0_smem.index(stage), b0_ptrs + k_off)
+        _cp_async(b1_smem.index(stage), b1_ptrs + k_off)
     async_copy.commit_group()
 
 
@@ -189,7 +194,7 @@ def _pair_tile(
         # proxy (wgmma) of every thread
         async_copy.wait_group(STAGES - 3)
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
         # refill the stage of step k - 2 with step k + STAGES - 2: every warpgroup waited for
         # step k - 2's MMAs before it reached the barrier above
         nxt = k + STAGES - 2
