@@ -136,13 +136,17 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
 
     gate_up, down, pair = _Capture(), _Capture(), _Capture()
     hopper = None
-    if config.kernel == "wgmma":
+    if config.kernel != "dot":
         from epmoe.kernels import wgmma as hopper
     with (
         mock.patch.object(grouped_gemm, "gate_up_kernel", gate_up),
         mock.patch.object(grouped_gemm, "down_kernel", down),
-        # kernel="wgmma": both GEMMs launch wgmma.pair_gemm_kernel (GATE_UP tells them apart)
-        mock.patch.object(ops, "_wgmma_module", lambda: mock.Mock(pair_gemm_kernel=pair)),
+        # the Hopper kernels: both GEMMs launch one kernel (GATE_UP tells them apart)
+        mock.patch.object(
+            ops,
+            "_wgmma_module",
+            lambda: mock.Mock(pair_gemm_kernel=pair, pair_gemm_ws_kernel=pair),
+        ),
         mock.patch.object(ops, "wgmma_unsupported", lambda *a, **k: None),
         mock.patch.object(ops, "_check_device", lambda *t: torch.device("cpu")),
         # FP8 GEMM 1 tiles narrower than a group quantize in a separate kernel: not reported
@@ -169,10 +173,8 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
         )
     if hopper is not None:
         launches = {meta["GATE_UP"]: (args, meta) for args, meta in pair.launches}
-        kernels = [
-            ("gate_up", launches[True], hopper.pair_gemm_kernel),
-            ("down", launches[False], hopper.pair_gemm_kernel),
-        ]
+        fn = hopper.pair_gemm_ws_kernel if config.kernel == "wgmma_ws" else hopper.pair_gemm_kernel
+        kernels = [("gate_up", launches[True], fn), ("down", launches[False], fn)]
     else:
         kernels = [
             ("gate_up", gate_up.launches[0], grouped_gemm.gate_up_kernel),

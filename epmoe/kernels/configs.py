@@ -30,7 +30,8 @@ import torch
 AUTOTUNE_ENV = "EPMOE_TRITON_AUTOTUNE"
 FP8_GROUP = 128
 LAYOUTS = ("standard", "batched")
-KERNELS = ("dot", "wgmma")
+KERNELS = ("dot", "wgmma", "wgmma_ws")
+WGMMA_KERNELS = ("wgmma", "wgmma_ws")  # the Hopper (sm_90) Gluon kernels
 _SMEM_BYTES = 227 * 1024  # H100/H200 shared memory per block (opt-in maximum)
 
 
@@ -69,7 +70,9 @@ class MoEConfig:
 
     ``kernel``: ``"dot"``, the portable ``tl.dot`` kernels (``grouped_gemm``), or
     ``"wgmma"``, the Hopper (sm_90) Gluon kernels of the Standard layout (``wgmma``), which
-    keep an MMA in flight while FP8's block scales are applied. A ``wgmma`` config has
+    keep an MMA in flight while FP8's block scales are applied, or ``"wgmma_ws"``, their
+    warp-specialised form (a loader partition; each MMA warpgroup a partition that waits on
+    mbarriers only; ``num_warps`` 8: two MMA warpgroups). A ``wgmma`` config has
     ``block_m = 16 · num_warps`` in both GEMMs, ``block_k`` of 128 bytes, ``gate_up.block_n``
     128 and an even ``down.block_n`` (two accumulator tiles of ``down.block_n / 2``); with
     ``half_tail`` the two warpgroups of a half-height tile split its columns.
@@ -90,7 +93,7 @@ class MoEConfig:
             )
         if self.kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if self.kernel == "wgmma":
+        if self.kernel in WGMMA_KERNELS:
             self._check_wgmma()
 
     def _check_wgmma(self) -> None:
@@ -105,8 +108,12 @@ class MoEConfig:
             problems.append("gate_up.block_n = 128")
         if dn.block_n < 32:
             problems.append("down.block_n >= 32 (two tiles of down.block_n / 2)")
+        if self.kernel == "wgmma_ws" and (gu.num_warps, dn.num_warps) != (8, 8):
+            problems.append("num_warps 8 (two MMA warpgroups; the loader warps come on top)")
         if problems:
-            raise ValueError(f"a kernel='wgmma' config needs {'; '.join(problems)}; got {self}")
+            raise ValueError(
+                f"a kernel={self.kernel!r} config needs {'; '.join(problems)}; got {self}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,21 +173,22 @@ def wgmma_available(device_index: int) -> bool:
     return True
 
 
-def wgmma_config(dtype: str) -> MoEConfig | None:
+def wgmma_config(dtype: str, kernel: str = "wgmma") -> MoEConfig | None:
     """The Hopper kernels' tiling for the Standard layout in ``dtype`` (None for fp32):
     128-row blocks over two warpgroups, half-height tails, four stages of 128-byte K steps,
-    GEMM 2 tiles of 256 columns (two accumulators of 128)."""
+    GEMM 2 tiles of 256 columns (two accumulators of 128); ``kernel`` ``"wgmma"`` or
+    ``"wgmma_ws"``."""
     if dtype == "fp32":
         return None
     block_k = 128 if dtype == "fp8" else 64
     G = GemmConfig
     gate_up, down = G(128, block_k, 8, 8, 4), G(256, block_k, 8, 8, 4)
-    return MoEConfig(128, gate_up, down, half_tail=True, kernel="wgmma")
+    return MoEConfig(128, gate_up, down, half_tail=True, kernel=kernel)
 
 
 def _runnable(config: MoEConfig, device: torch.device) -> bool:
-    """False for a ``wgmma`` config on a device or Triton that cannot run it."""
-    if config.kernel != "wgmma":
+    """False for a Hopper-kernel config on a device or Triton that cannot run it."""
+    if config.kernel not in WGMMA_KERNELS:
         return True
     if device.type != "cuda":
         return False
@@ -367,10 +375,10 @@ def candidate_configs(
             for cfg in variants:
                 if cfg not in out and smem_bytes(cfg, nbytes, nbytes) <= _SMEM_BYTES:
                     out.append(cfg)
-    hopper = wgmma_config(dtype)
     tiles = intermediate_size % 128 == 0 and hidden_size % 256 == 0  # (gate_up, down) tiles
-    if layout == "standard" and hopper is not None and tiles and base.block_m >= 64:
-        out.append(hopper)  # sm_90 only: select_config drops it elsewhere
+    if layout == "standard" and dtype != "fp32" and tiles and base.block_m >= 64:
+        for kernel in WGMMA_KERNELS:  # sm_90 only: select_config drops them elsewhere
+            out.append(wgmma_config(dtype, kernel))
     return out
 
 

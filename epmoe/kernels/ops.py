@@ -27,7 +27,13 @@ import torch
 
 from epmoe.distributed import num_sms
 from epmoe.kernels import align, grouped_gemm, quant, reduce
-from epmoe.kernels.configs import FP8_GROUP, MoEConfig, check_config, select_config
+from epmoe.kernels.configs import (
+    FP8_GROUP,
+    WGMMA_KERNELS,
+    MoEConfig,
+    check_config,
+    select_config,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -420,7 +426,7 @@ def gate_up(
     N = two_i // 2
     cfg = config.gate_up
     r = _rows(rows, config, e, x, row_index)
-    if config.kernel == "wgmma":
+    if config.kernel in WGMMA_KERNELS:
         return _gate_up_wgmma(x, w13, r, config, activation, x_scale, w13_scale, fp8)
     y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
     # FP8: tiles one quantization group wide quantize in their epilogue; other widths store
@@ -521,7 +527,7 @@ def down(
             raise ValueError("the Standard layout needs topk_weights_RK for down()")
         out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
-    if config.kernel == "wgmma":
+    if config.kernel in WGMMA_KERNELS:
         _down_wgmma(h, w2, r, config, h_scale, w2_scale, fp8, weights, out)
         return out
     w_block, ws_strides = _weight_scale_strides(w2_scale, w2, "w2_scale")
@@ -633,12 +639,57 @@ def _launch_wgmma(
     block_n = cfg.block_n if gate_up else cfg.block_n // 2
     reason = wgmma_unsupported(config, a, w, n_cols, cfg.block_n, r.batched)
     if reason is not None:
-        raise ValueError(f"config {config.short()} (kernel='wgmma') cannot run here: {reason}")
+        raise ValueError(
+            f"config {config.short()} (kernel={config.kernel!r}) cannot run here: {reason}"
+        )
     w_block, ws_strides = _weight_scale_strides(w_scale, w, "w_scale")
     if fp8 and (a_scale.stride(-1) != 1 or (w_block and ws_strides[2] != 1)):
         raise ValueError("kernel='wgmma' needs FP8 scales with unit stride along K")
     grid = (r.num_m_blocks * (n_cols // cfg.block_n),)
     if grid[0] == 0:
+        return
+    if config.kernel == "wgmma_ws":
+        _wgmma_module().pair_gemm_ws_kernel[grid](
+            a,
+            a_scale if a_scale is not None else a,
+            w,
+            w_scale if w_scale is not None else w,
+            out,
+            out_scale if out_scale is not None else out,
+            topk_weights if topk_weights is not None else out,
+            r.sorted_pairs,
+            r.block_expert,
+            r.block_start,
+            r.block_rows,
+            n_cols,
+            a.shape[-1],
+            r.num_pairs,
+            r.num_m_blocks,
+            a.stride(0),
+            a_scale.stride(0) if a_scale is not None else 0,
+            w.stride(0),
+            w.stride(1),
+            ws_strides[0],
+            ws_strides[1],
+            out.stride(0),
+            out_scale.stride(0) if out_scale is not None else 0,
+            GATE_UP=gate_up,
+            TOP_K=r.top_k if gate_up else 1,
+            ACTIVATION=activation,
+            FP8=fp8,
+            W_BLOCK_SCALE=w_block,
+            FP8_MAX=FP8_MAX,
+            INV_FP8_MAX=INV_FP8_MAX,
+            BLOCK_M=config.block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            STAGES=cfg.num_stages,
+            LOAD_WARPS=4,
+            LOAD_REGS=64,  # (ptxas, triton 3.6: 8 bytes of loader spills; 56: 16, 40: 80)
+            MMA_REGS=224,
+            num_warps=4,  # one MMA warpgroup here, the other and the loader in partitions
+        )
         return
     _wgmma_module().pair_gemm_kernel[grid](
         a,

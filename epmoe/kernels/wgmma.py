@@ -24,8 +24,18 @@ tiles only (what the ``tl.dot`` kernel holds already). Rescaling keeps ``acc = Î
 D_g' / s_g`` (``grouped_gemm._rescale``): one multiply per element and step. The scales
 are loaded two steps ahead, so their latency stays off the chain of MMAs.
 
-Measured on one H200 (docs/kernels.md, third round): FP8 GEMMs 6â€“13 % faster than the
-``tl.dot`` kernels, which ship for bf16 (faster there) and for every other case.
+``pair_gemm_ws_kernel`` (configs with ``kernel="wgmma_ws"``) is the same loop
+warp-specialised: a loader partition of 4 warps issues the copies into the stages and
+each thread's copies arrive on the stage's ``ready`` mbarrier when they land; each of the
+two MMA warpgroups is a partition of its own (64 rows of the tile) that waits on
+``ready``, and releases a stage on its ``empty`` mbarrier once its MMAs of that step are
+done. No CTA barrier remains in the K loop, so the warpgroups drift apart and one's rescale
+runs under the other's MMAs; the loader runs up to ``STAGES - 1`` steps ahead. A block of
+at most 64 rows leaves the second warpgroup idle (it only releases the stages).
+
+Measured on one H200 (docs/kernels.md, third round): the DeepSeek-V3 prefill layer takes
+2.47 ms in FP8 on ``wgmma_ws`` (2.66 on ``wgmma``, 3.02 on ``tl.dot``) and 3.80 ms in bf16
+(4.27 on ``tl.dot``), same run; the H200 table ships ``wgmma_ws`` for both.
 
 Loads: ``cp.async`` of 16 bytes per thread into a ring of ``STAGES`` shared-memory stages
 (the activation rows are gathered, so TMA's box loads do not apply to them). A stage is
@@ -33,8 +43,8 @@ refilled two steps after its MMAs were issued: by then every warpgroup has waite
 and passed the step's CTA barrier, so neither warpgroup can overwrite operands the other's
 MMA still reads.
 
-Scope: the Standard layout with ``half_tail=False``; K and the output columns multiples of
-the tile; operands with unit stride along K. ``ops`` checks these and the device (sm_90)
+Scope: the Standard layout; K and the output columns multiples of the tile; operands
+with unit stride along K. ``ops`` checks these and the device (sm_90)
 before choosing these kernels; everything else runs the portable kernels.
 """
 
@@ -43,6 +53,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
+    mbarrier,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
@@ -337,4 +348,251 @@ def pair_gemm_kernel(
         num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
         stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
         INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# Warp-specialised variant: a loader partition issues the copies; each MMA warpgroup is a
+# partition of its own (64 rows of the tile) that waits on mbarriers, never on a CTA barrier.
+
+
+@gluon.jit
+def _ws_loader(
+    a_ptr, w_ptr, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
+    expert, first, rows, n0, nb1, K, num_pairs, stride_am, stride_we, stride_wn,
+    GATE_UP: gl.constexpr, TOP_K: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Step k's three tiles into stage k % STAGES once both MMA partitions released it;
+    each thread's copies arrive on ``ready`` when they land."""
+    LOAD_WARPS: gl.constexpr = gl.num_warps()
+    ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    VEC: gl.constexpr = 128 // ELEM_BITS
+    THREADS_K: gl.constexpr = BLOCK_K // VEC
+    load_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, VEC],
+        threads_per_warp=[32 // THREADS_K, THREADS_K],
+        warps_per_cta=[LOAD_WARPS, 1],
+        order=[1, 0],
+    )
+    rows_load: gl.constexpr = gl.SliceLayout(1, load_layout)
+    cols_load: gl.constexpr = gl.SliceLayout(0, load_layout)
+    offs_m = gl.arange(0, TILE_M, layout=rows_load)
+    pos_l = first + offs_m
+    # (a short block's tile reaches past its rows: the next block's, or the table's end)
+    pair_l = gl.load(sorted_pairs_ptr + pos_l, mask=offs_m < rows, other=num_pairs)
+    valid_l = pair_l < num_pairs
+    if GATE_UP:
+        src_l = gl.where(valid_l, pair_l // TOP_K, 0).to(gl.int64)
+    else:
+        src_l = pos_l
+    offs_k = gl.arange(0, BLOCK_K, layout=cols_load)
+    a_ptrs = a_ptr + src_l[:, None] * stride_am + offs_k[None, :]
+    a_mask = valid_l[:, None]
+    offs_n = gl.arange(0, BLOCK_N, layout=rows_load).to(gl.int64)
+    w_base = w_ptr + expert * stride_we
+    b0_ptrs = w_base + (n0 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+    b1_ptrs = w_base + (nb1 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+    for k in range(K // BLOCK_K):
+        s = k % STAGES
+        mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1, pred=k >= STAGES)
+        k_off = k * BLOCK_K
+        _cp_async(a_smem.index(s), a_ptrs + k_off, mask=a_mask)
+        _cp_async(b0_smem.index(s), b0_ptrs + k_off)
+        _cp_async(b1_smem.index(s), b1_ptrs + k_off)
+        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _ws_mma(
+    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+    sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
+    expert, first, rows, pid_n, n0, nb1, K, num_pairs,
+    stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+    GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
+    W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
+    ROW0: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr,
+):  # fmt: skip
+    """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of the tile, both accumulators, the
+    K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows. A block that ends
+    before ``ROW0`` (an expert's last, short one) leaves this warpgroup idle: it only
+    releases each stage, and the other warpgroup has the tensor cores to itself."""
+    if rows <= ROW0:
+        for k in range(K // BLOCK_K):
+            mbarrier.wait(ready.index(k % STAGES), (k // STAGES) & 1)
+            mbarrier.arrive(empty.index(k % STAGES))
+        return
+    ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
+    )
+    rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    cols_mma: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    pos_m = first + ROW0 + gl.arange(0, WG_M, layout=rows_mma)
+    pair_m = gl.load(sorted_pairs_ptr + pos_m)
+    valid_m = pair_m < num_pairs
+    if GATE_UP:
+        src_m = gl.where(valid_m, pair_m // TOP_K, 0).to(gl.int64)
+    else:
+        src_m = pos_m
+    num_k = K // BLOCK_K
+    acc0 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
+    acc1_tok = warpgroup_mma_init(gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout))
+    if FP8:
+        as_ptrs = a_scale_ptr + src_m * stride_asm
+        ws_base = w_scale_ptr + expert * stride_wse
+        if W_BLOCK_SCALE:
+            ws0_ptr = ws_base + (n0 // BLOCK_K) * stride_wsn
+            ws1_ptr = ws_base + (nb1 // BLOCK_K) * stride_wsn
+            ws_step = 1
+        else:
+            ws0_ptr = ws_base
+            ws1_ptr = ws_base
+            ws_step = 0
+        xs_cur = gl.load(as_ptrs, mask=valid_m, other=1.0)
+        w0_cur = gl.load(ws0_ptr)
+        w1_cur = gl.load(ws1_ptr)
+        has_1 = num_k > 1
+        xs_1 = gl.load(as_ptrs + 1, mask=valid_m & has_1, other=1.0)
+        w0_1 = gl.load(ws0_ptr + ws_step, mask=has_1, other=1.0)
+        w1_1 = gl.load(ws1_ptr + ws_step, mask=has_1, other=1.0)
+        r1 = gl.full([WG_M], 1.0, gl.float32, layout=rows_mma)
+        s1 = r1
+    for k in range(num_k):
+        s = k % STAGES
+        mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+        fence_async_shared()  # the copies (generic proxy) before the MMAs read them
+        a_s = a_smem.index(s).slice(ROW0, WG_M, dim=0)
+        tok0 = warpgroup_mma(a_s, b0_smem.index(s).permute((1, 0)), acc0, is_async=True)
+        acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
+        # this warpgroup is done with step k - 1's stage
+        mbarrier.arrive(empty.index((k + STAGES - 1) % STAGES), pred=k > 0)
+        if FP8:
+            has_2 = k + 2 < num_k
+            xs_2 = gl.load(as_ptrs + (k + 2), mask=valid_m & has_2, other=1.0)
+            w0_2 = gl.load(ws0_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
+            w1_2 = gl.load(ws1_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
+            acc1 = acc1 * r1[:, None]
+        acc1_tok = warpgroup_mma(a_s, b1_smem.index(s).permute((1, 0)), acc1, is_async=True)
+        acc0 = warpgroup_mma_wait(1, deps=[tok0])
+        if FP8:
+            x_ratio = xs_cur / xs_1
+            acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
+            r1 = x_ratio * (w1_cur / w1_1)
+            s1 = xs_cur * w1_cur
+            xs_cur = xs_1
+            w0_cur = w0_1
+            w1_cur = w1_1
+            xs_1 = xs_2
+            w0_1 = w0_2
+            w1_1 = w1_2
+    acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
+    if FP8:
+        acc1 = acc1 * s1[:, None]
+    offs_c = gl.arange(0, BLOCK_N, layout=cols_mma)
+    out_rows = out_ptr + pos_m[:, None] * stride_om
+    store_mask = valid_m[:, None] & (offs_c[None, :] < BLOCK_N)
+    if GATE_UP:
+        if ACTIVATION == "silu":
+            act = acc0 / (1.0 + gl.exp(-acc0))
+        else:
+            act = 0.5 * acc0 * (1.0 + gl.erf(acc0 * 0.7071067811865476))
+        h = act * acc1
+        y_ptrs = out_rows + (n0 + offs_c)[None, :]
+        if FP8:
+            scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * INV_FP8_MAX
+            q = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
+            gl.store(y_ptrs, q.to(out_ptr.dtype.element_ty), mask=store_mask)
+            gl.store(out_scale_ptr + pos_m * stride_osm + pid_n, scale, mask=valid_m)
+        else:
+            gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        router_w = gl.load(topk_weights_ptr + pair_m, mask=valid_m, other=0.0)
+        out0 = (acc0 * router_w[:, None]).to(out_ptr.dtype.element_ty)
+        out1 = (acc1 * router_w[:, None]).to(out_ptr.dtype.element_ty)
+        gl.store(out_rows + (n0 + offs_c)[None, :], out0, mask=store_mask)
+        gl.store(out_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
+
+
+@gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
+def pair_gemm_ws_kernel(
+    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+    N, K, num_pairs, num_m_blocks,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
+    W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """``pair_gemm_kernel`` (one tile height) as three partitions: this program's 4 warps
+    and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS`` warps load."""
+    TILE_N: gl.constexpr = BLOCK_N if GATE_UP else 2 * BLOCK_N
+    pid_m, pid_n = _tile_ids(gl.program_id(0), num_m_blocks, N // TILE_N, GROUP_M)
+    rows = gl.load(block_rows_ptr + pid_m)
+    if rows == 0:
+        return
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    first = gl.load(block_start_ptr + pid_m).to(gl.int64)
+    n0 = pid_n * TILE_N
+    if GATE_UP:
+        nb1 = n0 + N
+    else:
+        nb1 = n0 + BLOCK_N
+    ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=ELEM_BITS, rank=2
+    )
+    a_smem = gl.allocate_shared_memory(
+        a_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem_layout
+    )
+    b0_smem = gl.allocate_shared_memory(
+        w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem_layout
+    )
+    b1_smem = gl.allocate_shared_memory(
+        w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem_layout
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)
+        mbarrier.init(empty.index(i), count=2)
+    WG_M: gl.constexpr = BLOCK_M // 2
+    gl.warp_specialize(
+        [
+            (
+                _ws_mma,
+                (
+                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+                    sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
+                    expert, first, rows, pid_n, n0, nb1, K, num_pairs,
+                    stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
+                    0, WG_M, BLOCK_N, BLOCK_K, STAGES,
+                ),
+            ),
+            (
+                _ws_mma,
+                (
+                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+                    sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
+                    expert, first, rows, pid_n, n0, nb1, K, num_pairs,
+                    stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
+                    WG_M, WG_M, BLOCK_N, BLOCK_K, STAGES,
+                ),
+            ),
+            (
+                _ws_loader,
+                (
+                    a_ptr, w_ptr, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
+                    expert, first, rows, n0, nb1, K, num_pairs, stride_am, stride_we, stride_wn,
+                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                ),
+            ),
+        ],
+        [4, LOAD_WARPS],
+        [MMA_REGS, LOAD_REGS],
     )  # fmt: skip

@@ -31,15 +31,17 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
 if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the wgmma kernels need an sm_90 GPU", allow_module_level=True)
 
-from epmoe.kernels import ops  # noqa: E402
+from epmoe.kernels import configs, ops  # noqa: E402
 from epmoe.kernels.configs import GemmConfig, MoEConfig  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 G = GemmConfig
+KERNELS = ["wgmma", "wgmma_ws"]  # one partition, and warp-specialised
 WGMMA = {
-    "fp8": MoEConfig(128, G(128, 128, 8, 8, 4), G(256, 128, 8, 8, 4), kernel="wgmma"),
-    "bf16": MoEConfig(128, G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 4), kernel="wgmma"),
+    (dtype, kernel): configs.wgmma_config(dtype, kernel)
+    for dtype in ("bf16", "fp8")
+    for kernel in KERNELS
 }
 DOT = {
     "fp8": MoEConfig(128, G(128, 128, 8, 8, 3), G(128, 128, 8, 8, 4)),
@@ -75,9 +77,10 @@ def _run(x, ids, w, weights, cfg, x_scale=None):
     )
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("half_tail", [False, True], ids=["one-height", "half-tails"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_every_tile_boundary(dtype, half_tail):
+def test_every_tile_boundary(dtype, half_tail, kernel):
     """Experts with rows on both sides of every tile boundary (K = 1) at DeepSeek-V3's H
     and I, with and without half-height tail tiles: against the oracle, and equal to the
     portable kernels up to rounding."""
@@ -89,7 +92,7 @@ def test_every_tile_boundary(dtype, half_tail):
     ids = ids[torch.randperm(R, generator=_gen(2), device=DEV)][:, None]
     x = torch.randn(R, H, generator=_gen(3), device=DEV).to(BF16)
     w = torch.rand(R, 1, generator=_gen(4), device=DEV) + 0.1
-    cfg = dataclasses.replace(WGMMA[dtype], half_tail=half_tail)
+    cfg = dataclasses.replace(WGMMA[dtype, kernel], half_tail=half_tail)
     out = _run(x, ids, w, weights, cfg)
     ref = moe(x.double(), w13d, w2d, w, ids)
     rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
@@ -98,6 +101,7 @@ def test_every_tile_boundary(dtype, half_tail):
     assert_close(out, portable, rtol / 4, name=f"wgmma vs dot {dtype}")
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("half_tail", [False, True], ids=["one-height", "half-tails"])
 @pytest.mark.parametrize("fp8_input", [False, True], ids=["bf16-in", "fp8-in"])
 @pytest.mark.parametrize("per_expert", [False, True], ids=["block-scales", "per-expert-scales"])
@@ -108,9 +112,9 @@ def test_every_tile_boundary(dtype, half_tail):
         pytest.param(512, 8, 8, 256, 7168, 2048, id="deepseek-shape"),
     ],
 )
-def test_fp8_top_k(R, K, e, E, H, I, per_expert, fp8_input, half_tail):
+def test_fp8_top_k(R, K, e, E, H, I, per_expert, fp8_input, half_tail, kernel):
     """Top-K routing over E experts, e of them local (the Standard layout's gather)."""
-    cfg = dataclasses.replace(WGMMA["fp8"], half_tail=half_tail)
+    cfg = dataclasses.replace(WGMMA["fp8", kernel], half_tail=half_tail)
     weights, (w13d, w2d) = _weights("fp8", e, H, I, seed=R + e, per_expert=per_expert)
     x = torch.randn(R, H, generator=_gen(R), device=DEV).to(BF16)
     ids = _ids(R, K, e, E, seed=R + 1)
@@ -125,32 +129,34 @@ def test_fp8_top_k(R, K, e, E, H, I, per_expert, fp8_input, half_tail):
     assert_close(out, ref, TOLERANCES[FP8], name="wgmma fp8 top-k")
 
 
-def test_bf16_top_k_and_graph_replay():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_top_k_and_graph_replay(kernel):
     """bf16 with top-8 routing, then the same layer captured in a CUDA graph and replayed
     on new inputs and routes written in place (no host synchronisation)."""
     R, K, e, E, H, I = 256, 8, 8, 64, 2048, 768
     weights, (w13d, w2d) = _weights("bf16", e, H, I, seed=5)
     x = torch.randn(R, H, generator=_gen(6), device=DEV).to(BF16)
     ids, w = _ids(R, K, e, E, seed=7), torch.rand(R, K, generator=_gen(8), device=DEV)
-    out = _run(x, ids, w, weights, WGMMA["bf16"])
+    out = _run(x, ids, w, weights, WGMMA["bf16", kernel])
     assert_close(out, moe(x.double(), w13d, w2d, w, ids), TOLERANCES[BF16], name="bf16")
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out_graph = _run(x, ids, w, weights, WGMMA["bf16"])
+        out_graph = _run(x, ids, w, weights, WGMMA["bf16", kernel])
     torch.cuda.current_stream().wait_stream(stream)
     for step in range(2):
         x.copy_(torch.randn(R, H, generator=_gen(10 + step), device=DEV).to(BF16))
         ids.copy_(_ids(R, K, e, E, seed=20 + step))
         graph.replay()
-        eager = _run(x, ids, w, weights, WGMMA["bf16"])
+        eager = _run(x, ids, w, weights, WGMMA["bf16", kernel])
         torch.cuda.synchronize()
         assert torch.equal(out_graph, eager), f"replay {step}"
 
 
-def test_unsupported_cases_name_the_fix():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_unsupported_cases_name_the_fix(kernel):
     """Shapes the kernels cannot tile, and the ExpertBatched layout, are refused with the
     reason (never a wrong answer)."""
     e, H, I, R = 2, 1000, 256, 16
@@ -158,10 +164,10 @@ def test_unsupported_cases_name_the_fix():
     x = torch.randn(R, H, device=DEV).to(BF16)
     ids = torch.zeros(R, 1, dtype=torch.int64, device=DEV)
     w = torch.ones(R, 1, device=DEV)
-    with pytest.raises(ValueError, match="kernel='wgmma'.*multiple of"):
-        _run(x, ids, w, weights, WGMMA["bf16"])
+    with pytest.raises(ValueError, match=f"kernel='{kernel}'.*multiple of"):
+        _run(x, ids, w, weights, WGMMA["bf16", kernel])
     q13, q2, _, _ = _weights("bf16", e, 1024, I, seed=9)[0]
     counts = torch.tensor([3, 0], dtype=torch.int32, device=DEV)
     xb = torch.randn(e, 8, 1024, device=DEV).to(BF16)
     with pytest.raises(ValueError, match="Standard layout only"):
-        ops.fused_moe_batched(xb, counts, q13, q2, config=WGMMA["bf16"])
+        ops.fused_moe_batched(xb, counts, q13, q2, config=WGMMA["bf16", kernel])

@@ -99,9 +99,10 @@ def test_a_written_deepseek_v3_fp8_checkpoint_is_served_by_shard(tmp_path):
 
 def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
     """``launch/kernel_resources.py`` compiles the shipped H200 prefill tilings for sm_90a
-    offline (Triton's bundled ptxas; no GPU): shared memory within 227 KiB, no stack frame
-    (spills) in the bf16 kernels, the bf16 GEMM 1 keeps wgmma groups in flight inside its K
-    loop, and so do both FP8 GEMMs (the Hopper kernels the table ships for FP8)."""
+    offline (Triton's bundled ptxas; no GPU): shared memory within 227 KiB, wgmma groups in
+    flight inside the K loops, and no spills in the ``tl.dot`` kernels; the warp-specialised
+    Hopper kernels the table ships spill nothing with triton 3.6 (the GPU image) and at most
+    80 bytes in the loader partition with 3.9."""
     pytest.importorskip("triton.backends.compiler", reason="needs triton with its compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, os.path.join(ROOT, "launch", "kernel_resources.py")]
@@ -117,13 +118,11 @@ def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
         assert "error" not in r, r
         assert r["smem"] <= 227 * 1024, r
         assert r["regs"] is not None and r["stack"] is not None, r
-        if r["dtype"] == "bf16":  # no spills (FP8 GEMM 1: 0 with triton 3.6, 24 B with 3.9)
+        assert max(r["wgmma_wait_pendings"]) >= 1, r
+        if "wgmma" in r["config"]:
+            assert r["stack"] <= 96, r
+        elif r["dtype"] == "bf16":  # (FP8 tl.dot GEMM 1: 0 with triton 3.6, 24 B with 3.9)
             assert r["stack"] == 0, r
-    bf16_gate_up = next(r for r in rows if r["dtype"] == "bf16" and r["kernel"] == "gate_up")
-    assert max(bf16_gate_up["wgmma_wait_pendings"]) >= 1, bf16_gate_up
-    for r in rows:
-        if r["dtype"] == "fp8":
-            assert "wgmma" in r["config"] and max(r["wgmma_wait_pendings"]) >= 1, r
 
 
 # Rank 1 raises at once; rank 0 raises something else once rank 1's traceback is out (its

@@ -634,10 +634,14 @@ def test_wgmma_configs_are_checked_and_refused_where_they_cannot_run():
     assert fp8.half_tail  # tail blocks run half-height tiles (the warpgroups split columns)
     with pytest.raises(ValueError, match="block_m = 16 · num_warps"):
         MoEConfig(64, fp8.gate_up, fp8.down, kernel="wgmma")
+    with pytest.raises(ValueError, match="num_warps 8"):
+        gemm = GemmConfig(128, 128, 8, 4, 4), GemmConfig(256, 128, 8, 4, 4)
+        MoEConfig(64, *gemm, kernel="wgmma_ws")
     for dtype in ("bf16", "fp8"):
-        configs.check_config(configs.wgmma_config(dtype), dtype == "fp8")
         std = configs.candidate_configs("standard", dtype, 4096, 7168, 2048, 128, 8)
-        assert configs.wgmma_config(dtype) in std
+        for kernel in configs.WGMMA_KERNELS:
+            configs.check_config(configs.wgmma_config(dtype, kernel), dtype == "fp8")
+            assert configs.wgmma_config(dtype, kernel) in std
         batched = configs.candidate_configs("batched", dtype, 256, 7168, 2048, 128, 8)
         assert all(c.kernel == "dot" for c in batched)
     assert not configs._runnable(fp8, torch.device("cpu"))
