@@ -644,54 +644,11 @@ def _launch_wgmma(
         )
     w_block, ws_strides = _weight_scale_strides(w_scale, w, "w_scale")
     if fp8 and (a_scale.stride(-1) != 1 or (w_block and ws_strides[2] != 1)):
-        raise ValueError("kernel='wgmma' needs FP8 scales with unit stride along K")
+        raise ValueError(f"kernel={config.kernel!r} needs FP8 scales with unit stride along K")
     grid = (r.num_m_blocks * (n_cols // cfg.block_n),)
     if grid[0] == 0:
         return
-    if config.kernel == "wgmma_ws":
-        _wgmma_module().pair_gemm_ws_kernel[grid](
-            a,
-            a_scale if a_scale is not None else a,
-            w,
-            w_scale if w_scale is not None else w,
-            out,
-            out_scale if out_scale is not None else out,
-            topk_weights if topk_weights is not None else out,
-            r.sorted_pairs,
-            r.block_expert,
-            r.block_start,
-            r.block_rows,
-            n_cols,
-            a.shape[-1],
-            r.num_pairs,
-            r.num_m_blocks,
-            a.stride(0),
-            a_scale.stride(0) if a_scale is not None else 0,
-            w.stride(0),
-            w.stride(1),
-            ws_strides[0],
-            ws_strides[1],
-            out.stride(0),
-            out_scale.stride(0) if out_scale is not None else 0,
-            GATE_UP=gate_up,
-            TOP_K=r.top_k if gate_up else 1,
-            ACTIVATION=activation,
-            FP8=fp8,
-            W_BLOCK_SCALE=w_block,
-            FP8_MAX=FP8_MAX,
-            INV_FP8_MAX=INV_FP8_MAX,
-            BLOCK_M=config.block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            STAGES=cfg.num_stages,
-            LOAD_WARPS=4,
-            LOAD_REGS=64,  # (ptxas, triton 3.6: 8 bytes of loader spills; 56: 16, 40: 80)
-            MMA_REGS=224,
-            num_warps=4,  # one MMA warpgroup here, the other and the loader in partitions
-        )
-        return
-    _wgmma_module().pair_gemm_kernel[grid](
+    args = (
         a,
         a_scale if a_scale is not None else a,
         w,
@@ -715,6 +672,8 @@ def _launch_wgmma(
         ws_strides[1],
         out.stride(0),
         out_scale.stride(0) if out_scale is not None else 0,
+    )
+    meta = dict(
         GATE_UP=gate_up,
         TOP_K=r.top_k if gate_up else 1,
         ACTIVATION=activation,
@@ -727,9 +686,21 @@ def _launch_wgmma(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages,
-        HALF_TAIL=config.half_tail,
-        num_warps=cfg.num_warps,
     )
+    kernels = _wgmma_module()
+    if config.kernel == "wgmma_ws":  # (short blocks idle the second MMA warpgroup by itself)
+        kernels.pair_gemm_ws_kernel[grid](
+            *args,
+            **meta,
+            LOAD_WARPS=4,
+            LOAD_REGS=64,  # (ptxas: no spills with triton 3.6; at most 80 bytes with 3.9)
+            MMA_REGS=224,
+            num_warps=4,  # one MMA warpgroup here; the other and the loader in partitions
+        )
+    else:
+        kernels.pair_gemm_kernel[grid](
+            *args, **meta, HALF_TAIL=config.half_tail, num_warps=cfg.num_warps
+        )
 
 
 def _gate_up_wgmma(

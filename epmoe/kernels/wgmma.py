@@ -92,10 +92,118 @@ def _issue_loads(
     async_copy.commit_group()
 
 
+@gluon.constexpr_function
+def _load_layout(elem_bits, block_k, warps):
+    """16-byte cp.async vectors over a ``[rows, block_k]`` tile, ``warps`` warps along M."""
+    vec = 128 // elem_bits  # elements per 16 bytes
+    return gl.BlockedLayout(
+        size_per_thread=[1, vec],
+        threads_per_warp=[32 // (block_k // vec), block_k // vec],
+        warps_per_cta=[warps, 1],
+        order=[1, 0],
+    )
+
+
+@gluon.constexpr_function
+def _smem_layout(elem_bits):
+    """128-byte swizzled operand tiles (rows of 128 bytes)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=elem_bits, rank=2)
+
+
+@gluon.jit
+def _rows(first, rows, sorted_pairs_ptr, num_pairs, GATE_UP: gl.constexpr, TOP_K: gl.constexpr,
+          M: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    """``M`` rows of a tile from position ``first`` in ``layout``: (position, pair, valid,
+    source row of the activations), int64. Past ``rows`` (a short block's tile reaches into
+    the next block, or past the table) they are invalid."""
+    offs = gl.arange(0, M, layout=layout)
+    pos = first + offs
+    pair = gl.load(sorted_pairs_ptr + pos, mask=offs < rows, other=num_pairs)
+    valid = pair < num_pairs
+    if GATE_UP:  # the pair's token, gathered
+        src = gl.where(valid, pair // TOP_K, 0).to(gl.int64)
+    else:  # GEMM 2 reads GEMM 1's output by position
+        src = pos
+    return pos, pair, valid, src
+
+
+@gluon.jit
+def _operand_ptrs(a_ptr, w_ptr, src, valid, expert, n0, nb1, stride_am, stride_we, stride_wn,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, load_layout: gl.constexpr):  # fmt: skip
+    """Step 0's addresses of the activation tile (with its row mask, constant along K:
+    16-byte copies) and of the two weight tiles (rows ``n0`` and ``nb1`` of the expert)."""
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
+    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout)).to(gl.int64)
+    w_base = w_ptr + expert * stride_we
+    b0_ptrs = w_base + (n0 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+    b1_ptrs = w_base + (nb1 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+    return a_ptrs, valid[:, None], b0_ptrs, b1_ptrs
+
+
+@gluon.jit
+def _scale_ptrs(a_scale_ptr, w_scale_ptr, src, expert, n0, nb1, stride_asm, stride_wse,
+                stride_wsn, W_BLOCK_SCALE: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
+    """Step 0's FP8 scales: the rows' activation groups, the two weight tiles' blocks (or
+    the expert's one scale, read at every step)."""
+    as_ptrs = a_scale_ptr + src * stride_asm
+    ws_base = w_scale_ptr + expert * stride_wse
+    if W_BLOCK_SCALE:
+        ws0_ptr = ws_base + (n0 // BLOCK_K) * stride_wsn
+        ws1_ptr = ws_base + (nb1 // BLOCK_K) * stride_wsn
+    else:
+        ws0_ptr = ws_base
+        ws1_ptr = ws_base
+    return as_ptrs, ws0_ptr, ws1_ptr
+
+
+@gluon.jit
+def _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid, k, num_k, WS_STEP: gl.constexpr):
+    """Step ``k``'s scales (activation rows, weight tile 0, weight tile 1); 1 past the last
+    step, so that the last rescale is the final multiply."""
+    has = k < num_k
+    xs = gl.load(as_ptrs + k, mask=valid & has, other=1.0)
+    w0 = gl.load(ws0_ptr + k * WS_STEP, mask=has, other=1.0)
+    w1 = gl.load(ws1_ptr + k * WS_STEP, mask=has, other=1.0)
+    return xs, w0, w1
+
+
+@gluon.jit
+def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, valid, n0,
+              pid_n, stride_om, stride_osm, GATE_UP: gl.constexpr, ACTIVATION: gl.constexpr,
+              FP8: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
+              BLOCK_N: gl.constexpr, cols_layout: gl.constexpr):  # fmt: skip
+    """GEMM 1: ``act(acc0) · acc1`` (FP8: quantized per row, one group per tile); GEMM 2:
+    both halves scaled by the pair's router weight. Rows by position; valid rows only."""
+    offs_c = gl.arange(0, BLOCK_N, layout=cols_layout)
+    out_rows = out_ptr + pos[:, None] * stride_om
+    store_mask = valid[:, None] & (offs_c[None, :] < BLOCK_N)
+    if GATE_UP:
+        if ACTIVATION == "silu":
+            act = acc0 / (1.0 + gl.exp(-acc0))
+        else:
+            act = 0.5 * acc0 * (1.0 + gl.erf(acc0 * 0.7071067811865476))
+        h = act * acc1
+        y_ptrs = out_rows + (n0 + offs_c)[None, :]
+        if FP8:  # one group of G columns per tile: quantize it for GEMM 2 (as quant.py)
+            scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * INV_FP8_MAX
+            q = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
+            gl.store(y_ptrs, q.to(out_ptr.dtype.element_ty), mask=store_mask)
+            gl.store(out_scale_ptr + pos * stride_osm + pid_n, scale, mask=valid)
+        else:
+            gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        router_w = gl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
+        out0 = (acc0 * router_w[:, None]).to(out_ptr.dtype.element_ty)
+        out1 = (acc1 * router_w[:, None]).to(out_ptr.dtype.element_ty)
+        gl.store(out_rows + (n0 + offs_c)[None, :], out0, mask=store_mask)
+        gl.store(out_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
+
+
 @gluon.jit
 def _pair_tile(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-    sorted_pairs_ptr, expert, first, pid_n, n0, nb1, N, K, num_pairs,
+    sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K, num_pairs,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
@@ -105,55 +213,28 @@ def _pair_tile(
     """One ``[TILE_M, 2 · BLOCK_N]`` output tile (see pair_gemm_kernel): the K loop and the
     epilogue, with the warpgroups along M (``WARPS_N = 1``) or, for a half-height tile,
     along N (``WARPS_N = 2``)."""
-    # ---- layouts: wgmma accumulators over the warpgroups (along M, or along N for a
-    # half-height tile); 16-byte cp.async vectors; 128-byte swizzled operand tiles
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    # wgmma accumulators over the warpgroups: along M, or along N for a half-height tile
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0],
         warps_per_cta=[NUM_WARPS // WARPS_N, WARPS_N],
         instr_shape=[16, BLOCK_N // WARPS_N, 256 // ELEM_BITS],
     )
-    VEC: gl.constexpr = 128 // ELEM_BITS  # elements per 16 bytes
-    THREADS_K: gl.constexpr = BLOCK_K // VEC
-    load_layout: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, VEC],
-        threads_per_warp=[32 // THREADS_K, THREADS_K],
-        warps_per_cta=[NUM_WARPS, 1],
-        order=[1, 0],
-    )
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=ELEM_BITS, rank=2
-    )
+    load_layout: gl.constexpr = _load_layout(ELEM_BITS, BLOCK_K, NUM_WARPS)
+    smem_layout: gl.constexpr = _smem_layout(ELEM_BITS)
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    cols_mma: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    rows_load: gl.constexpr = gl.SliceLayout(1, load_layout)
-    cols_load: gl.constexpr = gl.SliceLayout(0, load_layout)
-
-    # rows of the tile in the load layout (pointers) ...
-    pos_l = first + gl.arange(0, TILE_M, layout=rows_load)
-    pair_l = gl.load(sorted_pairs_ptr + pos_l)  # every position of a block is in the table
-    valid_l = pair_l < num_pairs
-    if GATE_UP:
-        src_l = gl.where(valid_l, pair_l // TOP_K, 0).to(gl.int64)
-    else:
-        src_l = pos_l
-    # ... and in the accumulator layout (scales, epilogue)
-    pos_m = first + gl.arange(0, TILE_M, layout=rows_mma)
-    pair_m = gl.load(sorted_pairs_ptr + pos_m)
-    valid_m = pair_m < num_pairs
-    if GATE_UP:
-        src_m = gl.where(valid_m, pair_m // TOP_K, 0).to(gl.int64)
-    else:
-        src_m = pos_m
-
-    offs_k = gl.arange(0, BLOCK_K, layout=cols_load)
-    a_ptrs = a_ptr + src_l[:, None] * stride_am + offs_k[None, :]
-    a_mask = valid_l[:, None]  # constant along K: 16-byte copies
-    offs_n = gl.arange(0, BLOCK_N, layout=rows_load).to(gl.int64)
-    w_base = w_ptr + expert * stride_we
-    b0_ptrs = w_base + (n0 + offs_n)[:, None] * stride_wn + offs_k[None, :]
-    b1_ptrs = w_base + (nb1 + offs_n)[:, None] * stride_wn + offs_k[None, :]
-
+    # the tile's rows for the copies, and for the scales and the epilogue
+    _, _, valid_l, src_l = _rows(
+        first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
+        gl.SliceLayout(1, load_layout),
+    )  # fmt: skip
+    pos_m, pair_m, valid_m, src_m = _rows(
+        first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M, rows_mma
+    )
+    a_ptrs, a_mask, b0_ptrs, b1_ptrs = _operand_ptrs(
+        a_ptr, w_ptr, src_l, valid_l, expert, n0, nb1, stride_am, stride_we, stride_wn,
+        BLOCK_N, BLOCK_K, load_layout,
+    )  # fmt: skip
     a_smem = gl.allocate_shared_memory(
         a_ptr.dtype.element_ty, [STAGES, TILE_M, BLOCK_K], smem_layout
     )
@@ -173,27 +254,15 @@ def _pair_tile(
 
     acc0 = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
     acc1_tok = warpgroup_mma_init(gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout))
-
+    WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
     if FP8:
-        # Scales are loaded two steps ahead (their latency stays off the MMA chain); past the
-        # last step they read 1 (the last rescale is then the final multiply).
-        as_ptrs = a_scale_ptr + src_m * stride_asm  # [TILE_M] group scales, step 0
-        ws_base = w_scale_ptr + expert * stride_wse
-        if W_BLOCK_SCALE:
-            ws0_ptr = ws_base + (n0 // BLOCK_K) * stride_wsn
-            ws1_ptr = ws_base + (nb1 // BLOCK_K) * stride_wsn
-            ws_step = 1
-        else:  # one scale per expert
-            ws0_ptr = ws_base
-            ws1_ptr = ws_base
-            ws_step = 0
-        xs_cur = gl.load(as_ptrs, mask=valid_m, other=1.0)
-        w0_cur = gl.load(ws0_ptr)
-        w1_cur = gl.load(ws1_ptr)
-        has_1 = num_k > 1
-        xs_1 = gl.load(as_ptrs + 1, mask=valid_m & has_1, other=1.0)
-        w0_1 = gl.load(ws0_ptr + ws_step, mask=has_1, other=1.0)
-        w1_1 = gl.load(ws1_ptr + ws_step, mask=has_1, other=1.0)
+        # Scales are loaded two steps ahead (their latency stays off the MMA chain).
+        as_ptrs, ws0_ptr, ws1_ptr = _scale_ptrs(
+            a_scale_ptr, w_scale_ptr, src_m, expert, n0, nb1, stride_asm, stride_wse,
+            stride_wsn, W_BLOCK_SCALE, BLOCK_K,
+        )  # fmt: skip
+        xs_cur, w0_cur, w1_cur = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP)
+        xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
         # acc0 is zero: no rescale before step 0. acc1's factor for its next step, and its
         # scale at the last step issued (multiplied back after the loop):
         r1 = gl.full([TILE_M], 1.0, gl.float32, layout=rows_mma)
@@ -217,10 +286,7 @@ def _pair_tile(
         tok0 = warpgroup_mma(a_s, b0_smem.index(stage).permute((1, 0)), acc0, is_async=True)
         acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
         if FP8:
-            has_2 = k + 2 < num_k
-            xs_2 = gl.load(as_ptrs + (k + 2), mask=valid_m & has_2, other=1.0)
-            w0_2 = gl.load(ws0_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
-            w1_2 = gl.load(ws1_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
+            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
             acc1 = acc1 * r1[:, None]
         acc1_tok = warpgroup_mma(a_s, b1_smem.index(stage).permute((1, 0)), acc1, is_async=True)
         acc0 = warpgroup_mma_wait(1, deps=[tok0])  # MMA(acc0, k) done; acc1's runs
@@ -229,47 +295,17 @@ def _pair_tile(
             acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
             r1 = x_ratio * (w1_cur / w1_1)
             s1 = xs_cur * w1_cur
-            xs_cur = xs_1
-            w0_cur = w0_1
-            w1_cur = w1_1
-            xs_1 = xs_2
-            w0_1 = w0_2
-            w1_1 = w1_2
+            xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
+            xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
     acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
     async_copy.wait_group(0)
     if FP8:  # acc1 holds Σ s·D / s_last: multiply the last step's scales back
         acc1 = acc1 * s1[:, None]
-
-    # ---- epilogue
-    offs_c = gl.arange(0, BLOCK_N, layout=cols_mma)
-    out_rows = out_ptr + pos_m[:, None] * stride_om
-    store_mask = valid_m[:, None] & (offs_c[None, :] < BLOCK_N)
-    if GATE_UP:
-        if ACTIVATION == "silu":
-            act = acc0 / (1.0 + gl.exp(-acc0))
-        else:
-            act = 0.5 * acc0 * (1.0 + gl.erf(acc0 * 0.7071067811865476))
-        h = act * acc1
-        y_ptrs = out_rows + (n0 + offs_c)[None, :]
-        if FP8:  # one group of G columns per tile: quantize it for GEMM 2 (as quant.py)
-            scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * INV_FP8_MAX
-            q = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
-            gl.store(y_ptrs, q.to(out_ptr.dtype.element_ty), mask=store_mask)
-            gl.store(out_scale_ptr + pos_m * stride_osm + pid_n, scale, mask=valid_m)
-        else:
-            gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        router_w = gl.load(topk_weights_ptr + pair_m, mask=valid_m, other=0.0)
-        out0 = acc0 * router_w[:, None]
-        out1 = acc1 * router_w[:, None]
-        gl.store(
-            out_rows + (n0 + offs_c)[None, :], out0.to(out_ptr.dtype.element_ty), mask=store_mask
-        )
-        gl.store(
-            out_rows + (n0 + BLOCK_N + offs_c)[None, :],
-            out1.to(out_ptr.dtype.element_ty),
-            mask=store_mask,
-        )
+    _epilogue(
+        acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
+        pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX, BLOCK_N,
+        gl.SliceLayout(0, mma_layout),
+    )  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
@@ -336,7 +372,7 @@ def pair_gemm_kernel(
             # an expert's last rows: half the MMA work; the two warpgroups split the columns
             _pair_tile(
                 a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
-                topk_weights_ptr, sorted_pairs_ptr, expert, first, pid_n, n0, nb1, N, K,
+                topk_weights_ptr, sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K,
                 num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
                 stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                 INV_FP8_MAX, BLOCK_M // 2, 2, BLOCK_N, BLOCK_K, STAGES, num_warps,
@@ -344,7 +380,7 @@ def pair_gemm_kernel(
             return
     _pair_tile(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
-        topk_weights_ptr, sorted_pairs_ptr, expert, first, pid_n, n0, nb1, N, K,
+        topk_weights_ptr, sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K,
         num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
         stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
         INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps,
@@ -365,34 +401,16 @@ def _ws_loader(
 ):  # fmt: skip
     """Step k's three tiles into stage k % STAGES once both MMA partitions released it;
     each thread's copies arrive on ``ready`` when they land."""
-    LOAD_WARPS: gl.constexpr = gl.num_warps()
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
-    VEC: gl.constexpr = 128 // ELEM_BITS
-    THREADS_K: gl.constexpr = BLOCK_K // VEC
-    load_layout: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, VEC],
-        threads_per_warp=[32 // THREADS_K, THREADS_K],
-        warps_per_cta=[LOAD_WARPS, 1],
-        order=[1, 0],
-    )
-    rows_load: gl.constexpr = gl.SliceLayout(1, load_layout)
-    cols_load: gl.constexpr = gl.SliceLayout(0, load_layout)
-    offs_m = gl.arange(0, TILE_M, layout=rows_load)
-    pos_l = first + offs_m
-    # (a short block's tile reaches past its rows: the next block's, or the table's end)
-    pair_l = gl.load(sorted_pairs_ptr + pos_l, mask=offs_m < rows, other=num_pairs)
-    valid_l = pair_l < num_pairs
-    if GATE_UP:
-        src_l = gl.where(valid_l, pair_l // TOP_K, 0).to(gl.int64)
-    else:
-        src_l = pos_l
-    offs_k = gl.arange(0, BLOCK_K, layout=cols_load)
-    a_ptrs = a_ptr + src_l[:, None] * stride_am + offs_k[None, :]
-    a_mask = valid_l[:, None]
-    offs_n = gl.arange(0, BLOCK_N, layout=rows_load).to(gl.int64)
-    w_base = w_ptr + expert * stride_we
-    b0_ptrs = w_base + (n0 + offs_n)[:, None] * stride_wn + offs_k[None, :]
-    b1_ptrs = w_base + (nb1 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+    load_layout: gl.constexpr = _load_layout(ELEM_BITS, BLOCK_K, gl.num_warps())
+    _, _, valid, src = _rows(
+        first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
+        gl.SliceLayout(1, load_layout),
+    )  # fmt: skip
+    a_ptrs, a_mask, b0_ptrs, b1_ptrs = _operand_ptrs(
+        a_ptr, w_ptr, src, valid, expert, n0, nb1, stride_am, stride_we, stride_wn,
+        BLOCK_N, BLOCK_K, load_layout,
+    )  # fmt: skip
     for k in range(K // BLOCK_K):
         s = k % STAGES
         mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1, pred=k >= STAGES)
@@ -428,35 +446,20 @@ def _ws_mma(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
     )
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    cols_mma: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    pos_m = first + ROW0 + gl.arange(0, WG_M, layout=rows_mma)
-    pair_m = gl.load(sorted_pairs_ptr + pos_m)
-    valid_m = pair_m < num_pairs
-    if GATE_UP:
-        src_m = gl.where(valid_m, pair_m // TOP_K, 0).to(gl.int64)
-    else:
-        src_m = pos_m
+    pos_m, pair_m, valid_m, src_m = _rows(
+        first + ROW0, rows - ROW0, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, WG_M, rows_mma
+    )
     num_k = K // BLOCK_K
     acc0 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
     acc1_tok = warpgroup_mma_init(gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout))
-    if FP8:
-        as_ptrs = a_scale_ptr + src_m * stride_asm
-        ws_base = w_scale_ptr + expert * stride_wse
-        if W_BLOCK_SCALE:
-            ws0_ptr = ws_base + (n0 // BLOCK_K) * stride_wsn
-            ws1_ptr = ws_base + (nb1 // BLOCK_K) * stride_wsn
-            ws_step = 1
-        else:
-            ws0_ptr = ws_base
-            ws1_ptr = ws_base
-            ws_step = 0
-        xs_cur = gl.load(as_ptrs, mask=valid_m, other=1.0)
-        w0_cur = gl.load(ws0_ptr)
-        w1_cur = gl.load(ws1_ptr)
-        has_1 = num_k > 1
-        xs_1 = gl.load(as_ptrs + 1, mask=valid_m & has_1, other=1.0)
-        w0_1 = gl.load(ws0_ptr + ws_step, mask=has_1, other=1.0)
-        w1_1 = gl.load(ws1_ptr + ws_step, mask=has_1, other=1.0)
+    WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
+    if FP8:  # as in _pair_tile
+        as_ptrs, ws0_ptr, ws1_ptr = _scale_ptrs(
+            a_scale_ptr, w_scale_ptr, src_m, expert, n0, nb1, stride_asm, stride_wse,
+            stride_wsn, W_BLOCK_SCALE, BLOCK_K,
+        )  # fmt: skip
+        xs_cur, w0_cur, w1_cur = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP)
+        xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
         r1 = gl.full([WG_M], 1.0, gl.float32, layout=rows_mma)
         s1 = r1
     for k in range(num_k):
@@ -469,10 +472,7 @@ def _ws_mma(
         # this warpgroup is done with step k - 1's stage
         mbarrier.arrive(empty.index((k + STAGES - 1) % STAGES), pred=k > 0)
         if FP8:
-            has_2 = k + 2 < num_k
-            xs_2 = gl.load(as_ptrs + (k + 2), mask=valid_m & has_2, other=1.0)
-            w0_2 = gl.load(ws0_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
-            w1_2 = gl.load(ws1_ptr + (k + 2) * ws_step, mask=has_2, other=1.0)
+            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
             acc1 = acc1 * r1[:, None]
         acc1_tok = warpgroup_mma(a_s, b1_smem.index(s).permute((1, 0)), acc1, is_async=True)
         acc0 = warpgroup_mma_wait(1, deps=[tok0])
@@ -481,38 +481,16 @@ def _ws_mma(
             acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
             r1 = x_ratio * (w1_cur / w1_1)
             s1 = xs_cur * w1_cur
-            xs_cur = xs_1
-            w0_cur = w0_1
-            w1_cur = w1_1
-            xs_1 = xs_2
-            w0_1 = w0_2
-            w1_1 = w1_2
+            xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
+            xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
     acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
     if FP8:
         acc1 = acc1 * s1[:, None]
-    offs_c = gl.arange(0, BLOCK_N, layout=cols_mma)
-    out_rows = out_ptr + pos_m[:, None] * stride_om
-    store_mask = valid_m[:, None] & (offs_c[None, :] < BLOCK_N)
-    if GATE_UP:
-        if ACTIVATION == "silu":
-            act = acc0 / (1.0 + gl.exp(-acc0))
-        else:
-            act = 0.5 * acc0 * (1.0 + gl.erf(acc0 * 0.7071067811865476))
-        h = act * acc1
-        y_ptrs = out_rows + (n0 + offs_c)[None, :]
-        if FP8:
-            scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * INV_FP8_MAX
-            q = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
-            gl.store(y_ptrs, q.to(out_ptr.dtype.element_ty), mask=store_mask)
-            gl.store(out_scale_ptr + pos_m * stride_osm + pid_n, scale, mask=valid_m)
-        else:
-            gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        router_w = gl.load(topk_weights_ptr + pair_m, mask=valid_m, other=0.0)
-        out0 = (acc0 * router_w[:, None]).to(out_ptr.dtype.element_ty)
-        out1 = (acc1 * router_w[:, None]).to(out_ptr.dtype.element_ty)
-        gl.store(out_rows + (n0 + offs_c)[None, :], out0, mask=store_mask)
-        gl.store(out_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
+    _epilogue(
+        acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
+        pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX, BLOCK_N,
+        gl.SliceLayout(0, mma_layout),
+    )  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
@@ -542,9 +520,7 @@ def pair_gemm_ws_kernel(
     else:
         nb1 = n0 + BLOCK_N
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
-    smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=ELEM_BITS, rank=2
-    )
+    smem_layout: gl.constexpr = _smem_layout(ELEM_BITS)
     a_smem = gl.allocate_shared_memory(
         a_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem_layout
     )
