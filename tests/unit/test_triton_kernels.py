@@ -661,6 +661,31 @@ def test_wgmma_configs_are_checked_and_refused_where_they_cannot_run():
     assert "Standard layout only" in ops.wgmma_unsupported(bf16, x, w13, I, 128, batched=True)
 
 
+def test_wgmma_refusals_name_each_reason(monkeypatch):
+    """Each condition the Hopper kernels need is checked on its own, as if on an sm_90 GPU
+    (the interpreter and the device are stubbed: nothing here launches)."""
+    monkeypatch.setattr(ops, "interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda", 0)
+    cfg = configs.wgmma_config("bf16")
+    a = torch.empty(8, 256, dtype=torch.bfloat16)
+    w = torch.empty(2, 256, 256, dtype=torch.bfloat16)
+    with monkeypatch.context() as m:  # CPU tensors that say they are on cuda:0
+        m.setattr(torch.Tensor, "device", property(lambda self: cuda))
+        assert ops.wgmma_unsupported(cfg, a, w, 128, 128, False) is None
+        assert "multiple of 128" in ops.wgmma_unsupported(cfg, a, w, 96, 128, False)
+        a_k = torch.empty(8, 200, dtype=torch.bfloat16)
+        assert "K (200)" in ops.wgmma_unsupported(cfg, a_k, w, 128, 128, False)
+        strided = torch.empty(8, 512, dtype=torch.bfloat16)[:, ::2]
+        assert "unit stride" in ops.wgmma_unsupported(cfg, strided, w, 128, 128, False)
+        assert "bf16, fp16 or FP8" in ops.wgmma_unsupported(cfg, a.float(), w, 128, 128, False)
+        fp8_cfg = configs.wgmma_config("fp8")
+        assert "block_k must be 64" in ops.wgmma_unsupported(fp8_cfg, a, w, 128, 128, False)
+        assert "Standard layout only" in ops.wgmma_unsupported(cfg, a, w, 128, 128, True)
+        m.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        assert "sm_90" in ops.wgmma_unsupported(cfg, a, w, 128, 128, False)
+
+
 def test_config_tables_and_heuristics(monkeypatch, tmp_path):
     cfg = MoEConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(128, 64, 8, 4, 4))
     assert MoEConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
