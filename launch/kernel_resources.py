@@ -4,9 +4,12 @@
     python launch/kernel_resources.py --config '{"block_m": 64, ...}' --dtype fp8
 
 For each kernel, as ``epmoe.kernels.ops`` would launch it at the benchmark's shapes
-(H = 7168, I = 2048, Standard layout): shared memory, registers, stack (spills) and the
+(H = 7168, I = 2048, Standard layout): shared memory, registers, stack (spills), the
 ``pendings`` of every wgmma wait in the TTGIR (0: each MMA completes before the loop goes
-on; 2: two MMA groups stay in flight). Uses Triton's bundled ptxas and cuobjdump and
+on; 2: two MMA groups stay in flight), and from the SASS whether ptxas serialised the MMAs
+anyway (``mma_serialized``: a wait for zero groups after every ``HGMMA``/``QGMMA``; ptxas
+warns C7514/C7515, e.g. when registers of an MMA still in flight are read across a loop's
+back edge). Uses Triton's bundled ptxas and cuobjdump and
 internals of triton 3.x (``ASTSource``, ``GPUTarget``): a developer's tool, best effort.
 It mirrors Triton's launch-time specialisation (integer arguments equal to 1 become
 constants, multiples of 16 get a divisibility hint, pointers are 16-byte aligned).
@@ -95,7 +98,15 @@ def _resources(kernel) -> dict:
         capture_output=True,
         text=True,
     ).stdout
+    sass = subprocess.run(
+        [os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True
+    ).stdout
     os.unlink(f.name)
+    # What the hardware does: ptxas may serialise the wgmmas whatever the TTGIR's pendings
+    # say (warnings C7514 / C7515), waiting for each MMA before the next is issued. In SASS
+    # every [HQ]GMMA is then followed by a wait for zero groups in flight.
+    mmas = len(re.findall(r"\b[HQ]GMMA\.", sass))
+    full_waits = len(re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0\b", sass))
 
     def field(key: str):
         m = re.search(rf"{key}:(\d+)", usage)
@@ -107,6 +118,9 @@ def _resources(kernel) -> dict:
         "regs": field("REG"),
         "stack": field("STACK"),
         "wgmma_wait_pendings": sorted({int(w) for w in waits}),
+        "sass_mmas": mmas,
+        "sass_waits_for_zero": full_waits,
+        "mma_serialized": mmas > 0 and full_waits >= mmas,
     }
 
 
@@ -197,7 +211,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=("bf16", "fp8"), action="append")
     p.add_argument("--config", help="a MoEConfig as JSON (MoEConfig.to_dict); default: table")
+    p.add_argument(
+        "--retire-in-step",
+        action="store_true",
+        help="FP8 Hopper kernels: compile the loop that retires both MMAs within each step",
+    )
     args = p.parse_args()
+    if args.retire_in_step:
+        from epmoe.kernels import wgmma
+
+        wgmma.FP8_RETIRE_IN_STEP = True
     for dtype in args.dtype or ["bf16", "fp8"]:
         if args.config:
             config = MoEConfig.from_dict(json.loads(args.config))

@@ -69,8 +69,8 @@ class MoEConfig:
     ones while the other blocks keep the full-height MMA.
 
     ``kernel``: ``"dot"``, the portable ``tl.dot`` kernels (``grouped_gemm``), or
-    ``"wgmma"``, the Hopper (sm_90) Gluon kernels of the Standard layout (``wgmma``), which
-    keep an MMA in flight while FP8's block scales are applied, or ``"wgmma_ws"``, their
+    ``"wgmma"``, the Hopper (sm_90) Gluon kernels of the Standard layout (``wgmma``), with
+    explicitly asynchronous warpgroup MMAs on two accumulator tiles, or ``"wgmma_ws"``, their
     warp-specialised form (a loader partition; each MMA warpgroup a partition that waits on
     mbarriers only; ``num_warps`` 8: two MMA warpgroups). A ``wgmma`` config has
     ``block_m = 16 · num_warps`` in both GEMMs, ``block_k`` of 128 bytes, ``gate_up.block_n``
@@ -106,8 +106,18 @@ class MoEConfig:
                 problems.append(f"{name}.num_stages >= 3")
         if gu.block_n != 128:
             problems.append("gate_up.block_n = 128")
-        if dn.block_n < 32:
-            problems.append("down.block_n >= 32 (two tiles of down.block_n / 2)")
+        if not 32 <= dn.block_n <= 256:
+            problems.append(
+                "down.block_n 32 to 256 (two tiles of at most 128 columns: one FP8 scale block)"
+            )
+        if self.half_tail and self.block_m < 128:
+            problems.append("block_m 128 with half_tail (half-height tiles of 64 rows)")
+        for name, c, tile_n in (("gate_up", gu, gu.block_n), ("down", dn, dn.block_n // 2)):
+            # each stage: the activation tile and two weight tiles, rows of 128 bytes
+            if c.num_stages * (self.block_m + 2 * tile_n) * 128 > _SMEM_BYTES - 1024:
+                problems.append(
+                    f"{name}.num_stages within {_SMEM_BYTES // 1024} KiB of shared memory"
+                )
         if self.kernel == "wgmma_ws" and (gu.num_warps, dn.num_warps) != (8, 8):
             problems.append("num_warps 8 (two MMA warpgroups; the loader warps come on top)")
         if problems:

@@ -32,6 +32,8 @@ from epmoe.kernels.configs import (
     WGMMA_KERNELS,
     MoEConfig,
     check_config,
+    dtype_name,
+    heuristic_config,
     select_config,
 )
 
@@ -604,14 +606,41 @@ def wgmma_unsupported(
         return (
             f"the output columns ({n_cols}) must be a multiple of {tile_n} and K ({K}) of {block_k}"
         )
+    if w.shape[-1] != K:
+        return f"the activations have K = {K} columns but the weights {w.shape[-1]}"
     for name, t in (("activations", a), ("weights", w)):
-        if (
-            t.stride(-1) != 1
-            or any((st * t.element_size()) % 16 for st in t.stride()[:-1])
-            or t.data_ptr() % 16
-        ):
-            return f"the {name} need unit stride along K and 16-byte aligned rows"
+        if not _copyable(t):
+            return (
+                f"the {name} need unit stride along K, row strides that are multiples of 16 "
+                "elements and 16-byte alignment"
+            )
     return None
+
+
+def _copyable(t: torch.Tensor) -> bool:
+    """Rows the Hopper kernels can copy 16 bytes at a time (Triton proves that from strides
+    that are multiples of 16 elements and 16-byte aligned pointers)."""
+    return (
+        t.stride(-1) == 1 and not any(st % 16 for st in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+    )
+
+
+def _hopper_fits(config: MoEConfig, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether a *selected* config (table, autotuner: chosen by shape) runs these operands;
+    a Hopper config that does not (strides, alignment) gives way to the shape heuristics.
+    (GEMM 2 reads GEMM 1's output, which ``gate_up`` allocates: only ``w2`` is checked.)"""
+    if config.kernel not in WGMMA_KERNELS:
+        return True
+    if wgmma_unsupported(config, x, w13, w13.shape[1] // 2, config.gate_up.block_n, False):
+        return False
+    return w2.shape[1] % config.down.block_n == 0 and _copyable(w2)
+
+
+def _fp8_retire_in_step() -> bool:
+    """``wgmma.FP8_RETIRE_IN_STEP``: which K loop the FP8 Hopper kernels compile."""
+    from epmoe.kernels import wgmma
+
+    return bool(wgmma.FP8_RETIRE_IN_STEP)
 
 
 def _wgmma_module():
@@ -643,8 +672,13 @@ def _launch_wgmma(
             f"config {config.short()} (kernel={config.kernel!r}) cannot run here: {reason}"
         )
     w_block, ws_strides = _weight_scale_strides(w_scale, w, "w_scale")
-    if fp8 and (a_scale.stride(-1) != 1 or (w_block and ws_strides[2] != 1)):
-        raise ValueError(f"kernel={config.kernel!r} needs FP8 scales with unit stride along K")
+    if fp8:
+        a_scale = a_scale.contiguous()  # (column-major scales, as some producers lay them out)
+        if w_block and ws_strides[2] != 1:
+            raise ValueError(
+                f"kernel={config.kernel!r} needs weight scales with unit stride along K; "
+                "pass w_scale.contiguous()"
+            )
     grid = (r.num_m_blocks * (n_cols // cfg.block_n),)
     if grid[0] == 0:
         return
@@ -688,6 +722,7 @@ def _launch_wgmma(
         STAGES=cfg.num_stages,
     )
     kernels = _wgmma_module()
+    meta["RETIRE_IN_STEP"] = _fp8_retire_in_step()
     if config.kernel == "wgmma_ws":  # (short blocks idle the second MMA warpgroup by itself)
         kernels.pair_gemm_ws_kernel[grid](
             *args,
@@ -946,6 +981,8 @@ def fused_moe_standard(
     )  # fmt: skip
     if config is None:
         config = select_config("standard", w13.dtype, R, H, I, e, K, device, run, autotune)
+        if not _hopper_fits(config, x, w13, w2):
+            config = heuristic_config("standard", dtype_name(w13.dtype), R, H, I, e, K, device.type)
     check_config(config, w13.dtype == FP8_DTYPE)
     return run(config)
 

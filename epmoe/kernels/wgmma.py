@@ -1,5 +1,5 @@
-"""Hopper grouped GEMMs of the Standard layout written in Gluon: asynchronous warpgroup MMAs
-kept in flight across FP8's per-K-step rescale.
+"""Hopper grouped GEMMs of the Standard layout written in Gluon (Triton's lower-level
+dialect: explicit asynchronous warpgroup MMAs, mbarriers, warp specialisation).
 
 Shape legend as in ``grouped_gemm``: R received rows · H hidden size · I intermediate size ·
 e local experts · K top-k · P = R·K pairs · P_pad padded positions · B row blocks ·
@@ -14,38 +14,45 @@ halves of a 256-column GEMM 2 tile — and issues their MMAs in alternation::
 
     issue MMA(acc_0, step k)          # acc_0 was rescaled for step k last iteration
     wait until ≤ 1 MMA in flight       # MMA(acc_1, step k-1) is done
-    rescale acc_1 for step k           # ... while MMA(acc_0, step k) runs
+    rescale acc_1 for step k           # ... meant to run while MMA(acc_0, step k) does
     issue MMA(acc_1, step k)
     wait until ≤ 1 MMA in flight       # MMA(acc_0, step k) is done
-    rescale acc_0 for step k+1         # ... while MMA(acc_1, step k) runs
+    rescale acc_0 for step k+1         # ... meant to run while MMA(acc_1, step k) does
 
-so one MMA is always in flight while the other tile is rescaled, with the registers of two
-tiles only (what the ``tl.dot`` kernel holds already). Rescaling keeps ``acc = Σ_g' s_g' ·
-D_g' / s_g`` (``grouped_gemm._rescale``): one multiply per element and step. The scales
-are loaded two steps ahead, so their latency stays off the chain of MMAs.
+with the registers of two tiles only. Rescaling keeps ``acc = Σ_g' s_g' · D_g' / s_g``
+(``grouped_gemm._rescale``): one multiply per element and step; the scales are loaded two
+steps ahead. **What the hardware runs is not that**: ptxas serialises every wgmma of this
+FP8 loop (warning C7514, a wait for zero MMAs after each one in SASS), because acc_1's
+registers are read across the loop's back edge while its MMA is in flight.
+``launch/kernel_resources.py`` reports it (``mma_serialized``). ``FP8_RETIRE_IN_STEP``
+selects a loop that retires both MMAs within each step (``_both_mmas``), which compiles
+without the serialisation; it has not run on a GPU yet and is off. bf16 has no rescale and
+its warp-specialised loop keeps MMAs in flight.
 
 ``pair_gemm_ws_kernel`` (configs with ``kernel="wgmma_ws"``) is the same loop
 warp-specialised: a loader partition of 4 warps issues the copies into the stages and
 each thread's copies arrive on the stage's ``ready`` mbarrier when they land; each of the
 two MMA warpgroups is a partition of its own (64 rows of the tile) that waits on
 ``ready``, and releases a stage on its ``empty`` mbarrier once its MMAs of that step are
-done. No CTA barrier remains in the K loop, so the warpgroups drift apart and one's rescale
-runs under the other's MMAs; the loader runs up to ``STAGES - 1`` steps ahead. A block of
-at most 64 rows leaves the second warpgroup idle (it only releases the stages).
+done. No CTA barrier remains in the K loop, so the warpgroups drift apart and one's
+rescale can run under the other's MMAs; the loader runs up to ``STAGES - 1`` steps ahead.
+A block of at most 64 rows leaves the second warpgroup idle (it only releases the stages).
 
 Measured on one H200 (docs/kernels.md, third round): the DeepSeek-V3 prefill layer takes
 2.47 ms in FP8 on ``wgmma_ws`` (2.66 on ``wgmma``, 3.02 on ``tl.dot``) and 3.80 ms in bf16
-(4.27 on ``tl.dot``), same run; the H200 table ships ``wgmma_ws`` for both.
+(4.27 on ``tl.dot``), same run; the H200 table ships ``wgmma_ws`` for both. The FP8 gain
+comes from the loader and the warpgroups' drift, not from MMAs in flight (see above).
 
 Loads: ``cp.async`` of 16 bytes per thread into a ring of ``STAGES`` shared-memory stages
-(the activation rows are gathered, so TMA's box loads do not apply to them). A stage is
-refilled two steps after its MMAs were issued: by then every warpgroup has waited for them
-and passed the step's CTA barrier, so neither warpgroup can overwrite operands the other's
-MMA still reads.
+(the activation rows are gathered, so TMA's box loads do not apply to them). In
+``pair_gemm_kernel`` a stage is refilled two steps after its MMAs were issued: by then
+every warpgroup has waited for them and passed the step's CTA barrier, so neither
+warpgroup can overwrite operands the other's MMA still reads.
 
-Scope: the Standard layout; K and the output columns multiples of the tile; operands
-with unit stride along K. ``ops`` checks these and the device (sm_90)
-before choosing these kernels; everything else runs the portable kernels.
+Scope: the Standard layout; K and the output columns multiples of the tile; operands with
+unit stride along K and row strides that are multiples of 16 elements. ``ops`` checks these
+and the device (sm_90): an explicit Hopper config is refused with the reason, and one that
+a table or the autotuner picked gives way to the portable kernels.
 """
 
 from triton.experimental import gluon
@@ -60,6 +67,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 ROW_COUNT_ARGS = ["num_pairs", "num_m_blocks"]
+# FP8: retire both MMAs of a K step within the step (``_both_mmas``). Compiled offline
+# (ptxas, triton 3.6), this loop keeps its wgmmas asynchronous where the shipped one does
+# not (C7514); not yet run on a GPU, so off until it is verified and measured.
+FP8_RETIRE_IN_STEP = False
 # cp.async's builtin: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before
 # (Triton 3.6, our GPU image, has only that one). Both run here; CPU CI compiles with 3.9.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -201,6 +212,25 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
 
 
 @gluon.jit
+def _both_mmas(a_s, b0_s, b1_s, acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1,
+               FP8: gl.constexpr):  # fmt: skip
+    """One step's two MMAs, both retired before it returns (``RETIRE_IN_STEP``): acc0's
+    rescale for the next step runs while acc1's MMA does, acc1's after it. Nothing stays in
+    flight across the loop's back edge, which is what makes ptxas serialise every wgmma of
+    the other loop (C7514) when an accumulator of an MMA in flight is read there."""
+    tok0 = warpgroup_mma(a_s, b0_s.permute((1, 0)), acc0, is_async=True)
+    tok1 = warpgroup_mma(a_s, b1_s.permute((1, 0)), acc1, is_async=True)
+    acc0 = warpgroup_mma_wait(1, deps=[tok0])
+    if FP8:  # both hold Σ s·D / s_k: now divide by s_{k+1} instead (1 past the last step)
+        x_ratio = xs_cur / xs_1
+        acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
+    acc1 = warpgroup_mma_wait(0, deps=[tok1])
+    if FP8:
+        acc1 = acc1 * (x_ratio * (w1_cur / w1_1))[:, None]
+    return acc0, acc1
+
+
+@gluon.jit
 def _pair_tile(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K, num_pairs,
@@ -208,7 +238,7 @@ def _pair_tile(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     TILE_M: gl.constexpr, WARPS_N: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, RETIRE_IN_STEP: gl.constexpr,
 ):  # fmt: skip
     """One ``[TILE_M, 2 · BLOCK_N]`` output tile (see pair_gemm_kernel): the K loop and the
     epilogue, with the warpgroups along M (``WARPS_N = 1``) or, for a half-height tile,
@@ -267,6 +297,33 @@ def _pair_tile(
         # scale at the last step issued (multiplied back after the loop):
         r1 = gl.full([TILE_M], 1.0, gl.float32, layout=rows_mma)
         s1 = r1
+
+    if RETIRE_IN_STEP:  # (FP8 only; see _both_mmas)
+        acc1 = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
+        for k in range(num_k):
+            stage = k % STAGES
+            async_copy.wait_group(STAGES - 3)  # as below
+            fence_async_shared()
+            _cta_barrier()
+            nxt = k + STAGES - 2
+            _issue_loads(
+                a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b0_ptrs, b1_ptrs,
+                nxt * BLOCK_K, nxt < num_k,
+            )  # fmt: skip
+            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
+            acc0, acc1 = _both_mmas(
+                a_smem.index(stage), b0_smem.index(stage), b1_smem.index(stage), acc0, acc1,
+                xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1, FP8,
+            )  # fmt: skip
+            xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
+            xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
+        async_copy.wait_group(0)
+        _epilogue(
+            acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
+            pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX,
+            BLOCK_N, gl.SliceLayout(0, mma_layout),
+        )  # fmt: skip
+        return
 
     for k in range(num_k):
         stage = k % STAGES
@@ -350,6 +407,7 @@ def pair_gemm_kernel(
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     HALF_TAIL: gl.constexpr,  # blocks of <= BLOCK_M / 2 rows run a half-height tile
+    RETIRE_IN_STEP: gl.constexpr,  # FP8: both MMAs of a step retire within it (_both_mmas)
     num_warps: gl.constexpr,
 ):
     # this program's tile: row block pid_m of the align table, column block pid_n
@@ -376,6 +434,7 @@ def pair_gemm_kernel(
                 num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
                 stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                 INV_FP8_MAX, BLOCK_M // 2, 2, BLOCK_N, BLOCK_K, STAGES, num_warps,
+                RETIRE_IN_STEP and FP8,
             )  # fmt: skip
             return
     _pair_tile(
@@ -383,7 +442,7 @@ def pair_gemm_kernel(
         topk_weights_ptr, sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K,
         num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
         stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
-        INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps,
+        INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps, RETIRE_IN_STEP and FP8,
     )  # fmt: skip
 
 
@@ -430,7 +489,7 @@ def _ws_mma(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     ROW0: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, RETIRE_IN_STEP: gl.constexpr,
 ):  # fmt: skip
     """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of the tile, both accumulators, the
     K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows. A block that ends
@@ -462,6 +521,26 @@ def _ws_mma(
         xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
         r1 = gl.full([WG_M], 1.0, gl.float32, layout=rows_mma)
         s1 = r1
+    if RETIRE_IN_STEP:  # (FP8 only; see _both_mmas)
+        acc1 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
+        for k in range(num_k):
+            s = k % STAGES
+            mbarrier.wait(ready.index(s), (k // STAGES) & 1)
+            fence_async_shared()
+            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
+            acc0, acc1 = _both_mmas(
+                a_smem.index(s).slice(ROW0, WG_M, dim=0), b0_smem.index(s), b1_smem.index(s),
+                acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1, FP8,
+            )  # fmt: skip
+            mbarrier.arrive(empty.index(s))  # both MMAs of step k are done
+            xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
+            xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
+        _epilogue(
+            acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
+            pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX,
+            BLOCK_N, gl.SliceLayout(0, mma_layout),
+        )  # fmt: skip
+        return
     for k in range(num_k):
         s = k % STAGES
         mbarrier.wait(ready.index(s), (k // STAGES) & 1)
@@ -503,7 +582,8 @@ def pair_gemm_ws_kernel(
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, RETIRE_IN_STEP: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """``pair_gemm_kernel`` (one tile height) as three partitions: this program's 4 warps
     and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS`` warps load."""
@@ -546,7 +626,7 @@ def pair_gemm_ws_kernel(
                     expert, first, rows, pid_n, n0, nb1, K, num_pairs,
                     stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    0, WG_M, BLOCK_N, BLOCK_K, STAGES,
+                    0, WG_M, BLOCK_N, BLOCK_K, STAGES, RETIRE_IN_STEP and FP8,
                 ),
             ),
             (
@@ -557,7 +637,7 @@ def pair_gemm_ws_kernel(
                     expert, first, rows, pid_n, n0, nb1, K, num_pairs,
                     stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    WG_M, WG_M, BLOCK_N, BLOCK_K, STAGES,
+                    WG_M, WG_M, BLOCK_N, BLOCK_K, STAGES, RETIRE_IN_STEP and FP8,
                 ),
             ),
             (

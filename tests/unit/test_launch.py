@@ -123,6 +123,29 @@ def test_shipped_h200_prefill_configs_compile_for_sm90_within_limits():
             assert r["stack"] <= 96, r
         elif r["dtype"] == "bf16":  # (FP8 tl.dot GEMM 1: 0 with triton 3.6, 24 B with 3.9)
             assert r["stack"] == 0, r
+        if r["dtype"] == "bf16":  # ptxas keeps the MMAs asynchronous (SASS)
+            assert not r["mma_serialized"], r
+
+
+def test_fp8_hopper_loop_that_retires_each_step_keeps_its_mmas_asynchronous():
+    """The shipped FP8 Hopper loop reads an accumulator of an MMA in flight across the loop's
+    back edge, so ptxas serialises every wgmma (C7514; docs/kernels.md, third round). The
+    loop behind ``wgmma.FP8_RETIRE_IN_STEP`` must compile without that (read from the SASS,
+    offline, for sm_90a)."""
+    pytest.importorskip("triton.backends.compiler", reason="needs triton with its compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "kernel_resources.py")]
+    cmd += ["--dtype", "fp8", "--retire-in-step"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    if done.returncode != 0 and "No such file" in done.stderr:
+        pytest.skip(f"Triton's CUDA tools are missing: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert {r["kernel"] for r in rows} == {"gate_up", "down"}
+    for r in rows:
+        assert "error" not in r, r
+        assert r["sass_mmas"] > 0 and not r["mma_serialized"], r
+        assert r["stack"] <= 96, r
 
 
 # Rank 1 raises at once; rank 0 raises something else once rank 1's traceback is out (its

@@ -682,8 +682,41 @@ def test_wgmma_refusals_name_each_reason(monkeypatch):
         fp8_cfg = configs.wgmma_config("fp8")
         assert "block_k must be 64" in ops.wgmma_unsupported(fp8_cfg, a, w, 128, 128, False)
         assert "Standard layout only" in ops.wgmma_unsupported(cfg, a, w, 128, 128, True)
+        padded = torch.empty(8, 264, dtype=torch.bfloat16)[:, :256]  # rows 528 bytes apart
+        assert "multiples of 16" in ops.wgmma_unsupported(cfg, padded, w, 128, 128, False)
+        w_k = torch.empty(2, 256, 128, dtype=torch.bfloat16)
+        assert "K = 256" in ops.wgmma_unsupported(cfg, a, w_k, 128, 128, False)
         m.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
         assert "sm_90" in ops.wgmma_unsupported(cfg, a, w, 128, 128, False)
+    # configs that cannot compile or fit are refused when built
+    gu, dn = cfg.gate_up, cfg.down
+    with pytest.raises(ValueError, match="block_m 128 with half_tail"):
+        MoEConfig(64, GemmConfig(128, 64, 8, 4, 4), GemmConfig(256, 64, 8, 4, 4), True, "wgmma")
+    with pytest.raises(ValueError, match="down.block_n 32 to 256"):
+        MoEConfig(128, gu, GemmConfig(512, 64, 8, 8, 3), kernel="wgmma")
+    with pytest.raises(ValueError, match="gate_up.num_stages within 227 KiB"):
+        MoEConfig(128, GemmConfig(128, 64, 8, 8, 5), dn, kernel="wgmma_ws")
+
+
+def test_a_selected_hopper_config_gives_way_where_it_cannot_run(monkeypatch):
+    """A table or autotuner pick is by shape: where the operands do not suit the Hopper
+    kernels (here: the interpreter) the layer runs the shape heuristics' config instead of
+    failing; an explicit Hopper config is still refused."""
+    picked = []
+    hopper = configs.wgmma_config("fp16")
+    monkeypatch.setattr(ops, "select_config", lambda *a, **k: picked.append(1) or hopper)
+    R, K, e, H, I = 6, 2, 2, 256, 128
+    x = torch.randn(R, H, device=DEVICE, dtype=torch.float16)
+    w13 = torch.randn(e, 2 * I, H, device=DEVICE, dtype=torch.float16) * H**-0.5
+    w2 = torch.randn(e, H, I, device=DEVICE, dtype=torch.float16) * I**-0.5
+    ids = torch.tensor([[0, 1]] * R, device=DEVICE)
+    w = torch.rand(R, K, device=DEVICE)
+    out = ops.fused_moe_standard(x, ids, w, w13, w2)
+    assert picked == [1]
+    ref = moe(x.double(), w13.double(), w2.double(), w, ids)
+    assert_close(out, ref, TOLERANCES[torch.float16], name="fallback")
+    with pytest.raises(ValueError, match="cannot run here"):
+        ops.fused_moe_standard(x, ids, w, w13, w2, config=hopper)
 
 
 def test_config_tables_and_heuristics(monkeypatch, tmp_path):
