@@ -149,6 +149,26 @@ def backends() -> dict[str, dict[str, str | None]]:
     return {d: available_backends(d) for d in devices}
 
 
+def expert_kernels() -> dict[str, str | None]:
+    """Kernel family of ``experts="triton"`` → ``None`` (runs on GPU 0 here) or why not:
+    the portable ``tl.dot`` kernels, and the Hopper Gluon kernels (``MoEConfig.kernel``
+    ``"wgmma"`` / ``"wgmma_ws"``, shipped for H200 prefill)."""
+    if importlib.util.find_spec("triton") is None:
+        missing = "triton is not installed"
+        return {"tl.dot": missing, "wgmma": missing}
+    if not torch.cuda.is_available():
+        cpu = "no CUDA GPU (on CPU only under TRITON_INTERPRET=1, for tests)"
+        return {"tl.dot": cpu, "wgmma": "needs an sm_90 GPU (H100/H200)"}
+    major, minor = torch.cuda.get_device_capability(0)
+    if (major, minor) != (9, 0):
+        hopper = f"needs an sm_90 GPU (H100/H200); GPU 0 is sm_{major}{minor}"
+    elif importlib.util.find_spec("triton.experimental.gluon") is None:
+        hopper = "this Triton has no Gluon (Triton >= 3.6 has it)"
+    else:
+        hopper = None
+    return {"tl.dot": None, "wgmma": hopper}
+
+
 def settings() -> dict[str, dict[str, Any]]:
     """The environment variables that matter, each with its value here (``None``: unset),
     the recommended value, whether it is fine as it is, and a note saying what it does."""
@@ -233,6 +253,7 @@ def collect() -> dict[str, Any]:
         "peer_access": peer_access(),
         "topology": topology(),
         "backends": backends(),
+        "expert_kernels": expert_kernels(),
         "settings": settings(),
     }
 
@@ -266,6 +287,9 @@ def render(info: dict[str, Any]) -> str:
         lines += ["", f"Backends on {device}"]
         for name, reason in table.items():
             lines.append(f"  {name:<12} {'usable' if reason is None else 'no: ' + reason}")
+    lines += ["", "Expert kernels (experts='triton')"]
+    for name, reason in info["expert_kernels"].items():
+        lines.append(f"  {name:<12} {'usable' if reason is None else 'no: ' + reason}")
     lines += ["", "Settings"]
     for key, s in info["settings"].items():
         value = "<unset>" if s["value"] is None else s["value"]

@@ -15,7 +15,7 @@ from epmoe.comm import backend_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = {"epmoe", "host", "platform", "versions", "gpus", "peer_access", "topology",
-        "backends", "settings"}  # fmt: skip
+        "backends", "expert_kernels", "settings"}  # fmt: skip
 VERSION_KEYS = {"python", "torch", "triton", "cuda_runtime", "nccl", "nvshmem", "nvshmem4py",
                 "deep_ep", "pplx_kernels"}  # fmt: skip
 SETTINGS = {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
@@ -45,14 +45,17 @@ def test_info_json_is_one_object_with_every_section():
     assert set(info["backends"]["cpu"]) == set(backend_names())
     assert info["backends"]["cpu"]["naive"] is None  # the portable backends run on CPU
     assert len(info["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert set(info["expert_kernels"]) == {"tl.dot", "wgmma"}
     if not torch.cuda.is_available():
         assert "cuda" not in info["backends"] and info["peer_access"] == []
+        assert "sm_90" in info["expert_kernels"]["wgmma"]  # why not, not just "no"
 
 
 def test_info_text_names_versions_backends_and_settings():
     out = _info(EPMOE_COMM_TIMEOUT_S="soon").stdout
     for word in ("Versions", "torch", "NCCL", "NVSHMEM", "deep_ep", "pplx_kernels",
-                 "Backends on cpu", "naive", "usable", "Settings", "NCCL_NVLS_ENABLE"):  # fmt: skip
+                 "Backends on cpu", "naive", "usable", "Expert kernels", "wgmma", "Settings",
+                 "NCCL_NVLS_ENABLE"):  # fmt: skip
         assert word in out, out
     assert "FIX EPMOE_COMM_TIMEOUT_S=soon" in out, out  # not a number of seconds
     assert "{" not in out.splitlines()[0], out  # text, not JSON
