@@ -159,14 +159,9 @@ def expert_kernels() -> dict[str, str | None]:
     if not torch.cuda.is_available():
         cpu = "no CUDA GPU (on CPU only under TRITON_INTERPRET=1, for tests)"
         return {"tl.dot": cpu, "wgmma": "needs an sm_90 GPU (H100/H200)"}
-    major, minor = torch.cuda.get_device_capability(0)
-    if (major, minor) != (9, 0):
-        hopper = f"needs an sm_90 GPU (H100/H200); GPU 0 is sm_{major}{minor}"
-    elif importlib.util.find_spec("triton.experimental.gluon") is None:
-        hopper = "this Triton has no Gluon (Triton >= 3.6 has it)"
-    else:
-        hopper = None
-    return {"tl.dot": None, "wgmma": hopper}
+    from epmoe.kernels.configs import wgmma_unavailable
+
+    return {"tl.dot": None, "wgmma": wgmma_unavailable(0)}
 
 
 def settings() -> dict[str, dict[str, Any]]:

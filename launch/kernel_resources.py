@@ -159,7 +159,11 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
         mock.patch.object(
             ops,
             "_wgmma_module",
-            lambda: mock.Mock(pair_gemm_kernel=pair, pair_gemm_ws_kernel=pair),
+            lambda: mock.Mock(
+                pair_gemm_kernel=pair,
+                pair_gemm_ws_kernel=pair,
+                FP8_RETIRE_IN_STEP=hopper.FP8_RETIRE_IN_STEP if hopper else False,
+            ),
         ),
         mock.patch.object(ops, "wgmma_unsupported", lambda *a, **k: None),
         mock.patch.object(ops, "_check_device", lambda *t: torch.device("cpu")),

@@ -171,16 +171,18 @@ def check_config(config: MoEConfig, fp8: bool) -> None:
 
 
 @functools.cache
-def wgmma_available(device_index: int) -> bool:
-    """Whether CUDA device ``device_index`` runs ``kernel="wgmma"`` configs: an sm_90 GPU and
-    a Triton with Gluon's Hopper module (asked once per device)."""
-    if torch.cuda.get_device_capability(device_index) != (9, 0):
-        return False
+def wgmma_unavailable(device_index: int) -> str | None:
+    """Why CUDA device ``device_index`` cannot run the Hopper kernels (``kernel="wgmma"`` /
+    ``"wgmma_ws"``), or None: they need an sm_90 GPU and a Triton with Gluon's Hopper module
+    (asked once per device; ``ops``, ``select_config`` and ``epmoe.info`` share the answer)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if (major, minor) != (9, 0):
+        return f"they need an sm_90 GPU (H100/H200); cuda:{device_index} is sm_{major}{minor}"
     try:
         from triton.experimental.gluon.language.nvidia import hopper  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "this Triton has no Gluon Hopper module (Triton >= 3.6 has it)"
+    return None
 
 
 def wgmma_config(dtype: str, kernel: str = "wgmma") -> MoEConfig | None:
@@ -203,7 +205,7 @@ def _runnable(config: MoEConfig, device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return wgmma_available(index)
+    return wgmma_unavailable(index) is None
 
 
 def dtype_name(weight_dtype: torch.dtype) -> str:

@@ -35,6 +35,7 @@ from epmoe.kernels.configs import (
     dtype_name,
     heuristic_config,
     select_config,
+    wgmma_unavailable,
 )
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -594,8 +595,11 @@ def wgmma_unsupported(
         return "they run the Standard layout only (use a kernel='dot' config for ExpertBatched)"
     if interpreted():
         return "the Triton interpreter does not run Gluon kernels"
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device) != (9, 0):
+    if a.device.type != "cuda":
         return f"they need an sm_90 GPU (H100/H200), got {a.device}"
+    unavailable = wgmma_unavailable(a.device.index)
+    if unavailable is not None:
+        return unavailable
     if a.dtype not in (torch.bfloat16, torch.float16, FP8_DTYPE):
         return f"they take bf16, fp16 or FP8 operands, got {a.dtype}"
     K = a.shape[-1]
@@ -634,13 +638,6 @@ def _hopper_fits(config: MoEConfig, x: torch.Tensor, w13: torch.Tensor, w2: torc
     if wgmma_unsupported(config, x, w13, w13.shape[1] // 2, config.gate_up.block_n, False):
         return False
     return w2.shape[1] % config.down.block_n == 0 and _copyable(w2)
-
-
-def _fp8_retire_in_step() -> bool:
-    """``wgmma.FP8_RETIRE_IN_STEP``: which K loop the FP8 Hopper kernels compile."""
-    from epmoe.kernels import wgmma
-
-    return bool(wgmma.FP8_RETIRE_IN_STEP)
 
 
 def _wgmma_module():
@@ -707,6 +704,7 @@ def _launch_wgmma(
         out.stride(0),
         out_scale.stride(0) if out_scale is not None else 0,
     )
+    kernels = _wgmma_module()
     meta = dict(
         GATE_UP=gate_up,
         TOP_K=r.top_k if gate_up else 1,
@@ -720,9 +718,8 @@ def _launch_wgmma(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages,
+        RETIRE_IN_STEP=bool(kernels.FP8_RETIRE_IN_STEP),  # which FP8 K loop (see wgmma.py)
     )
-    kernels = _wgmma_module()
-    meta["RETIRE_IN_STEP"] = _fp8_retire_in_step()
     if config.kernel == "wgmma_ws":  # (short blocks idle the second MMA warpgroup by itself)
         kernels.pair_gemm_ws_kernel[grid](
             *args,

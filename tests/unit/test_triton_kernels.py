@@ -666,6 +666,7 @@ def test_wgmma_refusals_name_each_reason(monkeypatch):
     (the interpreter and the device are stubbed: nothing here launches)."""
     monkeypatch.setattr(ops, "interpreted", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    configs.wgmma_unavailable.cache_clear()  # (asked once per device: the stub's answers)
     cuda = torch.device("cuda", 0)
     cfg = configs.wgmma_config("bf16")
     a = torch.empty(8, 256, dtype=torch.bfloat16)
@@ -687,7 +688,9 @@ def test_wgmma_refusals_name_each_reason(monkeypatch):
         w_k = torch.empty(2, 256, 128, dtype=torch.bfloat16)
         assert "K = 256" in ops.wgmma_unsupported(cfg, a, w_k, 128, 128, False)
         m.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+        configs.wgmma_unavailable.cache_clear()
         assert "sm_90" in ops.wgmma_unsupported(cfg, a, w, 128, 128, False)
+    configs.wgmma_unavailable.cache_clear()  # not the stub's answers for later tests
     # configs that cannot compile or fit are refused when built
     gu, dn = cfg.gate_up, cfg.down
     with pytest.raises(ValueError, match="block_m 128 with half_tail"):
