@@ -62,11 +62,21 @@ def _compile(fn, args: tuple, meta: dict):
         meta["num_warps"] = options["num_warps"]
     names = fn.arg_names
     keep = {names[i] if isinstance(i, int) else i for i in (fn.do_not_specialize or ())}
+    values = dict(zip(names, args, strict=False))
+    for name in [k for k, v in meta.items() if isinstance(v, torch.Tensor)]:
+        values[name] = meta.pop(name)  # a pointer passed by keyword
     signature, constants, attrs = {}, dict(meta), {}
-    for i, (name, value) in enumerate(zip(names, args, strict=False)):
+    for i, name in enumerate(names):
+        if name not in values:
+            continue
+        value = values[name]
         if isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[value.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]
+        elif hasattr(value, "block_shape"):  # a TMA descriptor (its type names the box)
+            from triton.runtime.jit import mangle_type
+
+            signature[name] = mangle_type(value)
         elif isinstance(value, int) and not isinstance(value, bool):
             if value == 1 and name not in keep:
                 constants[name] = 1
@@ -139,6 +149,7 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
         torch.empty(R * K, dtype=i32),
         torch.empty(e, dtype=i32),
         torch.empty(1, dtype=i32),
+        torch.empty(1, dtype=i32),
         config.block_m,
         pad_m,
         R,
@@ -162,7 +173,7 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
             lambda: mock.Mock(
                 pair_gemm_kernel=pair,
                 pair_gemm_ws_kernel=pair,
-                FP8_RETIRE_IN_STEP=hopper.FP8_RETIRE_IN_STEP if hopper else False,
+                weight_descriptor=hopper.weight_descriptor if hopper else None,
             ),
         ),
         mock.patch.object(ops, "wgmma_unsupported", lambda *a, **k: None),
@@ -215,16 +226,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=("bf16", "fp8"), action="append")
     p.add_argument("--config", help="a MoEConfig as JSON (MoEConfig.to_dict); default: table")
-    p.add_argument(
-        "--retire-in-step",
-        action="store_true",
-        help="FP8 Hopper kernels: compile the loop that retires both MMAs within each step",
-    )
     args = p.parse_args()
-    if args.retire_in_step:
-        from epmoe.kernels import wgmma
-
-        wgmma.FP8_RETIRE_IN_STEP = True
     for dtype in args.dtype or ["bf16", "fp8"]:
         if args.config:
             config = MoEConfig.from_dict(json.loads(args.config))

@@ -10,8 +10,8 @@ Three launches, no host synchronisation (see ``ops.align_pairs``):
    slot the atomic handed it (its rank inside the expert's group; order is arbitrary).
 2. ``block_table_kernel``: pads each expert's group to a multiple of ``PAD_M`` (``BLOCK_M``,
    or ``BLOCK_M / 2`` with half-height tail blocks), cuts it into row blocks and writes
-   each block's expert (``-1`` past the last real block), first position and size; fills
-   the padding positions with the sentinel.
+   each block's expert (``-1`` past the last real block), first position and size, and
+   how many blocks are in use; fills the padding positions with the sentinel.
 3. ``scatter_pairs_kernel``: each pair writes its flat index ``r·K + k`` at position
    ``start[expert] + rank`` and that position into ``pair_pos`` (-1 for pairs not local).
 """
@@ -66,6 +66,7 @@ def block_table_kernel(
     block_rows_ptr,  # [B] int32 out: padded positions of each block, BLOCK_M or PAD_M (0 past)
     expert_start_ptr,  # [e] int32 out: first padded position of each expert's group
     num_padded_ptr,  # [1] int32 out: total padded positions (a multiple of PAD_M)
+    blocks_used_ptr,  # [1] int32 out: row blocks in use (the rest have block_rows 0)
     sorted_pairs_ptr,  # [P_pad] int32 out: the sentinel `num_pairs` at every padding position
     # sizes
     num_pairs,  # P, the sentinel
@@ -91,6 +92,7 @@ def block_table_kernel(
     if pid == 0:
         tl.store(expert_start_ptr + e_offs, start, mask=e_mask)
         tl.store(num_padded_ptr, tl.sum(padded, 0))
+        tl.store(blocks_used_ptr, tl.sum((padded + BLOCK_M - 1) // BLOCK_M, 0))
 
     blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     b_mask = blocks < num_blocks

@@ -61,7 +61,8 @@ class AlignedPairs:
     block; ``block_start [B]`` / ``block_rows [B]`` int32: its first position and its size
     (``block_m`` or ``pad_m``; 0 past the last block). ``pair_pos [P]`` int32: the padded
     position of each pair, ``-1`` when its id is not local. ``expert_counts [e]`` int32:
-    pairs per expert. ``num_padded [1]`` int32: padded positions in use. Only
+    pairs per expert. ``num_padded [1]`` int32: padded positions in use;
+    ``blocks_used [1]`` int32: row blocks in use (the first ones). Only
     ``B = ceil((P + min(e, P)·(block_m − 1)) / block_m)`` (the worst case) is known on the
     host.
     """
@@ -73,6 +74,7 @@ class AlignedPairs:
     pair_pos: torch.Tensor
     expert_counts: torch.Tensor
     num_padded: torch.Tensor
+    blocks_used: torch.Tensor
     block_m: int
     pad_m: int
     num_rows: int  # R
@@ -151,12 +153,13 @@ def align_pairs(
     # whatever B is (Triton specialises kernels on 16-byte pointer alignment)
     block_table = [torch.empty(num_blocks, **i32) for _ in range(3)]
     expert_start = torch.empty(num_experts, **i32)
-    num_padded = torch.zeros(1, **i32)
+    num_padded, blocks_used = torch.zeros(1, **i32), torch.zeros(1, **i32)
     pair_pos = torch.empty(P, **i32)
     rank = torch.empty(P, **i32)
     aligned = AlignedPairs(
-        sorted_pairs, *block_table, pair_pos, counts, num_padded, block_m, pad_m, R, K
-    )
+        sorted_pairs, *block_table, pair_pos, counts, num_padded, blocks_used, block_m, pad_m,
+        R, K,
+    )  # fmt: skip
     if P == 0:
         return aligned
     block = 1024
@@ -170,6 +173,7 @@ def align_pairs(
         *block_table,
         expert_start,
         num_padded,
+        blocks_used,
         sorted_pairs,
         P,
         num_experts,
@@ -287,6 +291,7 @@ class _Rows(NamedTuple):
     capacity: int  # Batched: C
     top_k: int
     gather: bool = False  # Batched: x is [R, H], sorted_pairs the row index [e, C]
+    blocks_used: torch.Tensor | None = None  # Standard: [1] int32 row blocks in use
 
 
 def _rows(
@@ -307,7 +312,7 @@ def _rows(
         sp = rows.sorted_pairs
         return _Rows(
             False, rows.num_blocks, sp, rows.block_expert, rows.block_start, rows.block_rows,
-            sp, rows.num_pairs, 0, rows.top_k,
+            sp, rows.num_pairs, 0, rows.top_k, blocks_used=rows.blocks_used,
         )  # fmt: skip
     if rows.shape != (e,) or rows.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
@@ -618,7 +623,18 @@ def wgmma_unsupported(
                 f"the {name} need unit stride along K, row strides that are multiples of 16 "
                 "elements and 16-byte alignment"
             )
+    if config.kernel == "wgmma_ws" and not _experts_stacked(w):
+        return (
+            "kernel='wgmma_ws' loads the weights with TMA over [e·N_w, K]: each expert's "
+            f"rows must follow the last one's (strides {tuple(w.stride())}); pass "
+            "w.contiguous() once at load time"
+        )
     return None
+
+
+def _experts_stacked(w: torch.Tensor) -> bool:
+    """``w [e, N_w, K]`` is one ``[e·N_w, K]`` matrix (a view, for a TMA descriptor)."""
+    return w.shape[0] <= 1 or w.stride(0) == w.shape[1] * w.stride(1)
 
 
 def _copyable(t: torch.Tensor) -> bool:
@@ -637,13 +653,24 @@ def _hopper_fits(config: MoEConfig, x: torch.Tensor, w13: torch.Tensor, w2: torc
         return True
     if wgmma_unsupported(config, x, w13, w13.shape[1] // 2, config.gate_up.block_n, False):
         return False
-    return w2.shape[1] % config.down.block_n == 0 and _copyable(w2)
+    stacked = config.kernel != "wgmma_ws" or _experts_stacked(w2)
+    return w2.shape[1] % config.down.block_n == 0 and _copyable(w2) and stacked
 
 
 def _wgmma_module():
     from epmoe.kernels import wgmma  # Gluon: imported on first use (sm_90 only)
 
     return wgmma
+
+
+def _ws_programs(tiles: int, device: torch.device) -> int:
+    """Programs of the warp-specialised kernel, which walks tiles ``program_id,
+    program_id + programs, ...``: one per tile (of the worst case; programs past the tiles
+    in use exit at once). One program per SM, each walking its share of the tiles in a
+    fixed order, measured 11–16% slower on H200 (docs/kernels.md, third round): the block
+    scheduler hands each tile to the first free SM, and the SMs stay on neighbouring tiles,
+    which share operands in L2."""
+    return tiles
 
 
 def _launch_wgmma(
@@ -718,11 +745,14 @@ def _launch_wgmma(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages,
-        RETIRE_IN_STEP=bool(kernels.FP8_RETIRE_IN_STEP),  # which FP8 K loop (see wgmma.py)
     )
     if config.kernel == "wgmma_ws":  # (short blocks idle the second MMA warpgroup by itself)
-        kernels.pair_gemm_ws_kernel[grid](
-            *args,
+        w_desc = kernels.weight_descriptor(w, block_n, cfg.block_k)
+        kernels.pair_gemm_ws_kernel[(_ws_programs(grid[0], a.device),)](
+            *args[:2],
+            w_desc,
+            *args[3:],
+            blocks_used_ptr=r.blocks_used,
             **meta,
             LOAD_WARPS=4,
             LOAD_REGS=64,  # (ptxas: no spills with triton 3.6; at most 80 bytes with 3.9)

@@ -21,36 +21,41 @@ halves of a 256-column GEMM 2 tile — and issues their MMAs in alternation::
 
 with the registers of two tiles only. Rescaling keeps ``acc = Σ_g' s_g' · D_g' / s_g``
 (``grouped_gemm._rescale``): one multiply per element and step; the scales are loaded two
-steps ahead. **What the hardware runs is not that**: ptxas serialises every wgmma of this
-FP8 loop (warning C7514, a wait for zero MMAs after each one in SASS), because acc_1's
-registers are read across the loop's back edge while its MMA is in flight.
-``launch/kernel_resources.py`` reports it (``mma_serialized``). ``FP8_RETIRE_IN_STEP``
-selects a loop that retires both MMAs within each step (``_both_mmas``), which compiles
-without the serialisation; it has not run on a GPU yet and is off. bf16 has no rescale and
-its warp-specialised loop keeps MMAs in flight.
+steps ahead. That loop, as written, is not what the hardware ran: ptxas serialised every
+wgmma of it (warning C7514, a wait for zero MMAs after each one in SASS), because acc_1's
+registers are read across the loop's back edge while its MMA is in flight. The FP8 loop
+therefore retires both MMAs of a step within the step (``_both_mmas``): acc_0's rescale
+runs under acc_1's MMA, and nothing is in flight across the back edge, so ptxas keeps the
+wgmmas asynchronous (``launch/kernel_resources.py`` reports ``mma_serialized`` from the
+SASS). bf16 has no rescale: its loop keeps acc_1's MMA in flight across the back edge.
 
 ``pair_gemm_ws_kernel`` (configs with ``kernel="wgmma_ws"``) is the same loop
-warp-specialised: a loader partition of 4 warps issues the copies into the stages and
-each thread's copies arrive on the stage's ``ready`` mbarrier when they land; each of the
-two MMA warpgroups is a partition of its own (64 rows of the tile) that waits on
-``ready``, and releases a stage on its ``empty`` mbarrier once its MMAs of that step are
-done. No CTA barrier remains in the K loop, so the warpgroups drift apart and one's
-rescale can run under the other's MMAs; the loader runs up to ``STAGES - 1`` steps ahead.
-A block of at most 64 rows leaves the second warpgroup idle (it only releases the stages).
+warp-specialised: a loader partition of 4 warps brings each step's two weight tiles by TMA
+(one descriptor over the experts' stacked ``[e·N_w, K]`` weights; their bytes expected on
+the stage's ``ready`` mbarrier) and the gathered activation rows by ``cp.async`` (each
+thread's copies arrive on ``ready`` when they land); each of the two MMA warpgroups is a
+partition of its own (64 rows of the tile) that waits on ``ready``, and releases a stage
+on its ``empty`` mbarrier once its MMAs of that step are done. No CTA barrier remains in
+the K loop, so the warpgroups drift apart and one's rescale can run under the other's
+MMAs; the loader runs up to ``STAGES`` steps ahead. A block of at most 64 rows leaves the
+second warpgroup idle (it only releases the stages). Each program walks tiles
+``program_id, program_id + num_programs, ...`` of the row blocks in use (read on the
+device), carrying the stage count across tiles; ``ops`` launches one program per tile,
+which measured faster than one per SM (docs/kernels.md, third round).
 
-Measured on one H200 (docs/kernels.md, third round): the DeepSeek-V3 prefill layer takes
-2.47 ms in FP8 on ``wgmma_ws`` (2.66 on ``wgmma``, 3.02 on ``tl.dot``) and 3.80 ms in bf16
-(4.27 on ``tl.dot``), same run; the H200 table ships ``wgmma_ws`` for both. The FP8 gain
-comes from the loader and the warpgroups' drift, not from MMAs in flight (see above).
+Measured on one H200 (docs/kernels.md, third round), the two GEMMs of the DeepSeek-V3
+prefill layer in one process: FP8 2.10 ms on ``wgmma_ws`` (2.54 on ``wgmma``, 3.10 on
+``tl.dot``), bf16 3.75 ms (4.34, 4.48).
 
-Loads: ``cp.async`` of 16 bytes per thread into a ring of ``STAGES`` shared-memory stages
-(the activation rows are gathered, so TMA's box loads do not apply to them). In
-``pair_gemm_kernel`` a stage is refilled two steps after its MMAs were issued: by then
-every warpgroup has waited for them and passed the step's CTA barrier, so neither
-warpgroup can overwrite operands the other's MMA still reads.
+Loads in ``pair_gemm_kernel``: ``cp.async`` of 16 bytes per thread into a ring of
+``STAGES`` shared-memory stages (the activation rows are gathered, so TMA's box loads do
+not apply to them; Hopper has no TMA gather). A stage is refilled two steps after its MMAs
+were issued: by then every warpgroup has waited for them and passed the step's CTA
+barrier, so neither warpgroup can overwrite operands the other's MMA still reads.
 
 Scope: the Standard layout; K and the output columns multiples of the tile; operands with
-unit stride along K and row strides that are multiples of 16 elements. ``ops`` checks these
+unit stride along K and row strides that are multiples of 16 elements; for ``wgmma_ws``,
+each expert's weight rows following the last one's (one TMA descriptor). ``ops`` checks these
 and the device (sm_90): an explicit Hopper config is refused with the reason, and one that
 a table or the autotuner picked gives way to the portable kernels.
 """
@@ -61,19 +66,19 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_init,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 ROW_COUNT_ARGS = ["num_pairs", "num_m_blocks"]
-# FP8: retire both MMAs of a K step within the step (``_both_mmas``). Compiled offline
-# (ptxas, triton 3.6), this loop keeps its wgmmas asynchronous where the shipped one does
-# not (C7514); not yet run on a GPU, so off until it is verified and measured.
-FP8_RETIRE_IN_STEP = False
 # cp.async's builtin: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before
 # (Triton 3.6, our GPU image, has only that one). Both run here; CPU CI compiles with 3.9.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# TMA's load: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # the CTA barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.9
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -92,14 +97,14 @@ def _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M: gl.constexpr):
 
 @gluon.jit
 def _issue_loads(
-    a_smem, b0_smem, b1_smem, stage, a_ptrs, a_mask, b0_ptrs, b1_ptrs, k_off, STEPS_AHEAD_OK
+    a_smem, b0_smem, b1_smem, stage, a_ptrs, a_mask, b_ptrs, b1_off, k_off, STEPS_AHEAD_OK
 ):
     """One K step's three operand tiles into ``stage`` (one cp.async group, committed even
     when empty so that group counting stays per step)."""
     if STEPS_AHEAD_OK:
         _cp_async(a_smem.index(stage), a_ptrs + k_off, mask=a_mask)
-        _cp_async(b0_smem.index(stage), b0_ptrs + k_off)
-        _cp_async(b1_smem.index(stage), b1_ptrs + k_off)
+        _cp_async(b0_smem.index(stage), b_ptrs + k_off)
+        _cp_async(b1_smem.index(stage), b_ptrs + (k_off + b1_off))
     async_copy.commit_group()
 
 
@@ -139,17 +144,24 @@ def _rows(first, rows, sorted_pairs_ptr, num_pairs, GATE_UP: gl.constexpr, TOP_K
 
 
 @gluon.jit
-def _operand_ptrs(a_ptr, w_ptr, src, valid, expert, n0, nb1, stride_am, stride_we, stride_wn,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, load_layout: gl.constexpr):  # fmt: skip
-    """Step 0's addresses of the activation tile (with its row mask, constant along K:
-    16-byte copies) and of the two weight tiles (rows ``n0`` and ``nb1`` of the expert)."""
+def _activation_ptrs(a_ptr, src, valid, stride_am, BLOCK_K: gl.constexpr,
+                     load_layout: gl.constexpr):  # fmt: skip
+    """Step 0's addresses of the activation tile, with its row mask (constant along K:
+    16-byte copies)."""
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
-    a_ptrs = a_ptr + src[:, None] * stride_am + offs_k[None, :]
+    return a_ptr + src[:, None] * stride_am + offs_k[None, :], valid[:, None]
+
+
+@gluon.jit
+def _weight_ptrs(w_ptr, expert, n0, nb1, stride_we, stride_wn, BLOCK_N: gl.constexpr,
+                 BLOCK_K: gl.constexpr, load_layout: gl.constexpr):  # fmt: skip
+    """Step 0's addresses of weight tile 0 (rows ``n0..`` of the expert); weight tile 1
+    (rows ``nb1..``) is ``b1_off`` elements further (a scalar: one tensor of addresses in
+    registers, not two)."""
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, load_layout))
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, load_layout)).to(gl.int64)
-    w_base = w_ptr + expert * stride_we
-    b0_ptrs = w_base + (n0 + offs_n)[:, None] * stride_wn + offs_k[None, :]
-    b1_ptrs = w_base + (nb1 + offs_n)[:, None] * stride_wn + offs_k[None, :]
-    return a_ptrs, valid[:, None], b0_ptrs, b1_ptrs
+    b_ptrs = w_ptr + expert * stride_we + (n0 + offs_n)[:, None] * stride_wn + offs_k[None, :]
+    return b_ptrs, (nb1 - n0) * stride_wn
 
 
 @gluon.jit
@@ -212,21 +224,19 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
 
 
 @gluon.jit
-def _both_mmas(a_s, b0_s, b1_s, acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1,
-               FP8: gl.constexpr):  # fmt: skip
-    """One step's two MMAs, both retired before it returns (``RETIRE_IN_STEP``): acc0's
-    rescale for the next step runs while acc1's MMA does, acc1's after it. Nothing stays in
-    flight across the loop's back edge, which is what makes ptxas serialise every wgmma of
-    the other loop (C7514) when an accumulator of an MMA in flight is read there."""
+def _both_mmas(a_s, b0_s, b1_s, acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1):
+    """One FP8 step's two MMAs, both retired before it returns: acc0's rescale for the next
+    step runs while acc1's MMA does, acc1's after it. Both hold ``Σ s·D / s_k`` and leave
+    with ``/ s_{k+1}`` instead (1 past the last step, so the last rescale is the final
+    multiply). Nothing stays in flight across the loop's back edge: reading an accumulator
+    of an MMA in flight there makes ptxas serialise every wgmma of the loop (C7514)."""
     tok0 = warpgroup_mma(a_s, b0_s.permute((1, 0)), acc0, is_async=True)
     tok1 = warpgroup_mma(a_s, b1_s.permute((1, 0)), acc1, is_async=True)
     acc0 = warpgroup_mma_wait(1, deps=[tok0])
-    if FP8:  # both hold Σ s·D / s_k: now divide by s_{k+1} instead (1 past the last step)
-        x_ratio = xs_cur / xs_1
-        acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
+    x_ratio = xs_cur / xs_1
+    acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
     acc1 = warpgroup_mma_wait(0, deps=[tok1])
-    if FP8:
-        acc1 = acc1 * (x_ratio * (w1_cur / w1_1))[:, None]
+    acc1 = acc1 * (x_ratio * (w1_cur / w1_1))[:, None]
     return acc0, acc1
 
 
@@ -238,7 +248,7 @@ def _pair_tile(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     TILE_M: gl.constexpr, WARPS_N: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, RETIRE_IN_STEP: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):  # fmt: skip
     """One ``[TILE_M, 2 · BLOCK_N]`` output tile (see pair_gemm_kernel): the K loop and the
     epilogue, with the warpgroups along M (``WARPS_N = 1``) or, for a half-height tile,
@@ -261,10 +271,10 @@ def _pair_tile(
     pos_m, pair_m, valid_m, src_m = _rows(
         first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M, rows_mma
     )
-    a_ptrs, a_mask, b0_ptrs, b1_ptrs = _operand_ptrs(
-        a_ptr, w_ptr, src_l, valid_l, expert, n0, nb1, stride_am, stride_we, stride_wn,
-        BLOCK_N, BLOCK_K, load_layout,
-    )  # fmt: skip
+    a_ptrs, a_mask = _activation_ptrs(a_ptr, src_l, valid_l, stride_am, BLOCK_K, load_layout)
+    b_ptrs, b1_off = _weight_ptrs(
+        w_ptr, expert, n0, nb1, stride_we, stride_wn, BLOCK_N, BLOCK_K, load_layout
+    )
     a_smem = gl.allocate_shared_memory(
         a_ptr.dtype.element_ty, [STAGES, TILE_M, BLOCK_K], smem_layout
     )
@@ -279,13 +289,13 @@ def _pair_tile(
     # Prologue: steps 0 .. STAGES - 3 in flight (a stage is refilled two steps after use).
     for j in gl.static_range(STAGES - 2):
         _issue_loads(
-            a_smem, b0_smem, b1_smem, j, a_ptrs, a_mask, b0_ptrs, b1_ptrs, j * BLOCK_K, j < num_k
+            a_smem, b0_smem, b1_smem, j, a_ptrs, a_mask, b_ptrs, b1_off, j * BLOCK_K, j < num_k
         )
 
     acc0 = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
-    acc1_tok = warpgroup_mma_init(gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout))
-    WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
-    if FP8:
+    acc1 = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
+    if FP8:  # both MMAs of a step retire within it (_both_mmas)
+        WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
         # Scales are loaded two steps ahead (their latency stays off the MMA chain).
         as_ptrs, ws0_ptr, ws1_ptr = _scale_ptrs(
             a_scale_ptr, w_scale_ptr, src_m, expert, n0, nb1, stride_asm, stride_wse,
@@ -293,71 +303,46 @@ def _pair_tile(
         )  # fmt: skip
         xs_cur, w0_cur, w1_cur = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP)
         xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
-        # acc0 is zero: no rescale before step 0. acc1's factor for its next step, and its
-        # scale at the last step issued (multiplied back after the loop):
-        r1 = gl.full([TILE_M], 1.0, gl.float32, layout=rows_mma)
-        s1 = r1
-
-    if RETIRE_IN_STEP:  # (FP8 only; see _both_mmas)
-        acc1 = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
         for k in range(num_k):
             stage = k % STAGES
-            async_copy.wait_group(STAGES - 3)  # as below
+            # step k's tiles have landed (for this thread), then are visible to the async
+            # proxy (wgmma) of every thread
+            async_copy.wait_group(STAGES - 3)
             fence_async_shared()
             _cta_barrier()
+            # refill the stage of step k - 2 with step k + STAGES - 2: every warpgroup
+            # retired step k - 2's MMAs before it reached the barrier above
             nxt = k + STAGES - 2
             _issue_loads(
-                a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b0_ptrs, b1_ptrs,
+                a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b_ptrs, b1_off,
                 nxt * BLOCK_K, nxt < num_k,
             )  # fmt: skip
             xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
             acc0, acc1 = _both_mmas(
                 a_smem.index(stage), b0_smem.index(stage), b1_smem.index(stage), acc0, acc1,
-                xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1, FP8,
+                xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1,
             )  # fmt: skip
             xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
             xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
-        async_copy.wait_group(0)
-        _epilogue(
-            acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
-            pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX,
-            BLOCK_N, gl.SliceLayout(0, mma_layout),
-        )  # fmt: skip
-        return
-
-    for k in range(num_k):
-        stage = k % STAGES
-        # step k's tiles have landed (for this thread), then are visible to the async
-        # proxy (wgmma) of every thread
-        async_copy.wait_group(STAGES - 3)
-        fence_async_shared()
-        _cta_barrier()
-        # refill the stage of step k - 2 with step k + STAGES - 2: every warpgroup waited for
-        # step k - 2's MMAs before it reached the barrier above
-        nxt = k + STAGES - 2
-        _issue_loads(
-            a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b0_ptrs, b1_ptrs,
-            nxt * BLOCK_K, nxt < num_k,
-        )  # fmt: skip
-        a_s = a_smem.index(stage)
-        tok0 = warpgroup_mma(a_s, b0_smem.index(stage).permute((1, 0)), acc0, is_async=True)
-        acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
-        if FP8:
-            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
-            acc1 = acc1 * r1[:, None]
-        acc1_tok = warpgroup_mma(a_s, b1_smem.index(stage).permute((1, 0)), acc1, is_async=True)
-        acc0 = warpgroup_mma_wait(1, deps=[tok0])  # MMA(acc0, k) done; acc1's runs
-        if FP8:
-            x_ratio = xs_cur / xs_1
-            acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
-            r1 = x_ratio * (w1_cur / w1_1)
-            s1 = xs_cur * w1_cur
-            xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
-            xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
-    acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
+    else:  # bf16: acc1's MMA stays in flight across the loop's back edge
+        acc1_tok = warpgroup_mma_init(acc1)
+        for k in range(num_k):
+            stage = k % STAGES
+            async_copy.wait_group(STAGES - 3)  # as above
+            fence_async_shared()
+            _cta_barrier()
+            nxt = k + STAGES - 2
+            _issue_loads(
+                a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b_ptrs, b1_off,
+                nxt * BLOCK_K, nxt < num_k,
+            )  # fmt: skip
+            a_s = a_smem.index(stage)
+            tok0 = warpgroup_mma(a_s, b0_smem.index(stage).permute((1, 0)), acc0, is_async=True)
+            acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
+            acc1_tok = warpgroup_mma(a_s, b1_smem.index(stage).permute((1, 0)), acc1, is_async=True)
+            acc0 = warpgroup_mma_wait(1, deps=[tok0])  # MMA(acc0, k) done; acc1's runs
+        acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
     async_copy.wait_group(0)
-    if FP8:  # acc1 holds Σ s·D / s_last: multiply the last step's scales back
-        acc1 = acc1 * s1[:, None]
     _epilogue(
         acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
         pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX, BLOCK_N,
@@ -407,7 +392,6 @@ def pair_gemm_kernel(
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     HALF_TAIL: gl.constexpr,  # blocks of <= BLOCK_M / 2 rows run a half-height tile
-    RETIRE_IN_STEP: gl.constexpr,  # FP8: both MMAs of a step retire within it (_both_mmas)
     num_warps: gl.constexpr,
 ):
     # this program's tile: row block pid_m of the align table, column block pid_n
@@ -434,7 +418,6 @@ def pair_gemm_kernel(
                 num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
                 stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                 INV_FP8_MAX, BLOCK_M // 2, 2, BLOCK_N, BLOCK_K, STAGES, num_warps,
-                RETIRE_IN_STEP and FP8,
             )  # fmt: skip
             return
     _pair_tile(
@@ -442,213 +425,244 @@ def pair_gemm_kernel(
         topk_weights_ptr, sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K,
         num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
         stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
-        INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps, RETIRE_IN_STEP and FP8,
+        INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps,
     )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------
-# Warp-specialised variant: a loader partition issues the copies; each MMA warpgroup is a
-# partition of its own (64 rows of the tile) that waits on mbarriers, never on a CTA barrier.
+# Warp-specialised and persistent: a loader partition issues the copies; each MMA
+# warpgroup is a partition of its own (64 rows of the tile) that waits on mbarriers, never
+# on a CTA barrier; every partition walks the same tiles, so the loader fills the next
+# tile's stages while the MMA warpgroups run the last one's epilogue.
+
+
+@gluon.jit
+def _ws_tile(t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
+             N, GATE_UP: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
+    """Tile ``t`` of the grouped order: (rows of its block; expert;
+    first position; column block; first column of each accumulator tile in the weights)."""
+    pid_m, pid_n = _tile_ids(t, num_m_blocks, num_n_blocks, GROUP_M)
+    rows = gl.load(block_rows_ptr + pid_m)
+    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
+    first = gl.load(block_start_ptr + pid_m).to(gl.int64)
+    if GATE_UP:  # gate rows n0.., up rows N + n0.. of w13
+        n0 = pid_n * BLOCK_N
+        nb1 = n0 + N
+    else:  # the two halves of a 2·BLOCK_N-column tile
+        n0 = pid_n * 2 * BLOCK_N
+        nb1 = n0 + BLOCK_N
+    return rows, expert, first, pid_n, n0, nb1
 
 
 @gluon.jit
 def _ws_loader(
-    a_ptr, w_ptr, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
-    expert, first, rows, n0, nb1, K, num_pairs, stride_am, stride_we, stride_wn,
+    a_ptr, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr, num_n_blocks,
+    stride_am,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Step k's three tiles into stage k % STAGES once both MMA partitions released it;
-    each thread's copies arrive on ``ready`` when they land."""
+    """This program's tiles, step after step: step ``c`` (counted across tiles) into stage
+    ``c % STAGES`` once both MMA partitions released it. The two weight tiles come by TMA
+    (``w_desc``: the experts' weights as one ``[e·N_w, K]`` matrix), their bytes expected
+    on ``ready``; the gathered activation rows by ``cp.async``, each thread's copies
+    arriving on ``ready`` when they land."""
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    W_BYTES: gl.constexpr = 2 * BLOCK_N * BLOCK_K * ELEM_BITS // 8
     load_layout: gl.constexpr = _load_layout(ELEM_BITS, BLOCK_K, gl.num_warps())
-    _, _, valid, src = _rows(
-        first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
-        gl.SliceLayout(1, load_layout),
-    )  # fmt: skip
-    a_ptrs, a_mask, b0_ptrs, b1_ptrs = _operand_ptrs(
-        a_ptr, w_ptr, src, valid, expert, n0, nb1, stride_am, stride_we, stride_wn,
-        BLOCK_N, BLOCK_K, load_layout,
-    )  # fmt: skip
-    for k in range(K // BLOCK_K):
-        s = k % STAGES
-        mbarrier.wait(empty.index(s), ((k // STAGES) & 1) ^ 1, pred=k >= STAGES)
-        k_off = k * BLOCK_K
-        _cp_async(a_smem.index(s), a_ptrs + k_off, mask=a_mask)
-        _cp_async(b0_smem.index(s), b0_ptrs + k_off)
-        _cp_async(b1_smem.index(s), b1_ptrs + k_off)
-        async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+    num_k = K // BLOCK_K
+    n_w = 2 * N if GATE_UP else N  # weight rows per expert
+    c = 0
+    num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
+    for t in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+        rows, expert, first, pid_n, n0, nb1 = _ws_tile(
+            t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
+            N, GATE_UP, BLOCK_N, GROUP_M,
+        )  # fmt: skip
+        _, _, valid, src = _rows(
+            first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
+            gl.SliceLayout(1, load_layout),
+        )  # fmt: skip
+        a_ptrs, a_mask = _activation_ptrs(a_ptr, src, valid, stride_am, BLOCK_K, load_layout)
+        row0 = (expert * n_w + n0).to(gl.int32)
+        row1 = (expert * n_w + nb1).to(gl.int32)
+        for k in range(num_k):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+            k_off = k * BLOCK_K
+            mbarrier.expect(ready.index(s), W_BYTES)
+            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
+            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
+            _cp_async(a_smem.index(s), a_ptrs + k_off, mask=a_mask)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            c += 1
 
 
 @gluon.jit
 def _ws_mma(
     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-    sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
-    expert, first, rows, pid_n, n0, nb1, K, num_pairs,
+    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr, num_n_blocks,
     stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     ROW0: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr, RETIRE_IN_STEP: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of the tile, both accumulators, the
-    K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows. A block that ends
-    before ``ROW0`` (an expert's last, short one) leaves this warpgroup idle: it only
-    releases each stage, and the other warpgroup has the tensor cores to itself."""
-    if rows <= ROW0:
-        for k in range(K // BLOCK_K):
-            mbarrier.wait(ready.index(k % STAGES), (k // STAGES) & 1)
-            mbarrier.arrive(empty.index(k % STAGES))
-        return
+    """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of each of this program's tiles, both
+    accumulators, the K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows.
+    A block that ends before ``ROW0`` (an expert's last, short one) leaves this warpgroup
+    idle: it only releases each stage, and the other warpgroup has the tensor cores."""
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
     )
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    pos_m, pair_m, valid_m, src_m = _rows(
-        first + ROW0, rows - ROW0, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, WG_M, rows_mma
-    )
-    num_k = K // BLOCK_K
-    acc0 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
-    acc1_tok = warpgroup_mma_init(gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout))
     WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
-    if FP8:  # as in _pair_tile
-        as_ptrs, ws0_ptr, ws1_ptr = _scale_ptrs(
-            a_scale_ptr, w_scale_ptr, src_m, expert, n0, nb1, stride_asm, stride_wse,
-            stride_wsn, W_BLOCK_SCALE, BLOCK_K,
+    num_k = K // BLOCK_K
+    c = 0  # steps of the earlier tiles
+    num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
+    for t in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+        rows, expert, first, pid_n, n0, nb1 = _ws_tile(
+            t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
+            N, GATE_UP, BLOCK_N, GROUP_M,
         )  # fmt: skip
-        xs_cur, w0_cur, w1_cur = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP)
-        xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
-        r1 = gl.full([WG_M], 1.0, gl.float32, layout=rows_mma)
-        s1 = r1
-    if RETIRE_IN_STEP:  # (FP8 only; see _both_mmas)
-        acc1 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
-        for k in range(num_k):
-            s = k % STAGES
-            mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-            fence_async_shared()
-            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
-            acc0, acc1 = _both_mmas(
-                a_smem.index(s).slice(ROW0, WG_M, dim=0), b0_smem.index(s), b1_smem.index(s),
-                acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1, FP8,
+        if rows > ROW0:
+            pos_m, pair_m, valid_m, src_m = _rows(
+                first + ROW0, rows - ROW0, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, WG_M,
+                rows_mma,
             )  # fmt: skip
-            mbarrier.arrive(empty.index(s))  # both MMAs of step k are done
-            xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
-            xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
-        _epilogue(
-            acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
-            pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX,
-            BLOCK_N, gl.SliceLayout(0, mma_layout),
-        )  # fmt: skip
-        return
-    for k in range(num_k):
-        s = k % STAGES
-        mbarrier.wait(ready.index(s), (k // STAGES) & 1)
-        fence_async_shared()  # the copies (generic proxy) before the MMAs read them
-        a_s = a_smem.index(s).slice(ROW0, WG_M, dim=0)
-        tok0 = warpgroup_mma(a_s, b0_smem.index(s).permute((1, 0)), acc0, is_async=True)
-        acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
-        # this warpgroup is done with step k - 1's stage
-        mbarrier.arrive(empty.index((k + STAGES - 1) % STAGES), pred=k > 0)
-        if FP8:
-            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
-            acc1 = acc1 * r1[:, None]
-        acc1_tok = warpgroup_mma(a_s, b1_smem.index(s).permute((1, 0)), acc1, is_async=True)
-        acc0 = warpgroup_mma_wait(1, deps=[tok0])
-        if FP8:
-            x_ratio = xs_cur / xs_1
-            acc0 = acc0 * (x_ratio * (w0_cur / w0_1))[:, None]
-            r1 = x_ratio * (w1_cur / w1_1)
-            s1 = xs_cur * w1_cur
-            xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
-            xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
-    acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
-    if FP8:
-        acc1 = acc1 * s1[:, None]
-    _epilogue(
-        acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
-        pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX, BLOCK_N,
-        gl.SliceLayout(0, mma_layout),
-    )  # fmt: skip
+            acc0 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
+            acc1 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
+            if FP8:  # as in _pair_tile: both MMAs of a step retire within it
+                as_ptrs, ws0_ptr, ws1_ptr = _scale_ptrs(
+                    a_scale_ptr, w_scale_ptr, src_m, expert, n0, nb1, stride_asm, stride_wse,
+                    stride_wsn, W_BLOCK_SCALE, BLOCK_K,
+                )  # fmt: skip
+                xs_cur, w0_cur, w1_cur = _scales_at(
+                    as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP
+                )
+                xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
+                for k in range(num_k):
+                    s = (c + k) % STAGES
+                    mbarrier.wait(ready.index(s), ((c + k) // STAGES) & 1)
+                    fence_async_shared()  # the copies (generic proxy) before the MMAs read them
+                    xs_2, w0_2, w1_2 = _scales_at(
+                        as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP
+                    )
+                    acc0, acc1 = _both_mmas(
+                        a_smem.index(s).slice(ROW0, WG_M, dim=0), b0_smem.index(s),
+                        b1_smem.index(s), acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1,
+                    )  # fmt: skip
+                    mbarrier.arrive(empty.index(s))  # both MMAs of the step are done
+                    xs_cur, w0_cur, w1_cur = xs_1, w0_1, w1_1
+                    xs_1, w0_1, w1_1 = xs_2, w0_2, w1_2
+            else:  # bf16: acc1's MMA stays in flight across the loop's back edge
+                acc1_tok = warpgroup_mma_init(acc1)
+                for k in range(num_k):
+                    s = (c + k) % STAGES
+                    mbarrier.wait(ready.index(s), ((c + k) // STAGES) & 1)
+                    fence_async_shared()
+                    a_s = a_smem.index(s).slice(ROW0, WG_M, dim=0)
+                    tok0 = warpgroup_mma(a_s, b0_smem.index(s).permute((1, 0)), acc0, is_async=True)
+                    acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
+                    # this warpgroup is done with step k - 1's stage
+                    mbarrier.arrive(empty.index((c + k + STAGES - 1) % STAGES), pred=k > 0)
+                    acc1_tok = warpgroup_mma(
+                        a_s, b1_smem.index(s).permute((1, 0)), acc1, is_async=True
+                    )
+                    acc0 = warpgroup_mma_wait(1, deps=[tok0])
+                acc1 = warpgroup_mma_wait(0, deps=[acc1_tok])
+                mbarrier.arrive(empty.index((c + num_k - 1) % STAGES))  # the tile's last step
+            _epilogue(
+                acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m,
+                n0, pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX,
+                INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout),
+            )  # fmt: skip
+        else:  # idle: release the stages the other warpgroup reads
+            for k in range(num_k):
+                mbarrier.wait(ready.index((c + k) % STAGES), ((c + k) // STAGES) & 1)
+                mbarrier.arrive(empty.index((c + k) % STAGES))
+        c += num_k
 
 
 @gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
 def pair_gemm_ws_kernel(
-    a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+    a_ptr, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    N, K, num_pairs, num_m_blocks,
+    N, K, num_pairs, num_m_blocks,  # (B, the worst case: the grid's size on the host)
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    blocks_used_ptr,  # [1] int32: row blocks in use (align_pairs), the first ones
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, RETIRE_IN_STEP: gl.constexpr,
-    num_warps: gl.constexpr,
+    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """``pair_gemm_kernel`` (one tile height) as three partitions: this program's 4 warps
-    and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS`` warps load."""
-    TILE_N: gl.constexpr = BLOCK_N if GATE_UP else 2 * BLOCK_N
-    pid_m, pid_n = _tile_ids(gl.program_id(0), num_m_blocks, N // TILE_N, GROUP_M)
-    rows = gl.load(block_rows_ptr + pid_m)
-    if rows == 0:
-        return
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-    first = gl.load(block_start_ptr + pid_m).to(gl.int64)
-    n0 = pid_n * TILE_N
-    if GATE_UP:
-        nb1 = n0 + N
-    else:
-        nb1 = n0 + BLOCK_N
+    """``pair_gemm_kernel`` (one tile height) as three partitions over a persistent grid:
+    each program runs tiles ``program_id, program_id + num_programs, ...``; this program's
+    4 warps and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS`` warps
+    load. The launch picks the grid (one program per tile is the plain, non-persistent
+    form)."""
+    num_n_blocks = N // (BLOCK_N if GATE_UP else 2 * BLOCK_N)
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     smem_layout: gl.constexpr = _smem_layout(ELEM_BITS)
     a_smem = gl.allocate_shared_memory(
         a_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem_layout
     )
-    b0_smem = gl.allocate_shared_memory(
-        w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem_layout
-    )
-    b1_smem = gl.allocate_shared_memory(
-        w_ptr.dtype.element_ty, [STAGES, BLOCK_N, BLOCK_K], smem_layout
-    )
+    b0_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    b1_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32)
+        # the loader's threads (cp.async) and its one expect of the TMA bytes
+        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=2)
     WG_M: gl.constexpr = BLOCK_M // 2
     gl.warp_specialize(
         [
-            (
+            (  # rows 0 .. WG_M of the tile (this program's own warps)
                 _ws_mma,
                 (
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
-                    expert, first, rows, pid_n, n0, nb1, K, num_pairs,
-                    stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+                    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr,
+                    num_n_blocks, stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    0, WG_M, BLOCK_N, BLOCK_K, STAGES, RETIRE_IN_STEP and FP8,
+                    0, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                 ),
             ),
-            (
+            (  # rows WG_M .. BLOCK_M
                 _ws_mma,
                 (
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
-                    expert, first, rows, pid_n, n0, nb1, K, num_pairs,
-                    stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+                    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr,
+                    num_n_blocks, stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    WG_M, WG_M, BLOCK_N, BLOCK_K, STAGES, RETIRE_IN_STEP and FP8,
+                    WG_M, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                 ),
             ),
             (
                 _ws_loader,
                 (
-                    a_ptr, w_ptr, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty,
-                    expert, first, rows, n0, nb1, K, num_pairs, stride_am, stride_we, stride_wn,
-                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
+                    a_ptr, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
+                    block_rows_ptr, a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs,
+                    blocks_used_ptr, num_n_blocks, stride_am,
+                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                 ),
             ),
         ],
         [4, LOAD_WARPS],
         [MMA_REGS, LOAD_REGS],
     )  # fmt: skip
+
+
+def weight_descriptor(w, block_n: int, block_k: int) -> TensorDescriptor:
+    """The TMA descriptor of ``w [e, N_w, K]`` (experts stacked: ``ops`` checks) as one
+    ``[e·N_w, K]`` matrix read in ``[block_n, block_k]`` boxes into 128-byte swizzled tiles,
+    for ``pair_gemm_ws_kernel``."""
+    layout = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=w.element_size() * 8, rank=2
+    )
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k], layout)

@@ -101,6 +101,29 @@ def test_every_tile_boundary(dtype, half_tail, kernel):
     assert_close(out, portable, rtol / 4, name=f"wgmma vs dot {dtype}")
 
 
+@pytest.mark.parametrize("programs", [1, 3, 7])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_persistent_programs_walk_many_tiles(dtype, programs, monkeypatch):
+    """``wgmma_ws`` is persistent: with a handful of programs each walks dozens of tiles
+    (full, half-height and empty blocks, stage phases carried across tiles) and the output
+    is bit-identical to one program per tile."""
+    counts = [0, 1, 63, 64, 65, 127, 128, 129, 192, 255, 256, 300]
+    e, H, I = len(counts), 1024, 512
+    weights, _ = _weights(dtype, e, H, I, seed=11)
+    ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
+    R = ids.numel()
+    ids = ids[torch.randperm(R, generator=_gen(12), device=DEV)][:, None]
+    x = torch.randn(R, H, generator=_gen(13), device=DEV).to(BF16)
+    w = torch.rand(R, 1, generator=_gen(14), device=DEV) + 0.1
+    cfg = WGMMA[dtype, "wgmma_ws"]
+    monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: tiles)
+    one_per_tile = _run(x, ids, w, weights, cfg)
+    monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
+    persistent = _run(x, ids, w, weights, cfg)
+    torch.cuda.synchronize()
+    assert torch.equal(persistent, one_per_tile)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("half_tail", [False, True], ids=["one-height", "half-tails"])
 @pytest.mark.parametrize("fp8_input", [False, True], ids=["bf16-in", "fp8-in"])
@@ -171,3 +194,20 @@ def test_unsupported_cases_name_the_fix(kernel):
     xb = torch.randn(e, 8, 1024, device=DEV).to(BF16)
     with pytest.raises(ValueError, match="Standard layout only"):
         ops.fused_moe_batched(xb, counts, q13, q2, config=WGMMA["bf16", kernel])
+
+
+def test_ws_refuses_experts_that_are_not_stacked_and_wgmma_runs_them():
+    """``wgmma_ws`` reads the weights through one TMA descriptor over ``[e·N_w, K]``:
+    experts sliced out of a wider tensor are refused with the fix; ``wgmma`` runs them."""
+    e, H, I, R = 4, 1024, 256, 64
+    (q13, q2, _, _), (w13d, w2d) = _weights("bf16", e, H, I, seed=15)
+    wide = torch.zeros(e, 2 * I + 64, H, dtype=BF16, device=DEV)
+    wide[:, : 2 * I] = q13
+    sliced = wide[:, : 2 * I]  # rows of expert i + 1 do not follow expert i's
+    x = torch.randn(R, H, generator=_gen(16), device=DEV).to(BF16)
+    ids = _ids(R, 2, e, e, seed=17)
+    w = torch.rand(R, 2, generator=_gen(18), device=DEV)
+    with pytest.raises(ValueError, match=r"kernel='wgmma_ws'.*TMA.*contiguous\(\)"):
+        _run(x, ids, w, (sliced, q2, None, None), WGMMA["bf16", "wgmma_ws"])
+    out = _run(x, ids, w, (sliced, q2, None, None), WGMMA["bf16", "wgmma"])
+    assert_close(out, moe(x.double(), w13d, w2d, w, ids), TOLERANCES[BF16], name="sliced")

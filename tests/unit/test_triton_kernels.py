@@ -347,6 +347,7 @@ def test_align_pairs(R, K, e, block_m, ids_case, half_tail):
             b += 1
         start += p
     assert (be[b:] == -1).all() and (br[b:] == 0).all(), "blocks past the last real one"
+    assert int(a.blocks_used.cpu()) == b
     local = flat >= 0
     assert (pos[~local] == -1).all()
     assert torch.equal(sp[pos[local]], local.nonzero().squeeze(1))
