@@ -4,8 +4,7 @@ Shape legend: R received rows · K top-k · e local experts · P = R·K (row, k)
 P_pad = padded pair positions (worst case ``P + min(e, P)·(BLOCK_M − 1)``) · B GEMM row
 blocks (worst case ``P_pad / BLOCK_M``).
 
-Three launches, no host synchronisation (see ``ops.align_pairs``), or one
-(``align_one_program_kernel``) for batches of few pairs:
+Three launches, no host synchronisation (see ``ops.align_pairs``):
 
 1. ``count_pairs_kernel``: histogram of pairs per expert with atomics; each pair keeps the
    slot the atomic handed it (its rank inside the expert's group; order is arbitrary).
@@ -25,9 +24,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _local_pairs(topk_ids_ptr, first, num_pairs, num_experts, BLOCK: tl.constexpr):
-    """Pairs ``first .. first + BLOCK``: (index, in range, local, local slot or 0)."""
-    offs = first + tl.arange(0, BLOCK)
+def _local_pairs(topk_ids_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` pairs: (index, in range, local, local slot or 0)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = offs < num_pairs
     ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1)
     local = in_range & (ids >= 0) & (ids < num_experts)
@@ -46,9 +45,7 @@ def count_pairs_kernel(
     # meta-parameters
     BLOCK: tl.constexpr,
 ):
-    offs, in_range, local, slot = _local_pairs(
-        topk_ids_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, BLOCK
-    )
+    offs, in_range, local, slot = _local_pairs(topk_ids_ptr, num_pairs, num_experts, BLOCK)
     rank = tl.atomic_add(counts_ptr + slot, 1, mask=local)
     tl.store(rank_ptr + offs, rank, mask=local)
 
@@ -58,59 +55,6 @@ def _pick(own, per_expert):
     """``[BLOCK_E]`` values per expert → ``[BLOCK_B]`` the value of each block's expert
     (``own [BLOCK_B, BLOCK_E]`` marks it)."""
     return tl.sum(tl.where(own, per_expert[None, :], 0), 1)
-
-
-@triton.jit
-def _expert_groups(counts, PAD_M: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Per expert ``[BLOCK_E]``: padded positions, first and end position of its group,
-    and the end of its row blocks (inclusive prefix sums)."""
-    padded = (counts + PAD_M - 1) // PAD_M * PAD_M
-    end = tl.cumsum(padded, 0)
-    blocks_end = tl.cumsum((padded + BLOCK_M - 1) // BLOCK_M, 0)
-    return padded, end - padded, end, blocks_end
-
-
-@triton.jit
-def _write_blocks(
-    first_block, counts, e_offs, e_mask, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    sorted_pairs_ptr, num_pairs, num_experts, num_blocks,
-    BLOCK_M: tl.constexpr, PAD_M: tl.constexpr, BLOCK_B: tl.constexpr,
-):  # fmt: skip
-    """Row blocks ``first_block .. + BLOCK_B``: each one's expert, first position and
-    size, and the sentinel at its padding positions."""
-    padded, start, end, blocks_end = _expert_groups(counts, PAD_M, BLOCK_M)
-    blocks = first_block + tl.arange(0, BLOCK_B)
-    b_mask = blocks < num_blocks
-    # The expert of a block is the number of experts whose blocks end at or before it
-    # (empty experts end where the previous one does, so they are skipped).
-    ends_before = (blocks_end[None, :] <= blocks[:, None]) & e_mask[None, :]  # [BLOCK_B, BLOCK_E]
-    expert = tl.sum(ends_before.to(tl.int32), 1)
-    is_real = expert < num_experts
-    own = (e_offs[None, :] == expert[:, None]) & e_mask[None, :]
-    own_start, own_end, own_count = _pick(own, start), _pick(own, end), _pick(own, counts)
-    own_first_block = _pick(own, blocks_end - (padded + BLOCK_M - 1) // BLOCK_M)
-    first = own_start + (blocks - own_first_block) * BLOCK_M  # first position of each block
-    rows = tl.where(is_real, tl.minimum(own_end - first, BLOCK_M), 0)
-    tl.store(block_expert_ptr + blocks, tl.where(is_real, expert, -1), mask=b_mask)
-    tl.store(block_start_ptr + blocks, tl.where(is_real, first, 0), mask=b_mask)
-    tl.store(block_rows_ptr + blocks, rows, mask=b_mask)
-
-    # Padding positions of each block: those at or past start + count of its expert.
-    m_offs = tl.arange(0, BLOCK_M)
-    pos = first[:, None] + m_offs[None, :]  # [BLOCK_B, BLOCK_M]
-    in_block = m_offs[None, :] < rows[:, None]
-    is_pad = (pos - own_start[:, None]) >= own_count[:, None]
-    sentinel = tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_pairs
-    tl.store(sorted_pairs_ptr + pos, sentinel, mask=b_mask[:, None] & in_block & is_pad)
-
-
-@triton.jit
-def _write_totals(counts, e_offs, e_mask, expert_start_ptr, num_padded_ptr, blocks_used_ptr,
-                  PAD_M: tl.constexpr, BLOCK_M: tl.constexpr):  # fmt: skip
-    padded, start, end, blocks_end = _expert_groups(counts, PAD_M, BLOCK_M)
-    tl.store(expert_start_ptr + e_offs, start, mask=e_mask)
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
-    tl.store(blocks_used_ptr, tl.sum((padded + BLOCK_M - 1) // BLOCK_M, 0))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -141,16 +85,38 @@ def block_table_kernel(
     e_offs = tl.arange(0, BLOCK_E)
     e_mask = e_offs < num_experts
     counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0)
+    padded = (counts + PAD_M - 1) // PAD_M * PAD_M
+    end = tl.cumsum(padded, 0)  # [BLOCK_E] inclusive prefix sums of positions
+    start = end - padded
+    blocks_end = tl.cumsum((padded + BLOCK_M - 1) // BLOCK_M, 0)  # ... and of row blocks
     if pid == 0:
-        _write_totals(
-            counts, e_offs, e_mask, expert_start_ptr, num_padded_ptr, blocks_used_ptr, PAD_M,
-            BLOCK_M,
-        )  # fmt: skip
-    _write_blocks(
-        pid * BLOCK_B, counts, e_offs, e_mask, block_expert_ptr, block_start_ptr,
-        block_rows_ptr, sorted_pairs_ptr, num_pairs, num_experts, num_blocks, BLOCK_M, PAD_M,
-        BLOCK_B,
-    )  # fmt: skip
+        tl.store(expert_start_ptr + e_offs, start, mask=e_mask)
+        tl.store(num_padded_ptr, tl.sum(padded, 0))
+        tl.store(blocks_used_ptr, tl.sum((padded + BLOCK_M - 1) // BLOCK_M, 0))
+
+    blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+    b_mask = blocks < num_blocks
+    # The expert of a block is the number of experts whose blocks end at or before it
+    # (empty experts end where the previous one does, so they are skipped).
+    ends_before = (blocks_end[None, :] <= blocks[:, None]) & e_mask[None, :]  # [BLOCK_B, BLOCK_E]
+    expert = tl.sum(ends_before.to(tl.int32), 1)
+    is_real = expert < num_experts
+    own = (e_offs[None, :] == expert[:, None]) & e_mask[None, :]
+    own_start, own_end, own_count = _pick(own, start), _pick(own, end), _pick(own, counts)
+    own_first_block = _pick(own, blocks_end - (padded + BLOCK_M - 1) // BLOCK_M)
+    first = own_start + (blocks - own_first_block) * BLOCK_M  # first position of each block
+    rows = tl.where(is_real, tl.minimum(own_end - first, BLOCK_M), 0)
+    tl.store(block_expert_ptr + blocks, tl.where(is_real, expert, -1), mask=b_mask)
+    tl.store(block_start_ptr + blocks, tl.where(is_real, first, 0), mask=b_mask)
+    tl.store(block_rows_ptr + blocks, rows, mask=b_mask)
+
+    # Padding positions of each block: those at or past start + count of its expert.
+    m_offs = tl.arange(0, BLOCK_M)
+    pos = first[:, None] + m_offs[None, :]  # [BLOCK_B, BLOCK_M]
+    in_block = m_offs[None, :] < rows[:, None]
+    is_pad = (pos - own_start[:, None]) >= own_count[:, None]
+    sentinel = tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_pairs
+    tl.store(sorted_pairs_ptr + pos, sentinel, mask=b_mask[:, None] & in_block & is_pad)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -167,66 +133,9 @@ def scatter_pairs_kernel(
     # meta-parameters
     BLOCK: tl.constexpr,
 ):
-    offs, in_range, local, slot = _local_pairs(
-        topk_ids_ptr, tl.program_id(0) * BLOCK, num_pairs, num_experts, BLOCK
-    )
+    offs, in_range, local, slot = _local_pairs(topk_ids_ptr, num_pairs, num_experts, BLOCK)
     start = tl.load(expert_start_ptr + slot, mask=local, other=0)
     rank = tl.load(rank_ptr + offs, mask=local, other=0)
     pos = start + rank
     tl.store(sorted_pairs_ptr + pos, offs.to(tl.int32), mask=local)
     tl.store(pair_pos_ptr + offs, tl.where(local, pos, -1), mask=in_range)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def align_one_program_kernel(
-    # pointers (as for the three kernels above)
-    topk_ids_ptr,
-    counts_ptr,  # zero on entry
-    rank_ptr,
-    block_expert_ptr,
-    block_start_ptr,
-    block_rows_ptr,
-    expert_start_ptr,
-    num_padded_ptr,
-    blocks_used_ptr,
-    sorted_pairs_ptr,
-    pair_pos_ptr,
-    # sizes
-    num_pairs,  # P
-    num_experts,  # e
-    num_blocks,  # B
-    # meta-parameters
-    BLOCK_M: tl.constexpr,
-    PAD_M: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    BLOCK: tl.constexpr,  # pairs per step
-):
-    """The three kernels above as the steps of one program, for batches of few pairs
-    (decode): a CTA barrier between the steps stands in for the launches. Reads of what
-    another thread wrote in an earlier step bypass L1 (``.cg``)."""
-    for first in range(0, num_pairs, BLOCK):
-        offs, _, local, slot = _local_pairs(topk_ids_ptr, first, num_pairs, num_experts, BLOCK)
-        rank = tl.atomic_add(counts_ptr + slot, 1, mask=local)
-        tl.store(rank_ptr + offs, rank, mask=local)
-    tl.debug_barrier()
-    e_offs = tl.arange(0, BLOCK_E)
-    e_mask = e_offs < num_experts
-    counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0, cache_modifier=".cg")
-    _write_totals(
-        counts, e_offs, e_mask, expert_start_ptr, num_padded_ptr, blocks_used_ptr, PAD_M, BLOCK_M
-    )
-    for b0 in range(0, num_blocks, BLOCK_B):
-        _write_blocks(
-            b0, counts, e_offs, e_mask, block_expert_ptr, block_start_ptr, block_rows_ptr,
-            sorted_pairs_ptr, num_pairs, num_experts, num_blocks, BLOCK_M, PAD_M, BLOCK_B,
-        )  # fmt: skip
-    tl.debug_barrier()
-    for first in range(0, num_pairs, BLOCK):
-        offs, in_range, local, slot = _local_pairs(
-            topk_ids_ptr, first, num_pairs, num_experts, BLOCK
-        )
-        start = tl.load(expert_start_ptr + slot, mask=local, other=0, cache_modifier=".cg")
-        pos = start + tl.load(rank_ptr + offs, mask=local, other=0, cache_modifier=".cg")
-        tl.store(sorted_pairs_ptr + pos, offs.to(tl.int32), mask=local)
-        tl.store(pair_pos_ptr + offs, tl.where(local, pos, -1), mask=in_range)

@@ -117,11 +117,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-# Up to this many (row, k) pairs ``align_pairs`` runs one program (one launch, a loop over
-# chunks of pairs) instead of three grid-wide launches.
-ALIGN_ONE_PROGRAM_PAIRS = 4096
-
-
 def align_pairs(
     topk_ids_RK: torch.Tensor, num_experts: int, block_m: int, half_tail: bool = False
 ) -> AlignedPairs:
@@ -129,9 +124,8 @@ def align_pairs(
     (to ``block_m / 2`` with ``half_tail``: an expert's last block may be half a block).
 
     ``topk_ids_RK [R, K]`` int32/int64 local slots; ids outside ``[0, num_experts)`` (``-1``
-    for experts on other ranks) are not local and get no position. No host
-    synchronisation: one launch up to ``ALIGN_ONE_PROGRAM_PAIRS`` pairs, three above; the
-    order of pairs inside a group is arbitrary.
+    for experts on other ranks) are not local and get no position. Three small launches,
+    no host synchronisation; the order of pairs inside a group is arbitrary.
     """
     if topk_ids_RK.dim() != 2 or topk_ids_RK.dtype not in (torch.int32, torch.int64):
         raise TypeError(
@@ -168,19 +162,12 @@ def align_pairs(
     )  # fmt: skip
     if P == 0:
         return aligned
-    block_e = _pow2(num_experts)
-    block_b = max(1, min(64, 8192 // max(block_e, block_m)))
     block = 1024
-    if P <= ALIGN_ONE_PROGRAM_PAIRS:  # decode-sized: one launch
-        align.align_one_program_kernel[(1,)](
-            ids, counts, rank, *block_table, expert_start, num_padded, blocks_used,
-            sorted_pairs, pair_pos, P, num_experts, num_blocks, BLOCK_M=block_m, PAD_M=pad_m,
-            BLOCK_B=block_b, BLOCK_E=block_e, BLOCK=block, num_warps=4,
-        )  # fmt: skip
-        return aligned
     align.count_pairs_kernel[(_cdiv(P, block),)](
         ids, counts, rank, P, num_experts, BLOCK=block, num_warps=4
     )
+    block_e = _pow2(num_experts)
+    block_b = max(1, min(64, 8192 // max(block_e, block_m)))
     align.block_table_kernel[(_cdiv(num_blocks, block_b),)](
         counts,
         *block_table,
