@@ -241,6 +241,24 @@ def _both_mmas(a_s, b0_s, b1_s, acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, 
 
 
 @gluon.jit
+def _step_stage(k, num_k, a_smem, b0_smem, b1_smem, a_ptrs, a_mask, b_ptrs, b1_off,
+                BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Step ``k``'s stage once its tiles have landed (for this thread) and are visible to
+    the async proxy (wgmma) of every thread; refills the stage of step k - 2 with step
+    k + STAGES - 2 (every warpgroup retired or waited for step k - 2's MMAs before it
+    reached the barrier)."""
+    async_copy.wait_group(STAGES - 3)
+    fence_async_shared()
+    _cta_barrier()
+    nxt = k + STAGES - 2
+    _issue_loads(
+        a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b_ptrs, b1_off, nxt * BLOCK_K,
+        nxt < num_k,
+    )  # fmt: skip
+    return k % STAGES
+
+
+@gluon.jit
 def _pair_tile(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K, num_pairs,
@@ -304,18 +322,9 @@ def _pair_tile(
         xs_cur, w0_cur, w1_cur = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP)
         xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
         for k in range(num_k):
-            stage = k % STAGES
-            # step k's tiles have landed (for this thread), then are visible to the async
-            # proxy (wgmma) of every thread
-            async_copy.wait_group(STAGES - 3)
-            fence_async_shared()
-            _cta_barrier()
-            # refill the stage of step k - 2 with step k + STAGES - 2: every warpgroup
-            # retired step k - 2's MMAs before it reached the barrier above
-            nxt = k + STAGES - 2
-            _issue_loads(
-                a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b_ptrs, b1_off,
-                nxt * BLOCK_K, nxt < num_k,
+            stage = _step_stage(
+                k, num_k, a_smem, b0_smem, b1_smem, a_ptrs, a_mask, b_ptrs, b1_off, BLOCK_K,
+                STAGES,
             )  # fmt: skip
             xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
             acc0, acc1 = _both_mmas(
@@ -327,14 +336,9 @@ def _pair_tile(
     else:  # bf16: acc1's MMA stays in flight across the loop's back edge
         acc1_tok = warpgroup_mma_init(acc1)
         for k in range(num_k):
-            stage = k % STAGES
-            async_copy.wait_group(STAGES - 3)  # as above
-            fence_async_shared()
-            _cta_barrier()
-            nxt = k + STAGES - 2
-            _issue_loads(
-                a_smem, b0_smem, b1_smem, nxt % STAGES, a_ptrs, a_mask, b_ptrs, b1_off,
-                nxt * BLOCK_K, nxt < num_k,
+            stage = _step_stage(
+                k, num_k, a_smem, b0_smem, b1_smem, a_ptrs, a_mask, b_ptrs, b1_off, BLOCK_K,
+                STAGES,
             )  # fmt: skip
             a_s = a_smem.index(stage)
             tok0 = warpgroup_mma(a_s, b0_smem.index(stage).permute((1, 0)), acc0, is_async=True)
