@@ -664,13 +664,10 @@ def _wgmma_module():
 
 
 def _ws_programs(tiles: int, device: torch.device) -> int:
-    """Programs of the warp-specialised kernel, which walks tiles ``program_id,
-    program_id + programs, ...``: one per tile (of the worst case; programs past the tiles
-    in use exit at once). One program per SM, each walking its share of the tiles in a
-    fixed order, measured 11–16% slower on H200 (docs/kernels.md, third round): the block
-    scheduler hands each tile to the first free SM, and the SMs stay on neighbouring tiles,
-    which share operands in L2."""
-    return tiles
+    """Programs of the warp-specialised kernel, which claim tiles from a counter until none
+    are left: one per SM (its shared memory holds one program per SM), at most one per
+    tile (of the worst case)."""
+    return min(tiles, num_sms(device) or tiles)
 
 
 def _launch_wgmma(
@@ -753,6 +750,7 @@ def _launch_wgmma(
             w_desc,
             *args[3:],
             blocks_used_ptr=r.blocks_used,
+            tile_counter_ptr=torch.zeros(1, dtype=torch.int32, device=a.device),
             **meta,
             LOAD_WARPS=4,
             LOAD_REGS=64,  # (ptxas: no spills with triton 3.6; at most 80 bytes with 3.9)

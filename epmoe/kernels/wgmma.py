@@ -38,10 +38,11 @@ partition of its own (64 rows of the tile) that waits on ``ready``, and releases
 on its ``empty`` mbarrier once its MMAs of that step are done. No CTA barrier remains in
 the K loop, so the warpgroups drift apart and one's rescale can run under the other's
 MMAs; the loader runs up to ``STAGES`` steps ahead. A block of at most 64 rows leaves the
-second warpgroup idle (it only releases the stages). Each program walks tiles
-``program_id, program_id + num_programs, ...`` of the row blocks in use (read on the
-device), carrying the stage count across tiles; ``ops`` launches one program per tile,
-which measured faster than one per SM (docs/kernels.md, third round).
+second warpgroup idle (it only releases the stages). The grid is persistent, one program
+per SM: the loader claims the next tile from a counter in global memory (so SMs take tiles
+in order as they free, and neighbouring tiles share operands in L2) and passes it to the
+MMA partitions through a two-entry queue in shared memory; the stage count carries across
+tiles, so the next tile's operands load during the last one's epilogue.
 
 Measured on one H200 (docs/kernels.md, third round), the two GEMMs of the DeepSeek-V3
 prefill layer in one process: FP8 2.10 ms on ``wgmma_ws`` (2.54 on ``wgmma``, 3.10 on
@@ -458,16 +459,47 @@ def _ws_tile(t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, b
     return rows, expert, first, pid_n, n0, nb1
 
 
+@gluon.constexpr_function
+def _scalar_layout(warps):
+    """A one-element tensor held by every thread of ``warps`` warps (the tile queue's
+    entries: every thread writes and reads the same value)."""
+    return gl.BlockedLayout([1], [32], [warps], [0])
+
+
+@gluon.jit
+def _publish_tile(queue, queue_ready, queue_empty, i, t):
+    """The loader's ``i``-th tile ``t`` into the queue's slot ``i % 2`` once both MMA
+    partitions have read what that slot held before."""
+    slot = i % 2
+    mbarrier.wait(queue_empty.index(slot), ((i // 2) & 1) ^ 1, pred=i >= 2)
+    one: gl.constexpr = _scalar_layout(gl.num_warps())
+    queue.index(slot).store(gl.full([1], t, gl.int32, layout=one))
+    mbarrier.arrive(queue_ready.index(slot))
+
+
+@gluon.jit
+def _next_tile(queue, queue_ready, queue_empty, i):
+    """An MMA partition's ``i``-th tile from the queue (the slot is released at once)."""
+    slot = i % 2
+    mbarrier.wait(queue_ready.index(slot), (i // 2) & 1)
+    one: gl.constexpr = _scalar_layout(gl.num_warps())
+    t = gl.max(queue.index(slot).load(one), axis=0)
+    mbarrier.arrive(queue_empty.index(slot))
+    return t
+
+
 @gluon.jit
 def _ws_loader(
     a_ptr, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr, num_n_blocks,
-    stride_am,
+    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K, num_pairs,
+    blocks_used_ptr, tile_counter_ptr, num_n_blocks, stride_am,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """This program's tiles, step after step: step ``c`` (counted across tiles) into stage
-    ``c % STAGES`` once both MMA partitions released it. The two weight tiles come by TMA
+    """Claims tiles from the launch's counter (``tile_counter_ptr``, zero at launch: each
+    SM takes the next tile as it frees, in the grouped order) and passes each to the MMA
+    partitions through ``queue``; then its loads, step after step: step ``c`` (counted
+    across tiles) into stage ``c % STAGES`` once both MMA partitions released it. The two weight tiles come by TMA
     (``w_desc``: the experts' weights as one ``[e·N_w, K]`` matrix), their bytes expected
     on ``ready``; the gathered activation rows by ``cp.async``, each thread's copies
     arriving on ``ready`` when they land."""
@@ -476,9 +508,13 @@ def _ws_loader(
     load_layout: gl.constexpr = _load_layout(ELEM_BITS, BLOCK_K, gl.num_warps())
     num_k = K // BLOCK_K
     n_w = 2 * N if GATE_UP else N  # weight rows per expert
-    c = 0
     num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
-    for t in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+    num_tiles = num_m_blocks * num_n_blocks
+    c = 0  # steps of the earlier tiles
+    i = 0  # tiles so far
+    t = gl.atomic_add(tile_counter_ptr, 1)
+    while t < num_tiles:
+        _publish_tile(queue, queue_ready, queue_empty, i, t)
         rows, expert, first, pid_n, n0, nb1 = _ws_tile(
             t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
             N, GATE_UP, BLOCK_N, GROUP_M,
@@ -500,20 +536,23 @@ def _ws_loader(
             _cp_async(a_smem.index(s), a_ptrs + k_off, mask=a_mask)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             c += 1
+        i += 1
+        t = gl.atomic_add(tile_counter_ptr, 1)
+    _publish_tile(queue, queue_ready, queue_empty, i, num_tiles)  # the end
 
 
 @gluon.jit
 def _ws_mma(
     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr, num_n_blocks,
-    stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K, num_pairs,
+    blocks_used_ptr, num_n_blocks, stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     ROW0: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
-    """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of each of this program's tiles, both
+    """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of each tile the loader queues, both
     accumulators, the K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows.
     A block that ends before ``ROW0`` (an expert's last, short one) leaves this warpgroup
     idle: it only releases each stage, and the other warpgroup has the tensor cores."""
@@ -524,9 +563,11 @@ def _ws_mma(
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
     WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
     num_k = K // BLOCK_K
-    c = 0  # steps of the earlier tiles
     num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
-    for t in range(gl.program_id(0), num_m_blocks * num_n_blocks, gl.num_programs(0)):
+    c = 0  # steps of the earlier tiles
+    i = 0  # tiles so far
+    t = _next_tile(queue, queue_ready, queue_empty, 0)
+    while t < num_m_blocks * num_n_blocks:
         rows, expert, first, pid_n, n0, nb1 = _ws_tile(
             t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
             N, GATE_UP, BLOCK_N, GROUP_M,
@@ -588,6 +629,8 @@ def _ws_mma(
                 mbarrier.wait(ready.index((c + k) % STAGES), ((c + k) // STAGES) & 1)
                 mbarrier.arrive(empty.index((c + k) % STAGES))
         c += num_k
+        i += 1
+        t = _next_tile(queue, queue_ready, queue_empty, i)
 
 
 @gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
@@ -597,6 +640,7 @@ def pair_gemm_ws_kernel(
     N, K, num_pairs, num_m_blocks,  # (B, the worst case: the grid's size on the host)
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     blocks_used_ptr,  # [1] int32: row blocks in use (align_pairs), the first ones
+    tile_counter_ptr,  # [1] int32, zero at launch: the next tile to claim
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -604,10 +648,9 @@ def pair_gemm_ws_kernel(
     LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     """``pair_gemm_kernel`` (one tile height) as three partitions over a persistent grid:
-    each program runs tiles ``program_id, program_id + num_programs, ...``; this program's
-    4 warps and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS`` warps
-    load. The launch picks the grid (one program per tile is the plain, non-persistent
-    form)."""
+    each program claims tiles from ``tile_counter_ptr`` until none are left; this
+    program's 4 warps and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS``
+    warps claim the tiles and load. The launch picks the number of programs."""
     num_n_blocks = N // (BLOCK_N if GATE_UP else 2 * BLOCK_N)
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     smem_layout: gl.constexpr = _smem_layout(ELEM_BITS)
@@ -622,6 +665,13 @@ def pair_gemm_ws_kernel(
         # the loader's threads (cp.async) and its one expect of the TMA bytes
         mbarrier.init(ready.index(i), count=LOAD_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=2)
+    # the tiles the loader claimed, two in flight: tile ids, and their mbarriers
+    queue = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    queue_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    queue_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(queue_ready.index(i), count=1)
+        mbarrier.init(queue_empty.index(i), count=2)
     WG_M: gl.constexpr = BLOCK_M // 2
     gl.warp_specialize(
         [
@@ -630,8 +680,9 @@ def pair_gemm_ws_kernel(
                 (
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr,
-                    num_n_blocks, stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
+                    stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
                     0, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                 ),
@@ -641,8 +692,9 @@ def pair_gemm_ws_kernel(
                 (
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                    a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs, blocks_used_ptr,
-                    num_n_blocks, stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
+                    stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
                     WG_M, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                 ),
@@ -651,8 +703,9 @@ def pair_gemm_ws_kernel(
                 _ws_loader,
                 (
                     a_ptr, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
-                    block_rows_ptr, a_smem, b0_smem, b1_smem, ready, empty, N, K, num_pairs,
-                    blocks_used_ptr, num_n_blocks, stride_am,
+                    block_rows_ptr, a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready,
+                    queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr,
+                    num_n_blocks, stride_am,
                     GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
                 ),
             ),
