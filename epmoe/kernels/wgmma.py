@@ -45,8 +45,8 @@ MMA partitions through a two-entry queue in shared memory; the stage count carri
 tiles, so the next tile's operands load during the last one's epilogue.
 
 Measured on one H200 (docs/kernels.md, third round), the two GEMMs of the DeepSeek-V3
-prefill layer in one process: FP8 2.10 ms on ``wgmma_ws`` (2.54 on ``wgmma``, 3.10 on
-``tl.dot``), bf16 3.75 ms (4.34, 4.48).
+prefill layer in one process: FP8 2.04 ms on ``wgmma_ws`` (2.22 with one program per tile,
+2.55 on ``wgmma``, 2.83 on ``tl.dot``), bf16 3.61 ms (3.62, 4.18, 4.62).
 
 Loads in ``pair_gemm_kernel``: ``cp.async`` of 16 bytes per thread into a ring of
 ``STAGES`` shared-memory stages (the activation rows are gathered, so TMA's box loads do
