@@ -753,7 +753,7 @@ def _launch_wgmma(
             tile_counter_ptr=torch.zeros(1, dtype=torch.int32, device=a.device),
             **meta,
             LOAD_WARPS=4,
-            LOAD_REGS=64,  # (ptxas: no spills with triton 3.6; at most 80 bytes with 3.9)
+            LOAD_REGS=64,  # (ptxas: no spills in the loader with triton 3.6 or 3.9)
             MMA_REGS=224,
             num_warps=4,  # one MMA warpgroup here; the other and the loader in partitions
         )

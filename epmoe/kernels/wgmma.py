@@ -10,7 +10,7 @@ the fp32 accumulator by that step's block scales before the next MMA may add int
 Triton then waits for every MMA to finish before the warps rescale (``pendings = 0``): the
 tensor cores idle during each rescale (docs/kernels.md). Here each program owns two
 accumulator tiles that share the activation tile — GEMM 1's gate and up tiles, or two
-halves of a 256-column GEMM 2 tile — and issues their MMAs in alternation::
+halves of a 256-column GEMM 2 tile. The first design issued their MMAs in alternation::
 
     issue MMA(acc_0, step k)          # acc_0 was rescaled for step k last iteration
     wait until ≤ 1 MMA in flight       # MMA(acc_1, step k-1) is done
@@ -637,7 +637,7 @@ def _ws_mma(
 def pair_gemm_ws_kernel(
     a_ptr, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    N, K, num_pairs, num_m_blocks,  # (B, the worst case: the grid's size on the host)
+    N, K, num_pairs, num_m_blocks,  # (unused here: the tiles come from blocks_used_ptr)
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     blocks_used_ptr,  # [1] int32: row blocks in use (align_pairs), the first ones
     tile_counter_ptr,  # [1] int32, zero at launch: the next tile to claim

@@ -105,7 +105,7 @@ def test_every_tile_boundary(dtype, half_tail, kernel):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_persistent_programs_walk_many_tiles(dtype, programs, monkeypatch):
     """``wgmma_ws`` is persistent: with a handful of programs each walks dozens of tiles
-    (full, half-height and empty blocks, stage phases carried across tiles) and the output
+    (full and half-height blocks, stage phases carried across tiles) and the output
     is bit-identical to one program per tile."""
     counts = [0, 1, 63, 64, 65, 127, 128, 129, 192, 255, 256, 300]
     e, H, I = len(counts), 1024, 512
@@ -122,6 +122,41 @@ def test_persistent_programs_walk_many_tiles(dtype, programs, monkeypatch):
     persistent = _run(x, ids, w, weights, cfg)
     torch.cuda.synchronize()
     assert torch.equal(persistent, one_per_tile)
+
+
+@pytest.mark.parametrize(
+    "kernel,programs",
+    [("wgmma", None), ("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws", None)],
+    ids=["wgmma", "ws-1-program", "ws-3-programs", "ws-per-SM"],
+)
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_k_steps_not_a_multiple_of_the_stages(dtype, kernel, programs, monkeypatch):
+    """H = 1280 and I = 384: GEMM 1 has 10 (FP8) or 20 (bf16) K steps, GEMM 2 3 or 6, so
+    tiles start mid-ring and GEMM 2 has fewer steps than stages (4): against the oracle,
+    with the persistent grid of a handful of programs and of one per SM."""
+    if programs is not None:
+        monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
+    R, K, e, E, H, I = 300, 4, 6, 8, 1280, 384
+    weights, (w13d, w2d) = _weights(dtype, e, H, I, seed=21)
+    x = torch.randn(R, H, generator=_gen(22), device=DEV).to(BF16)
+    ids, w = _ids(R, K, e, E, seed=23), torch.rand(R, K, generator=_gen(24), device=DEV)
+    out = _run(x, ids, w, weights, WGMMA[dtype, kernel])
+    rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
+    assert_close(out, moe(x.double(), w13d, w2d, w, ids), rtol, name=f"{dtype} short K")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_no_local_pairs_gives_zeros(kernel):
+    """Every pair routed to another rank's experts: no row block is in use, the programs
+    find no tile, and the output is zero (no hang, no stale rows)."""
+    R, K, e, H, I = 64, 8, 4, 1024, 256
+    weights, _ = _weights("bf16", e, H, I, seed=25)
+    x = torch.randn(R, H, generator=_gen(26), device=DEV).to(BF16)
+    ids = torch.full((R, K), -1, dtype=torch.int64, device=DEV)
+    w = torch.rand(R, K, generator=_gen(27), device=DEV)
+    out = _run(x, ids, w, weights, WGMMA["bf16", kernel])
+    torch.cuda.synchronize()
+    assert out.shape == (R, H) and not out.any()
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -211,3 +246,7 @@ def test_ws_refuses_experts_that_are_not_stacked_and_wgmma_runs_them():
         _run(x, ids, w, (sliced, q2, None, None), WGMMA["bf16", "wgmma_ws"])
     out = _run(x, ids, w, (sliced, q2, None, None), WGMMA["bf16", "wgmma"])
     assert_close(out, moe(x.double(), w13d, w2d, w, ids), TOLERANCES[BF16], name="sliced")
+    # a config chosen by shape (table, autotuner) gives way instead of raising
+    assert not ops._hopper_fits(WGMMA["bf16", "wgmma_ws"], x, sliced, q2)
+    assert ops._hopper_fits(WGMMA["bf16", "wgmma"], x, sliced, q2)
+    assert ops._hopper_fits(WGMMA["bf16", "wgmma_ws"], x, q13, q2)
