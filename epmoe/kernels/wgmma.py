@@ -74,6 +74,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from epmoe.kernels.grouped_gemm import _tile_ids  # the grouped tile order, shared
+
 ROW_COUNT_ARGS = ["num_pairs", "num_m_blocks"]
 # cp.async's builtin: ``async_load`` from Triton 3.9, ``async_copy_global_to_shared`` before
 # (Triton 3.6, our GPU image, has only that one). Both run here; CPU CI compiles with 3.9.
@@ -82,18 +84,6 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # the CTA barrier: ``thread_barrier`` in Triton 3.6, ``barrier`` from 3.9
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-
-
-@gluon.jit
-def _tile_ids(pid, num_m_blocks, num_n_blocks, GROUP_M: gl.constexpr):
-    """Grouped order: GROUP_M consecutive row blocks sweep the columns together."""
-    per_group = GROUP_M * num_n_blocks
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_rows = gl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
 
 
 @gluon.jit
