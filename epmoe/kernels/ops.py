@@ -617,12 +617,21 @@ def wgmma_unsupported(
         )
     if w.shape[-1] != K:
         return f"the activations have K = {K} columns but the weights {w.shape[-1]}"
-    for name, t in (("activations", a), ("weights", w)):
-        if not _copyable(t):
-            return (
-                f"the {name} need unit stride along K, row strides that are multiples of 16 "
-                "elements and 16-byte alignment"
-            )
+    if not _copyable(a):
+        return _NOT_COPYABLE.format("activations")
+    return _weights_unsupported(config, w)
+
+
+_NOT_COPYABLE = (
+    "the {} need unit stride along K, row strides that are multiples of 16 elements and "
+    "16-byte alignment"
+)
+
+
+def _weights_unsupported(config: MoEConfig, w: torch.Tensor) -> str | None:
+    """Why ``config``'s Hopper kernels cannot read ``w [e, N_w, K]``, or None."""
+    if not _copyable(w):
+        return _NOT_COPYABLE.format("weights")
     if config.kernel == "wgmma_ws" and not _experts_stacked(w):
         return (
             "kernel='wgmma_ws' loads the weights with TMA over [e·N_w, K]: each expert's "
@@ -653,8 +662,7 @@ def _hopper_fits(config: MoEConfig, x: torch.Tensor, w13: torch.Tensor, w2: torc
         return True
     if wgmma_unsupported(config, x, w13, w13.shape[1] // 2, config.gate_up.block_n, False):
         return False
-    stacked = config.kernel != "wgmma_ws" or _experts_stacked(w2)
-    return w2.shape[1] % config.down.block_n == 0 and _copyable(w2) and stacked
+    return w2.shape[1] % config.down.block_n == 0 and _weights_unsupported(config, w2) is None
 
 
 def _wgmma_module():
