@@ -19,7 +19,8 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
 
 import epmoe  # noqa: E402
 from epmoe.comm.base import Layout  # noqa: E402
-from epmoe.comm.symm.ht import SymmHTBackend  # noqa: E402
+from epmoe.comm.symm import ht  # noqa: E402
+from epmoe.comm.symm.ht import STREAM_CHUNK, SymmHTBackend  # noqa: E402
 from epmoe.reference import assert_close, quantize_groups  # noqa: E402
 from tests.gpu.test_symm_ll import (  # noqa: E402  (EPMoE and graph cases shared with symm_ll)
     E,
@@ -61,13 +62,26 @@ def exact_dispatch(rank, world):
     cases = {"T=11": 11, "T=0 on rank 1": 0 if rank == 1 else 7, "T=M_max": M}
     for fp8 in (False, True):
         # every SM one row per flag; few enough SMs that each kernel loops, 4 rows per
-        # flag; and one count per program (no flags), looping
-        for sms, per_flag in ((None, 1), (3, 4), (3, 0)):
+        # flag; one count per program (no flags), looping; the streamed combine on every
+        # SM (the default: half of them reduce) and on 5 SMs, 2 reducing, in chunks of 8
+        # tokens (M is more: chunks loop, the last one partial)
+        for sms, per_flag, reducers, chunk in (
+            (None, 1, None, None), (3, 4, None, None), (3, 0, None, None),
+            (None, 0, None, None), (5, 0, 2, 8),
+        ):  # fmt: skip
             spec = _spec(placement, dev, fp8)
-            comm = SymmHTBackend(spec, None, Layout.STANDARD, num_sms=sms, tokens_per_flag=per_flag)
+            comm = SymmHTBackend(
+                spec, None, Layout.STANDARD, num_sms=sms, tokens_per_flag=per_flag,
+                reducers=reducers,
+            )  # fmt: skip
+            every = torch.cuda.get_device_properties(dev).multi_processor_count
+            default = every // 2 if per_flag == 0 and sms is None and every >= 64 else 0
+            assert comm.reducers == (default if reducers is None else reducers)
+            ht.STREAM_CHUNK = chunk or STREAM_CHUNK
             for name, T in cases.items():
                 for routing in ("uniform", "one expert", "one rank"):
-                    with sweep.case(f"{name} fp8={fp8} sms={sms}/{per_flag} {routing}"):
+                    label = f"sms={sms}/{per_flag}/{comm.reducers}"
+                    with sweep.case(f"{name} fp8={fp8} {label} {routing}"):
                         g = torch.Generator().manual_seed(100 * rank + T)
                         ids = _routing(rank, T, g, routing)
                         w = torch.softmax(torch.randn(T, K, generator=g), -1)
@@ -110,6 +124,7 @@ def exact_dispatch(rank, world):
                         assert_close(out.float(), want_x, 2e-2, name=f"rank {rank}")
             comm.check()
             comm.close()
+    ht.STREAM_CHUNK = STREAM_CHUNK
     sweep.check()
     return sweep.passed
 
@@ -122,11 +137,13 @@ def two_in_flight(rank, world):
     dev = torch.device("cuda", torch.cuda.current_device())
     placement = epmoe.ExpertPlacement.linear(E, world)
     sweep = Sweep()
-    for per_flag in (4, 0):
+    for per_flag, reducers in ((4, None), (0, None), (0, 1)):
         spec = _spec(placement, dev, False)
-        comm = SymmHTBackend(spec, None, Layout.STANDARD, num_sms=3, tokens_per_flag=per_flag)
+        comm = SymmHTBackend(
+            spec, None, Layout.STANDARD, num_sms=3, tokens_per_flag=per_flag, reducers=reducers
+        )
         for n, Ts in enumerate([(7, 0), (M, 3), (0, M), (5, 5)]):
-            with sweep.case(f"{per_flag} rows per flag, round {n}"):
+            with sweep.case(f"{per_flag} rows per flag, {reducers} reducers, round {n}"):
                 pair = []
                 for j in range(2):
                     T = Ts[(rank + j) % 2]
@@ -146,7 +163,7 @@ def two_in_flight(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
-def test_two_results_in_flight_with_flags_and_with_counts(world):
+def test_two_results_in_flight_with_flags_counts_and_a_streamed_combine(world):
     requires_world(world)
     run_on_ranks(two_in_flight, world, timeout_s=300)
 
@@ -169,6 +186,15 @@ def test_layer_with_few_sms_and_counts_against_oracle(world):
     program, so the counted dispatch sends several tokens per step."""
     requires_world(world)
     options = {"num_sms": 3, "tokens_per_flag": 0}
+    run_on_ranks(layer_against_oracle, world, "symm_ht", options, timeout_s=300)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+def test_layer_with_a_streamed_combine_on_few_sms_against_oracle(world):
+    """The streamed combine (the default on every SM: ``test_layer_against_oracle``) on 5
+    SMs, 2 of them reducing: its senders and reducers loop."""
+    requires_world(world)
+    options = {"num_sms": 5, "tokens_per_flag": 0, "reducers": 2}
     run_on_ranks(layer_against_oracle, world, "symm_ht", options, timeout_s=300)
 
 

@@ -18,6 +18,9 @@ def _compile(fn, typed: dict[str, str], consts: dict) -> None:
     for name in ("ROWS", "RANKS"):  # (one token per step, one rank's row per load)
         if name in fn.arg_names and name not in consts:
             consts = dict(consts, **{name: 1})
+    for param in fn.params:  # other meta-parameters at their defaults, as a launch has them
+        if param.is_constexpr and param.name not in consts and param.has_default:
+            consts = dict(consts, **{param.name: param.default})
     signature = {n: "constexpr" if n in consts else typed.get(n, "i32") for n in fn.arg_names}
     constexprs = {(fn.arg_names.index(n),): v for n, v in consts.items()}
     src = ASTSource(fn, signature, constexprs=constexprs, attrs={})
@@ -81,7 +84,17 @@ def main() -> None:
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence, COUNTED=counted)
         consts["ROWS"] = 4 if counted else min(batch, 4)  # as ht.py launches it
         _compile(k.ht_combine_send_kernel, hsend, consts)
-    print(f"compiled {compiled + 18} symm kernels for sm_90")
+    # symm_ht's streamed combine: senders and reducers in one launch, the reducers alone
+    stream = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=1, FENCE=False, COUNTED=True, ROWS=4)
+    stream.update(STREAM=True, CHUNK=512, BLOCK_W=2, RECV_BLOCK_H=4096, RECV_ROWS=4)
+    typed = dict(hsend, out_ptr="*bf16", routes_ptr="*i32")
+    _compile(k.ht_combine_send_kernel, typed, dict(stream, RECV_RANKS=2))
+    reduce = dict(y_ptr="*bf16", out_ptr="*bf16", routes_ptr="*i32", **shared)
+    _compile(k.ht_combine_reduce_kernel, reduce, dict(CHUNK=512, BLOCK_W=2, BLOCK_H=4096))
+    send = dict(send, xs_ptr="*bf16")
+    chunked = dict(blocks, BLOCK_W=2, BATCH=1, FENCE=False, PREQUANT=False, COUNTED=True)
+    _compile(k.dispatch_send_kernel, send, dict(chunked, ROWS=4, ROUTES=True, CHUNK=512))
+    print(f"compiled {compiled + 21} symm kernels for sm_90")
 
 
 if __name__ == "__main__":

@@ -48,15 +48,20 @@ class Ranks:
 
     def flags(self, r: int, parity: int) -> torch.Tensor:
         """Rank r's int32 flags: expect[W], started[W], dflag[W, M], cflag[W, M], done[W],
-        cdone[W] (see ``kernels.py``)."""
+        cdone[W], ccount[W, M] (see ``kernels.py``)."""
         W, M = self.W, self.M
         start = self.regions[parity].flags
-        return self.bufs[r][start : start + (4 * W + 2 * W * M) * 4].view(torch.int32)
+        return self.bufs[r][start : start + (4 * W + 3 * W * M) * 4].view(torch.int32)
+
+    def chunk_counts(self, r: int, parity: int) -> torch.Tensor:
+        """Rank r's ``ccount [W, M]`` (a streamed combine's count per rank and chunk)."""
+        W, M = self.W, self.M
+        return self.flags(r, parity)[4 * W + 2 * W * M :].view(W, M)
 
     def counts(self, r: int, parity: int) -> tuple[list[int], list[int]]:
         """Rank r's ``(done, cdone)``."""
         f = self.flags(r, parity)[2 * self.W + 2 * self.W * self.M :]
-        return f[: self.W].tolist(), f[self.W :].tolist()
+        return f[: self.W].tolist(), f[self.W : 2 * self.W].tolist()
 
     def rows(self, r: int, parity: int) -> torch.Tensor:
         """The rows rank r received, ``[W·M, H]``, where the senders stored them."""
@@ -64,10 +69,12 @@ class Ranks:
         start = self.regions[parity].x
         return self.bufs[r][start : start + n * self.H * 4].view(torch.float32).view(n, -1)
 
-    def send(self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1) -> None:
+    def send(
+        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1, chunk: int = 0
+    ) -> None:
         """Rank r's dispatch send half (``dispatch_send_kernel``, float32 rows, a flag per
         token or, ``counted``, one count per program, ``rows`` tokens at a time) on
-        ``grid`` programs."""
+        ``grid`` programs; ``chunk``: a streamed combine's chunk counts cleared first."""
         import triton.language as tl
 
         x, ids, w = inputs
@@ -78,7 +85,7 @@ class Ranks:
             self.H, self.E, self.M, self.W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
             K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W, BLOCK_H=128, FP8=False, WIRE=tl.float32,
             FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,
-            PREQUANT=False, COUNTED=counted, ROWS=rows, ROUTES=True,
+            PREQUANT=False, COUNTED=counted, ROWS=rows, ROUTES=True, CHUNK=chunk,
         )  # fmt: skip
 
     def combine_receive(
@@ -98,6 +105,21 @@ class Ranks:
             self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W,
             BLOCK_H=128,
             COUNTED=counted, ROWS=rows, RANKS=ranks, PREFETCH=prefetch,
+        )  # fmt: skip
+        want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
+        torch.testing.assert_close(out, want, msg=f"rank {r}")
+
+    def combine_reduce(self, kernels, parity, r, inputs, y, grid: int, chunk: int) -> None:
+        """Rank r's streamed-combine reducers in a launch of their own
+        (``ht_combine_reduce_kernel``, after every rank's send), ``y`` its experts' rows
+        (its own partial rows are read there), checked as ``combine_receive``."""
+        x, ids, w = inputs
+        T, reg = x.shape[0], self.regions[parity]
+        out = torch.empty(T, self.H)
+        kernels.ht_combine_reduce_kernel[(grid,)](
+            y, out, self.routes[r, parity], self.bases, self.err.data_ptr(), T, self.H,
+            self.W, self.M, r, 10**9, reg.flags, reg.y, CHUNK=chunk, BLOCK_W=self.BLOCK_W,
+            BLOCK_H=128, ROWS=4, RANKS=2 if self.W > 1 else 1,
         )  # fmt: skip
         want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
         torch.testing.assert_close(out, want, msg=f"rank {r}")

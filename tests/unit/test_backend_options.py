@@ -41,7 +41,7 @@ def tagged(monkeypatch):
 
 def test_every_backend_names_its_options():
     options = {name: backend_option_names(backend_class(name)) for name in ("symm_ht", "naive")}
-    assert options == {"symm_ht": ["num_sms", "tokens_per_flag"], "naive": []}
+    assert options == {"symm_ht": ["num_sms", "tokens_per_flag", "reducers"], "naive": []}
     assert backend_option_names(TaggedBackend) == ["tag", "rounds"]
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _backend(spec, num_sms=None, tokens_per_flag=1):
+def _backend(spec, num_sms=None, tokens_per_flag=1, reducers=None):
     from epmoe.comm.symm.ht import SymmHTBackend
 
     class OnCPU(SymmHTBackend):  # the same kernels, on CPU tensors through the interpreter
@@ -37,7 +37,12 @@ def _backend(spec, num_sms=None, tokens_per_flag=1):
             max_in_flight=2,
         )
 
-    return OnCPU(spec, None, Layout.STANDARD, num_sms=num_sms, tokens_per_flag=tokens_per_flag)
+    if tokens_per_flag == "streamed":  # a streamed combine: 2 of the programs reduce
+        tokens_per_flag, reducers = 0, 2
+    return OnCPU(
+        spec, None, Layout.STANDARD, num_sms=num_sms, tokens_per_flag=tokens_per_flag,
+        reducers=reducers,
+    )  # fmt: skip
 
 
 def _experts(result, w13, w2):
@@ -61,9 +66,12 @@ def _experts(result, w13, w2):
 
 @pytest.mark.parametrize(
     "per_flag",
-    [1, 4, 8, 0],
-    ids=["1 row per flag", "4 rows per flag", "8 rows per flag", "one count per program"],
-)
+    [1, 4, 8, 0, "streamed"],
+    ids=[
+        "1 row per flag", "4 rows per flag", "8 rows per flag", "one count per program",
+        "streamed combine",
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize(
     "fp8", [False, "first", "in the send"],
     ids=["fp32 wire", "fp8 wire quantized first", "fp8 wire quantized in the send"],
@@ -158,7 +166,7 @@ def test_bad_ids_are_reported_after_the_call_completes():
     comm.close()
 
 
-def test_num_sms_and_tokens_per_flag_are_checked():
+def test_num_sms_tokens_per_flag_and_reducers_are_checked(monkeypatch):
     spec = CommSpec(128, 2, (0, 4), 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match="num_sms must be a positive int"):
         _backend(spec, num_sms=0)
@@ -166,6 +174,19 @@ def test_num_sms_and_tokens_per_flag_are_checked():
         ValueError, match=r"tokens_per_flag must be 0 \(one count per program\), 1, 2, 4 or 8"
     ):
         _backend(spec, tokens_per_flag=3)
+    with pytest.raises(ValueError, match="reducers must be a non-negative int"):
+        _backend(spec, tokens_per_flag=0, reducers=-1)
+    with pytest.raises(ValueError, match="reducers=2 needs tokens_per_flag=0"):
+        _backend(spec, tokens_per_flag=4, reducers=2)
+    # the default streams from STREAM_MIN_SMS SMs (half of them reduce), not below (the
+    # CPU counts as 4 SMs); never with row flags; at most all SMs but one
+    import epmoe.comm.symm.ht as ht
+
+    monkeypatch.setattr(ht, "STREAM_MIN_SMS", 4)
+    assert _backend(spec, tokens_per_flag=0).reducers == 2
+    assert _backend(spec, num_sms=3, tokens_per_flag=0).reducers == 0
+    assert _backend(spec, tokens_per_flag=4).reducers == 0
+    assert _backend(spec, num_sms=3, tokens_per_flag=0, reducers=5).reducers == 2
 
 
 def test_more_ranks_than_the_routes_mask_holds_are_refused(monkeypatch):
@@ -191,14 +212,22 @@ CALLS = {  # tokens per rank in five calls: T = 0 on some rank, T = M, tokens th
 
 
 @pytest.mark.parametrize("W", [2, 3], ids=["W=2", "W=3"])
-@pytest.mark.parametrize("counted", [True, False], ids=["one count per program", "row flags"])
-def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(counted, W):
+@pytest.mark.parametrize(
+    "mode", ["counted", "streamed", "flags"],
+    ids=["one count per program", "streamed combine", "row flags"],
+)  # fmt: skip
+def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode, W):
     """W ranks simulated in one process (``symm_sim``): five calls alternate the
     parities, with T = 0 on some rank, grids of different sizes (programs loop) and a
-    token routed nowhere. After each phase the counts (counted mode) or flags (row flags)
+    token routed nowhere. After each phase the counts (counted mode), chunk counts
+    (streamed combine: chunks of 3 tokens, the last one partial) or flags (row flags)
     are what the protocol in ``kernels.py`` says, and combine returns each token's
     weighted rows. Rows of 300 columns: every kernel loops over column blocks of 128 (the
-    combine receive's prefetch over its byte chunks too), the last one partial."""
+    combine receive's prefetch over its byte chunks too), the last one partial. The
+    streamed combine's reducers run in a launch of their own after every rank's send
+    (the interpreter runs one program after another)."""
+    counted, streamed = mode != "flags", mode == "streamed"
+    chunk = 3 if streamed else 0
     from epmoe.comm.symm import kernels as k
     from tests.unit.symm_sim import Ranks
 
@@ -225,10 +254,12 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
         for r in range(W):  # dispatch, send half
             sim.send(
                 k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted,
-                rows=DISPATCH_ROWS if counted else 1,
+                rows=DISPATCH_ROWS if counted else 1, chunk=chunk,
             )  # fmt: skip
         if counted:
             assert all(sim.counts(r, parity)[0] == list(Ts) for r in range(W))
+        if streamed:  # the last combine's chunk counts cleared by the announcements
+            assert not any(sim.chunk_counts(r, parity).any() for r in range(W)), n
         for r in range(W):  # dispatch, receive half
             ids_out, w_out, recv_t = published[r][parity]
             k.ht_dispatch_recv_kernel[(W, grid(-(-M // publish), r))](
@@ -236,13 +267,29 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
                 reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=counted, ROWS=publish,
             )  # fmt: skip
             assert recv_t.tolist() == list(Ts)
+        ys = [None] * W
         for r in range(W):  # combine, send half: identity experts, weighted
             ids_out, w_out, recv_t = published[r][parity]
-            y = (sim.rows(r, parity) * w_out.sum(1, keepdim=True)).contiguous()
+            ys[r] = y = (sim.rows(r, parity) * w_out.sum(1, keepdim=True)).contiguous()
+            stream = {}
+            if streamed:
+                stream = dict(senders=grid(M, r), STREAM=True, CHUNK=chunk, BLOCK_W=sim.BLOCK_W)
             k.ht_combine_send_kernel[(W, grid(M, r))](
                 y, sim.bases, ids_out, recv_t, H, M, W, r, reg.flags, reg.y,
-                K=K, BLOCK_K=2, BLOCK_H=128, **per_flag,
+                K=K, BLOCK_K=2, BLOCK_H=128, **per_flag, **stream,
             )  # fmt: skip
+        if streamed:  # each peer went through each chunk of r's tokens; no cdone, no copy
+            for r in range(W):
+                sizes = [min(chunk, Ts[r] - c0) for c0 in range(0, Ts[r], chunk)]
+                want = torch.zeros(W, M, dtype=torch.int32)
+                want[:, : len(sizes)] = torch.tensor(sizes, dtype=torch.int32)
+                want[r] = 0
+                assert torch.equal(sim.chunk_counts(r, parity), want), (n, r)
+                assert sim.counts(r, parity) == ([0] * W, [0] * W), (n, r)
+            for r in range(W):
+                sim.combine_reduce(k, parity, r, inputs[r], ys[r], grid(max(Ts[r], 1), r), chunk)
+            sim.assert_reset(parity, n)
+            continue
         if counted:  # done cleared by the combine; each rank sent back all of r's T
             for r in range(W):
                 assert sim.counts(r, parity) == ([0] * W, [Ts[r]] * W), (n, r)
@@ -254,7 +301,10 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(coun
         sim.assert_reset(parity, n)
 
 
-@pytest.mark.parametrize("per_flag", [4, 0], ids=["4 rows per flag", "one count per program"])
+@pytest.mark.parametrize(
+    "per_flag", [4, 0, "streamed"],
+    ids=["4 rows per flag", "one count per program", "streamed combine"],
+)  # fmt: skip
 def test_two_results_in_flight_combine_to_their_own_tokens(per_flag):
     """Two dispatch results held at once (both parities), combined in the order they were
     dispatched, over rounds of changing token counts: each combine gives back its own

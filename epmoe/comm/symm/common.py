@@ -84,7 +84,9 @@ def pow2(n: int) -> int:
 class Regions:
     """Byte offsets of one parity's regions in the symmetric buffer (see kernels.py)."""
 
-    flags: int  # int32 expect [W], started [W], dflag [W, M], cflag [W, M], done [W], cdone [W]
+    # int32 expect [W], started [W], dflag [W, M], cflag [W, M], done [W], cdone [W],
+    # ccount [W, M]
+    flags: int
     x: int  # wire [W, M, H]
     s: int  # float32 [W, M, G] (FP8 only)
     ids: int  # int32 [W, M, K]
@@ -96,7 +98,7 @@ def layout(W: int, M: int, H: int, K: int, wire: torch.dtype, dtype: torch.dtype
     """Per-parity regions and the total bytes of the symmetric buffer."""
     G = -(-H // FP8_GROUP)
     sizes = [
-        ("flags", (4 * W + 2 * W * M) * 4),
+        ("flags", (4 * W + 3 * W * M) * 4),
         ("x", W * M * H * wire.itemsize),
         ("s", W * M * G * 4 if fp8 else 0),
         ("ids", W * M * K * 4),
@@ -602,6 +604,8 @@ class _Launcher:
     def __init__(self, fn) -> None:
         self.fn = fn
         self.names = fn.arg_names
+        # trailing parameters a call may leave out, as Triton's own path fills them in
+        self.defaults = {p.name: p.default for p in getattr(fn, "params", ()) if p.has_default}
         self.compiled: dict[tuple, object] = {}
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
@@ -639,7 +643,9 @@ class _Launcher:
             return
         try:
             values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
-            values += [consts[n] for n in self.names[len(args) :]]
+            values += [
+                consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]
+            ]
             stream = _current_raw_stream()
             g = (*grid, 1, 1)
             kernel.run(

@@ -9,7 +9,8 @@ expanded or copied on the receiver, and the row count is the worst case ``W·M``
 token filled carry ids -1), so no count reaches the host and the calls are graph safe.
 Combine sends each row's partial sum (the experts weight and reduce their top-k outputs
 per row in the Standard layout) back to its source, which adds the W partial sums in
-float32.
+float32: on many SMs in the same launch as the send, chunk by chunk while the later rows
+still travel (``reducers``), else in a receive kernel at ``wait()``.
 
 ``num_sms`` caps the programs of each kernel (persistent loops over tokens): the
 throughput against SMs is what the comm benchmark reports.
@@ -30,6 +31,7 @@ from epmoe.comm.symm.common import (
     SymmTransport,
     kernels,
     launch,
+    pow2,
 )
 
 # Rows (tokens) a program loads and stores at once: with few SMs (DeepEP's 24) a program
@@ -52,6 +54,11 @@ RECV_BLOCK_H = 4096
 RECV_RANKS = 2
 RECV_WARPS = 8
 RECV_PREFETCH = 1
+# The streamed combine (counted mode): tokens per count, and the SMs from which it is the
+# default (half of them reduce). Below that the send is bound by its SMs, not the link,
+# and SMs taken for the sum slow it as much as they hide.
+STREAM_CHUNK = 512
+STREAM_MIN_SMS = 64
 # The dispatch keeps each token's destination ranks as an int32 mask (HTTransport.routes)
 MAX_RANKS = 32
 # Rows of routing a program of the counted dispatch's receive publishes at once (after its
@@ -119,6 +126,7 @@ class SymmHTBackend(SymmBackend):
         *,
         num_sms: int | None = None,
         tokens_per_flag: int = 0,
+        reducers: int | None = None,
     ):
         """``num_sms``: programs per kernel (default every SM). ``tokens_per_flag``: 0 (the
         default), no flag per row: each program streams all its rows, then fences once and
@@ -128,8 +136,13 @@ class SymmHTBackend(SymmBackend):
         flags (one system fence per batch, then relaxed flag writes). Measured on 2×H200 at
         4096 tokens (docs/benchmarks.md, 2026-12-01, graph, dispatch / combine µs): 0 gives
         187 / 237 bf16 and 130 / 237 FP8 on 132 SMs, 271 / 450 and 196 / 449 on 24; 4 rows
-        per flag 208 / 247, 160 / 248, 491 / 573 and 469 / 574. Every rank must pass the
-        same value (the two modes signal differently: a mismatch reads as a timeout)."""
+        per flag 208 / 247, 160 / 248, 491 / 573 and 469 / 574. ``reducers`` (counted mode
+        only): of the ``num_sms`` programs, how many sum the partial rows in the combine's
+        send kernel while the other rows still travel (a streamed combine; the experts'
+        own rows are read where they are, not copied); 0: the sum runs at ``wait()`` on
+        every SM, after all rows arrived. Default: half the SMs from ``STREAM_MIN_SMS``,
+        else 0. Every rank must pass the same values (the modes signal differently: a
+        mismatch reads as a timeout)."""
         # checked before the transport is taken (nothing to release on a refusal)
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
@@ -138,12 +151,23 @@ class SymmHTBackend(SymmBackend):
                 f"tokens_per_flag must be 0 (one count per program), 1, 2, 4 or 8, got "
                 f"{tokens_per_flag!r}"
             )
+        if reducers is not None and (type(reducers) is not int or reducers < 0):
+            raise ValueError(
+                f"reducers must be a non-negative int (programs that sum the combine's rows "
+                f"while they arrive; 0: at wait()), got {reducers!r}"
+            )
+        if reducers and tokens_per_flag:
+            raise ValueError(
+                f"reducers={reducers} needs tokens_per_flag=0 (the streamed combine counts "
+                f"tokens per chunk), got tokens_per_flag={tokens_per_flag}"
+            )
         reason = _ranks_reason(group)
         if reason is not None:
             raise ValueError(f"symm_ht: {reason}")
         from epmoe.comm.symm.kernels import batch_fence
 
         self._sms = num_sms
+        self._reducers = reducers
         self._counted = tokens_per_flag == 0
         self._batch = max(tokens_per_flag, 1)
         self._fence = batch_fence(self._batch)
@@ -173,6 +197,17 @@ class SymmHTBackend(SymmBackend):
     def _grid(self, n: int) -> int:
         return max(1, min(n, self.num_sms))
 
+    @property
+    def reducers(self) -> int:
+        """Programs of the combine's send kernel that sum the rows while they arrive (0:
+        the sum runs at ``wait()``); see ``__init__``."""
+        if not self._counted:
+            return 0
+        if self._reducers is not None:
+            return min(self._reducers, max(self.num_sms - 1, 1))
+        sms = self.num_sms
+        return sms // 2 if sms >= STREAM_MIN_SMS else 0
+
     # ------------------------------------------------------------------ dispatch
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The send kernel now, the receive kernel (publishing ids and weights) at ``wait()``."""
@@ -183,7 +218,8 @@ class SymmHTBackend(SymmBackend):
         rows = 1
         if self._counted:  # (FP8 quantized in the send holds fewer rows in registers)
             rows = FUSED_FP8_ROWS if tr.fp8 and not self._quantize_first else DISPATCH_ROWS
-        self._send(tr, x, ids, w, b, c, self._grid(max(T, 1)), rows)
+        chunk = STREAM_CHUNK if self.reducers else 0  # (the chunk counts it clears)
+        self._send(tr, x, ids, w, b, dict(c, CHUNK=chunk), self._grid(max(T, 1)), rows)
 
         publish = PUBLISH_ROWS if self._counted else 1
 
@@ -214,6 +250,8 @@ class SymmHTBackend(SymmBackend):
         h, y, c = self._combine_prologue(expert_out, result)
         tr, W, b = h.transport, self.world_size, h.parity
         reg = tr.regions[b]
+        if self.reducers:
+            return self._combine_streamed(h, y, c)
         launch(k.ht_combine_send_kernel)(
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
@@ -226,6 +264,32 @@ class SymmHTBackend(SymmBackend):
         recv = dict(rows=RECV_ROWS, ranks=RECV_RANKS, num_warps=RECV_WARPS, prefetch=RECV_PREFETCH)
         c = dict(c, BLOCK_H=min(RECV_BLOCK_H, c["BLOCK_H"]))
         return Pending(lambda: self._combine_receive(h, c, programs, **recv))
+
+    def _combine_streamed(self, h, y, c) -> Pending[torch.Tensor]:
+        """One launch: senders (the SM budget less the reducers) send the rows back chunk
+        by chunk, the reducers sum each chunk of this rank's tokens as it completes."""
+        tr, W, b, T = h.transport, self.world_size, h.parity, h.num_tokens
+        reg = tr.regions[b]
+        reducers = self.reducers
+        senders = max(1, min(tr.M, self.num_sms - reducers))
+        out = torch.empty(T, tr.H, dtype=self.spec.dtype, device=tr.device)
+        launch(kernels().ht_combine_send_kernel)(
+            (W, senders + reducers),
+            y, tr.bases, tr.ids_out[b], tr.recv_t[b],
+            tr.H, tr.M, W, self.rank, reg.flags, reg.y,
+            out_ptr=out, routes_ptr=tr.routes[b], err_addr=tr.err_addr, T=T, senders=senders,
+            timeout_ns=tr.timeout_ns, BATCH=1, FENCE=False, COUNTED=True, ROWS=SEND_ROWS,
+            STREAM=True, CHUNK=STREAM_CHUNK, BLOCK_W=pow2(W),
+            RECV_BLOCK_H=min(RECV_BLOCK_H, c["BLOCK_H"]), RECV_ROWS=RECV_ROWS,
+            RECV_RANKS=min(RECV_RANKS, W),
+            num_warps=tr.num_warps, **c,
+        )  # fmt: skip
+
+        def receive() -> torch.Tensor:
+            self._combine_done(h)
+            return out
+
+        return Pending(receive)
 
 
 def _ranks_reason(group) -> str | None:

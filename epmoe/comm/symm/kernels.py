@@ -13,8 +13,10 @@ holds, at byte offsets the host passes:
 * ``flags``: int32 ``expect[W]`` (source s wrote ``T_s + 1``), ``started[W]`` (rank r began
   its combine), ``dflag[W, M]`` (token t of source s is written), ``cflag[W, M]`` (rank r's
   combine row for this rank's token t is written), and for ``symm_ht``'s counted mode
-  ``done[W]`` (tokens of source s whose rows and routing are written) and ``cdone[W]``
-  (tokens of this rank that rank r has sent back, or had nothing to send back for);
+  ``done[W]`` (tokens of source s whose rows and routing are written), ``cdone[W]``
+  (tokens of this rank that rank r has sent back, or had nothing to send back for) and,
+  for its streamed combine, ``ccount[W, M]`` (the same per chunk of this rank's tokens:
+  ``ccount[r, c]``);
 * ``tok_x [W, M, H]`` wire rows, ``tok_s [W, M, G]`` float32 FP8 scales,
   ``tok_ids [W, M, K]`` int32 local expert slots (-1: not on this rank),
   ``tok_w [W, M, K]`` float32 router weights: what source s sent for its token t;
@@ -50,7 +52,11 @@ at every rank (every rank gets every token's routing, so the adds sum to exactly
 back or not, to ``cdone[me]`` at their source (they sum to its T); a receiver waits once
 for its count to reach the total. ``done[s]`` is cleared with ``expect[s]`` by the combine,
 ``cdone`` with ``started`` by the next dispatch's announcement, each before the release
-that lets a peer count again.
+that lets a peer count again. Its streamed combine (``STREAM``) sums while the rows
+travel: the senders count per chunk of the source's tokens (``ccount``, cleared by the
+announcement too), and reducer programs of the same launch sum each chunk once every
+peer's count of it is complete (the send being bound by the link, the sum is then hidden
+but for the last chunk's).
 
 ``symm_ll``'s programs handle one token (one row) each, whole-row steps of ``BLOCK_H``
 columns, so that a decode-sized call is a single wave of short programs with no serial
@@ -324,6 +330,14 @@ def _counts(flags, W, M):
 
 
 @triton.jit
+def _chunk_counts(flags, W, M):
+    """``ccount[W, M]`` in a rank's ``flags`` (after ``cdone``): ``ccount[r, c]`` counts
+    the tokens of this rank's chunk ``c`` that rank ``r`` went through in a streamed
+    combine (see the module docstring)."""
+    return flags + 4 * W + 2 * W * M
+
+
+@triton.jit
 def _add_counts(bases, rr, W, M, off_flags, lane, n):
     """Add ``n`` (this program's tokens, its stores fenced by the caller) to count
     ``lane`` of ``done`` at every rank (a lane of ``bases [BLOCK_W]`` per rank)."""
@@ -430,11 +444,14 @@ def _send_step(
 
 
 @triton.jit
-def _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W: tl.constexpr):
-    """Program 0 of a dispatch, first: clear this parity's ``started`` flags and
-    ``cdone`` counts, then tell every rank how many tokens come (``expect[src] = T + 1``).
-    Rows may arrive before it (each has a flag or a count of its own): the count only has
-    to reach the receivers of tokens that do not come, and the combine's bookkeeping."""
+def _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W: tl.constexpr,
+              CHUNK: tl.constexpr = 0):  # fmt: skip
+    """Program 0 of a dispatch, first: clear this parity's ``started`` flags, ``cdone``
+    counts and (``CHUNK`` > 0: a streamed combine's, see ``ht_combine_send_kernel``) the
+    counts of every rank for each chunk of ``CHUNK`` tokens,
+    then tell every rank how many tokens come (``expect[src] = T + 1``). Rows may arrive
+    before it (each has a flag or a count of its own): the count only has to reach the
+    receivers of tokens that do not come, and the combine's bookkeeping."""
     rr = tl.arange(0, BLOCK_W)
     base = tl.load(bases_ptr + src)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
@@ -442,6 +459,13 @@ def _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W: tl.constexpr):
     zeros = tl.zeros((BLOCK_W,), tl.int32)
     tl.atomic_xchg(own + W + rr, zeros, mask=rr < W, sem="relaxed", scope="sys")
     tl.atomic_xchg(_counts(own, W, M) + W + rr, zeros, mask=rr < W, sem="relaxed", scope="sys")
+    if CHUNK > 0:  # (own memory; ordered before `expect` by the fence below)
+        n = tl.cdiv(M, CHUNK)
+        for r in range(W):
+            for c0 in range(0, n, 128):
+                cc = c0 + tl.arange(0, 128)
+                tl.store(_chunk_counts(own, W, M) + r * M + cc, tl.zeros((128,), tl.int32),
+                         mask=cc < n)  # fmt: skip
     # the clears before any rank sees `expect` (a peer that sees it may raise `started`
     # and count what it sends back), one fence for the writes
     tl.debug_barrier()
@@ -753,6 +777,7 @@ def dispatch_send_kernel(
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
     ROWS: tl.constexpr = 1,  # COUNTED: tokens a program sends at once
     ROUTES: tl.constexpr = False,  # write routes_ptr (symm_ht's combine reads it)
+    CHUNK: tl.constexpr = 0,  # > 0: the combine streams (chunk counts to clear, _announce)
     PDL: tl.constexpr = False,
 ):
     """The send half alone (split phase; ``symm_ht``'s dispatch). Program p sends tokens
@@ -766,7 +791,7 @@ def dispatch_send_kernel(
     pid = tl.program_id(0)
     N = tl.num_programs(0)
     if pid == 0:
-        _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W)
+        _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W, CHUNK)
     rr = tl.arange(0, BLOCK_W)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
     if COUNTED:
@@ -999,12 +1024,15 @@ def _combine_recv_rows(
     T, H, W, M, me, timeout_ns, off_flags, off_y,
     BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     ROWS: tl.constexpr, COUNTED: tl.constexpr, RANKS: tl.constexpr,
+    y_ptr, OWN_Y: tl.constexpr,
 ):  # fmt: skip
     """``_combine_recv`` for the tokens ``tR [ROWS]`` (those below ``T``) at once, with
     ``bits [ROWS]`` the ranks each went to (the dispatch's ``routes``): their flags awaited
     in one poll loop, their partial rows loaded together (``RANKS`` ranks' at a time), so
     that a program keeps ROWS·RANKS rows in flight (``symm_ht`` on few SMs, where one row at
-    a time leaves the program waiting on one load latency after another)."""
+    a time leaves the program waiting on one load latency after another). ``OWN_Y``: this
+    rank's own partial rows are read where its experts wrote them (``y_ptr [W·M, H]``,
+    rows ``me·M + t``; a streamed combine does not copy them into ``comb_y``)."""
     rr = tl.arange(0, BLOCK_W)
     live = tR < T
     t64 = tl.where(live, tR, 0).to(tl.int64)  # (tokens that exist)
@@ -1026,8 +1054,12 @@ def _combine_recv_rows(
         for r0 in range(0, W, RANKS):  # RANKS ranks' rows loaded together, then summed
             for j in tl.static_range(RANKS):
                 on = tl.sum(tl.where(rr[None, :] == r0 + j, has, 0), 1) > 0  # (none >= W)
-                part = tl.load(comb_y + ((r0 + j) * M + t64)[:, None] * H + cols[None, :],
-                               mask=on[:, None] & c_mask, other=0.0)  # fmt: skip
+                at = ((r0 + j) * M + t64)[:, None] * H + cols[None, :]
+                if OWN_Y:
+                    src = tl.where(r0 + j == me, y_ptr + at, comb_y + at)
+                else:
+                    src = comb_y + at
+                part = tl.load(src, mask=on[:, None] & c_mask, other=0.0)
                 acc += part.to(tl.float32)
         tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & c_mask)  # fmt: skip
@@ -1149,7 +1181,7 @@ def combine_recv_kernel(
                 _prefetch_rows(comb_y, tR + PREFETCH * G * ROWS, T, W, M, H, out_ptr, ROW_BYTES)
             _combine_recv_rows(
                 tR, bits, out_ptr, bases_ptr, err_addr, T, H, W, M, me, timeout_ns,
-                off_flags, off_y, BLOCK_W, BLOCK_H, ROWS, COUNTED, RANKS,
+                off_flags, off_y, BLOCK_W, BLOCK_H, ROWS, COUNTED, RANKS, out_ptr, False,
             )  # fmt: skip
             bits = bits_ahead
 
@@ -1322,6 +1354,52 @@ def _ht_combine_flag(s, t, sent, bases_ptr, M, W, me, off_flags, FENCED: tl.cons
             tl.atomic_xchg(flags + 2 * W + W * M + src_row, 1, sem="release", scope="sys")
 
 
+@triton.jit
+def _ht_combine_reduce(
+    q, NQ, y_ptr, out_ptr, routes_ptr, bases_ptr, err_addr, T, H, W, M, me, timeout_ns,
+    off_flags, off_y, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr, RANKS: tl.constexpr,
+):  # fmt: skip
+    """Reducer ``q`` of ``NQ`` in a streamed combine: once every rank started its combine,
+    chunk by chunk of this rank's T tokens, wait until every peer went through the chunk
+    (``ccount``), then sum the W partial rows of its tokens ``c0 + q, c0 + q + NQ, ...``,
+    ``ROWS`` at a time, this rank's own rows read from ``y_ptr`` where its experts wrote
+    them. This rank's own ``started`` and counts are not awaited: its senders are in the
+    same launch, and its rows are not sent."""
+    rr = tl.arange(0, BLOCK_W)
+    flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
+    peers = (rr < W) & (rr != me)
+    r_any = tl.minimum(rr, W - 1)  # (a valid address in every lane)
+    _wait_all(flags + W + r_any, peers, rr, timeout_ns, err_addr, OP_COMBINE)  # started
+    ccount = _chunk_counts(flags, W, M) + r_any * M
+    for c0 in range(0, T, CHUNK):
+        c_end = tl.minimum(c0 + CHUNK, T)
+        _wait_all(ccount + c0 // CHUNK, peers, rr, timeout_ns, err_addr, OP_COMBINE, c_end - c0)
+        for t0 in range(c0 + q, c_end, NQ * ROWS):
+            tR = t0 + NQ * tl.arange(0, ROWS)
+            bits = tl.load(routes_ptr + tR, mask=tR < c_end, other=0)
+            _combine_recv_rows(
+                tR, bits, out_ptr, bases_ptr, err_addr, c_end, H, W, M, me, timeout_ns,
+                off_flags, off_y, BLOCK_W, BLOCK_H, ROWS, True, RANKS, y_ptr, True,
+            )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["T", "me", "off_flags", "off_y"])
+def ht_combine_reduce_kernel(
+    y_ptr, out_ptr, routes_ptr, bases_ptr, err_addr, T, H, W, M, me, timeout_ns,
+    off_flags, off_y, CHUNK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr, RANKS: tl.constexpr,
+):  # fmt: skip
+    """A streamed combine's reducers (``_ht_combine_reduce``) in a launch of their own,
+    after the send kernel (``REDUCERS`` = 0): the protocol simulation under the
+    interpreter runs each rank's reducers once every rank has sent, as it must run
+    programs one after another."""
+    _ht_combine_reduce(
+        tl.program_id(0), tl.num_programs(0), y_ptr, out_ptr, routes_ptr, bases_ptr, err_addr,
+        T, H, W, M, me, timeout_ns, off_flags, off_y, CHUNK, BLOCK_W, BLOCK_H, ROWS, RANKS,
+    )  # fmt: skip
+
+
 @triton.jit(do_not_specialize=["me", "off_flags", "off_y"])
 def ht_combine_send_kernel(
     y_ptr,  # [W·M, H] the experts' partial sums per received row, in the combine dtype
@@ -1341,32 +1419,100 @@ def ht_combine_send_kernel(
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
     ROWS: tl.constexpr = 4,  # rows a program loads and stores at once (flags: ROWS | BATCH)
+    # a streamed combine (COUNTED only): the sum of the partial rows while they arrive
+    out_ptr=None,  # [T, H] the combined output, in the combine dtype
+    routes_ptr=None,  # [M] int32 the ranks each of this rank's tokens went to
+    err_addr=0,
+    T=0,  # this rank's tokens
+    senders=1,  # STREAM: sending programs per source (on axis 1, after the reducers)
+    timeout_ns=0,
+    STREAM: tl.constexpr = False,
+    CHUNK: tl.constexpr = 512,  # STREAM: tokens per count
+    BLOCK_W: tl.constexpr = 1,  # STREAM: a power of two >= W
+    RECV_BLOCK_H: tl.constexpr = 4096,  # STREAM: the reducers' column block, rows, ranks
+    RECV_ROWS: tl.constexpr = 4,
+    RECV_RANKS: tl.constexpr = 2,
     PDL: tl.constexpr = False,
 ):
     """Program (s, p) sends back rows p, p + G, ... of the T_s that source s sent; program
     (s, 0) first clears ``expect[s]`` (and ``done[s]``) and raises ``started`` at s (as
     ``_combine_send``). ``COUNTED``: no flags; after its rows, one fence and the number of
     tokens it went through (sent or not) added to ``cdone[me]`` at s, whose receivers wait
-    for the sum to reach their T."""
+    for the sum to reach their T.
+
+    ``STREAM``: the receive runs in this launch, while the rows travel. Programs
+    ``(0, q)`` below the ``reducers = num_programs(1) - senders`` are reducers
+    (``_ht_combine_reduce``; ``(s > 0, q)`` do nothing): first in the launch order, so
+    that the block scheduler makes them resident beside the senders rather than after
+    them. Senders ``(s, reducers + p)`` go through the T_s tokens of s in chunks of
+    ``CHUNK``, after each a fence and its count added to ``ccount[me, c]`` at s, and send
+    nothing to this rank itself (its reducers read its own partial rows in ``y``). Senders
+    never wait, so reducers (fewer than the SMs) cannot hold back the rows they wait for.
+    Every rank must stream or not alike (a mismatch times out)."""
     _after_prior(PDL)
     s = tl.program_id(0)
+    if STREAM:
+        reducers = tl.num_programs(1) - senders
+        if tl.program_id(1) < reducers:
+            if s == 0:
+                _ht_combine_reduce(
+                    tl.program_id(1), reducers, y_ptr, out_ptr, routes_ptr, bases_ptr,
+                    err_addr, T, H, W, M, me, timeout_ns, off_flags, off_y, CHUNK, BLOCK_W,
+                    RECV_BLOCK_H, RECV_ROWS, RECV_RANKS,
+                )  # fmt: skip
+        else:
+            _ht_combine_send(
+                s, tl.program_id(1) - reducers, senders, y_ptr, bases_ptr, ids_out_ptr,
+                recv_t_ptr, H, M, W, me, off_flags, off_y, K, BLOCK_K, BLOCK_H, BATCH, FENCE,
+                COUNTED, ROWS, STREAM, CHUNK,
+            )  # fmt: skip
+    else:
+        _ht_combine_send(
+            s, tl.program_id(1), tl.num_programs(1), y_ptr, bases_ptr, ids_out_ptr,
+            recv_t_ptr, H, M, W, me, off_flags, off_y, K, BLOCK_K, BLOCK_H, BATCH, FENCE,
+            COUNTED, ROWS, STREAM, CHUNK,
+        )  # fmt: skip
+
+
+@triton.jit
+def _ht_combine_send(
+    s, p, N, y_ptr, bases_ptr, ids_out_ptr, recv_t_ptr, H, M, W, me, off_flags, off_y,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BATCH: tl.constexpr,
+    FENCE: tl.constexpr, COUNTED: tl.constexpr, ROWS: tl.constexpr,
+    STREAM: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Sender ``p`` of ``N`` for source ``s`` in ``ht_combine_send_kernel``."""
     T_s = tl.load(recv_t_ptr + s)
-    if tl.program_id(1) == 0:
+    if p == 0:
         own = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
         tl.atomic_xchg(own + s, 0, sem="relaxed", scope="sys")
         if COUNTED:
             tl.atomic_xchg(_counts(own, W, M) + s, 0, sem="relaxed", scope="sys")
         src_flags = _at(tl.load(bases_ptr + s), off_flags, tl.int32)
         tl.atomic_xchg(src_flags + W + me, 1, sem="release", scope="sys")  # started[me]
-    N = tl.num_programs(1)
-    if COUNTED:
+    if STREAM:
+        ccount = _chunk_counts(_at(tl.load(bases_ptr + s), off_flags, tl.int32), W, M) + me * M
+        if s != me:  # (this rank's own rows: its reducers read them where they are)
+            for c0 in range(0, T_s, CHUNK):
+                c_end = tl.minimum(c0 + CHUNK, T_s)
+                for t0 in range(c0 + p, c_end, N * ROWS):
+                    _ht_combine_rows(
+                        s, t0 + N * tl.arange(0, ROWS), c_end, y_ptr, bases_ptr, ids_out_ptr,
+                        H, M, me, off_y, K, BLOCK_K, BLOCK_H,
+                    )  # fmt: skip
+                n = _strided_count(p, c_end - c0, N)
+                if n > 0:
+                    tl.debug_barrier()  # every store of the chunk is issued before the fence
+                    _fence_sys()
+                    tl.atomic_add(ccount + c0 // CHUNK, n, sem="relaxed", scope="sys")
+    elif COUNTED:
         cdone = _counts(_at(tl.load(bases_ptr + s), off_flags, tl.int32), W, M) + W + me
-        for t0 in range(tl.program_id(1), T_s, N * ROWS):  # ROWS rows in flight at once
+        for t0 in range(p, T_s, N * ROWS):  # ROWS rows in flight at once
             _ht_combine_rows(
                 s, t0 + N * tl.arange(0, ROWS), T_s, y_ptr, bases_ptr, ids_out_ptr, H, M, me,
                 off_y, K, BLOCK_K, BLOCK_H,
             )  # fmt: skip
-        n = _strided_count(tl.program_id(1), T_s, N)
+        n = _strided_count(p, T_s, N)
         if n > 0:
             tl.debug_barrier()  # every store of the program is issued before the fence
             _fence_sys()
@@ -1374,7 +1520,7 @@ def ht_combine_send_kernel(
     else:
         tl.static_assert(BATCH % ROWS == 0, "ROWS must divide BATCH")
         lanes = tl.arange(0, BATCH)
-        for t0 in range(tl.program_id(1), T_s, N * BATCH):  # BATCH rows per barrier
+        for t0 in range(p, T_s, N * BATCH):  # BATCH rows per barrier
             sent = tl.zeros((BATCH,), tl.int32)
             for j0 in tl.static_range(0, BATCH, ROWS):  # ROWS of them in flight at once
                 ok = _ht_combine_rows(
