@@ -80,6 +80,7 @@ def main() -> None:
     for counted, rows in ((False, 1), (True, 1), (True, 64)):
         _compile(k.ht_dispatch_recv_kernel, ht, dict(K=8, BLOCK_K=8, COUNTED=counted, ROWS=rows))
     hsend = dict(y_ptr="*bf16", ids_out_ptr="*i64", recv_t_ptr="*i32", **shared)
+    hsend.update(out_ptr="*bf16", routes_ptr="*i32")
     for batch, fence, counted in ((1, False, False), (4, True, False), (1, False, True)):
         consts = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=batch, FENCE=fence, COUNTED=counted)
         consts["ROWS"] = 4 if counted else min(batch, 4)  # as ht.py launches it
@@ -87,8 +88,7 @@ def main() -> None:
     # symm_ht's streamed combine: senders and reducers in one launch, the reducers alone
     stream = dict(K=8, BLOCK_K=8, BLOCK_H=8192, BATCH=1, FENCE=False, COUNTED=True, ROWS=4)
     stream.update(STREAM=True, CHUNK=512, BLOCK_W=2, RECV_BLOCK_H=4096, RECV_ROWS=4)
-    typed = dict(hsend, out_ptr="*bf16", routes_ptr="*i32")
-    _compile(k.ht_combine_send_kernel, typed, dict(stream, RECV_RANKS=2))
+    _compile(k.ht_combine_send_kernel, hsend, dict(stream, RECV_RANKS=2))
     reduce = dict(y_ptr="*bf16", out_ptr="*bf16", routes_ptr="*i32", **shared)
     _compile(k.ht_combine_reduce_kernel, reduce, dict(CHUNK=512, BLOCK_W=2, BLOCK_H=4096))
     send = dict(send, xs_ptr="*bf16")

@@ -189,6 +189,31 @@ def test_num_sms_tokens_per_flag_and_reducers_are_checked(monkeypatch):
     assert _backend(spec, num_sms=3, tokens_per_flag=0, reducers=5).reducers == 2
 
 
+def test_a_result_is_combined_in_the_mode_it_was_dispatched_in(monkeypatch):
+    """Two symm_ht on one transport, one streaming its combine and one not: a result of
+    the one combined by the other is refused (the streamed combine waits for chunk counts
+    that only its own dispatch clears), and each combines its own."""
+    import epmoe.comm.symm.ht as ht
+
+    monkeypatch.setattr(ht, "STREAM_CHUNK", 2)
+    E, K, H = 4, 2, 128
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
+    streamed = _backend(spec, tokens_per_flag=0, reducers=1)
+    plain = _backend(spec, tokens_per_flag=0, reducers=0)
+    assert streamed._live() is plain._live()  # (one transport for the shape)
+    x = torch.randn(3, H)
+    ids = torch.tensor([[0, 1], [2, 3], [1, -1]])
+    w = torch.tensor([[0.5, 0.5], [0.25, 0.75], [1.0, 0.0]])
+    for mine, other in ((streamed, plain), (plain, streamed)):
+        res = mine.dispatch(x, ids, w)
+        y = res.hidden * res.topk_weights.sum(1, keepdim=True)
+        with pytest.raises(RuntimeError, match="combine each result with the backend that"):
+            other.combine(y, res)
+        torch.testing.assert_close(mine.combine(y, res), x)
+    streamed.close()
+    plain.close()
+
+
 def test_more_ranks_than_the_routes_mask_holds_are_refused(monkeypatch):
     """Each token's destination ranks are an int32 mask: a group of 33 ranks is refused
     (``_ranks_reason``, which ``unavailable_reason`` adds for ``available_backends`` and
@@ -271,11 +296,12 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode
         for r in range(W):  # combine, send half: identity experts, weighted
             ids_out, w_out, recv_t = published[r][parity]
             ys[r] = y = (sim.rows(r, parity) * w_out.sum(1, keepdim=True)).contiguous()
-            stream = {}
+            stream = {}  # (the reducers run in a launch of their own below)
             if streamed:
-                stream = dict(senders=grid(M, r), STREAM=True, CHUNK=chunk, BLOCK_W=sim.BLOCK_W)
+                stream = dict(STREAM=True, CHUNK=chunk, BLOCK_W=sim.BLOCK_W)
             k.ht_combine_send_kernel[(W, grid(M, r))](
                 y, sim.bases, ids_out, recv_t, H, M, W, r, reg.flags, reg.y,
+                y, sim.routes[r, parity], sim.err.data_ptr(), Ts[r], grid(M, r), 10**9,
                 K=K, BLOCK_K=2, BLOCK_H=128, **per_flag, **stream,
             )  # fmt: skip
         if streamed:  # each peer went through each chunk of r's tokens; no cdone, no copy

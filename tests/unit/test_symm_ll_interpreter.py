@@ -255,6 +255,29 @@ def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch
     assert type(run[9]) is int
 
 
+def test_launcher_fills_in_defaults_and_refuses_tensors_as_keywords(monkeypatch):
+    """Parameters a call leaves out go to the compiled kernel at their defaults, as Triton's
+    own path passes them; a tensor given by keyword (a constexpr of the launch cache: a
+    fresh one would miss the cache, and be kept by it, every call) is refused by name."""
+    from types import SimpleNamespace
+
+    from epmoe.comm.symm import common
+
+    monkeypatch.setattr(common, "_current_raw_stream", lambda: 7)
+    monkeypatch.setattr(common, "_device_index", lambda: 0)
+    fn = _FakeKernel()
+    fn.arg_names = [*_FakeKernel.arg_names, "ROWS"]
+    fn.params = [SimpleNamespace(name="ROWS", has_default=True, default=4)]
+    launcher = common._Launcher(fn)
+    launcher.direct = True
+    for _ in range(2):
+        launcher((3,), torch.zeros(4), 5, None, num_warps=4, BLOCK=16)
+    (run,) = fn.compiled.runs
+    assert run[-2:] == (16, 4)
+    with pytest.raises(TypeError, match=r"pass \['maybe_ptr'\] positionally"):
+        launcher((3,), torch.zeros(4), 5, num_warps=4, maybe_ptr=torch.zeros(1), BLOCK=16)
+
+
 def test_launcher_adds_programmatic_dependent_launch_where_enabled(monkeypatch):
     """A kernel with a ``PDL`` constexpr gets ``PDL=True`` and Triton's ``launch_pdl``
     while a CUDA graph is captured where ``pdl_enabled`` (sm_90+, ``EPMOE_SYMM_PDL`` not

@@ -253,6 +253,7 @@ class SymmHandle:
     num_tokens: int  # T
     transport: SymmTransport  # whose parity this result holds
     generation: int  # the parity's dispatch count when this result took it
+    chunk: int = 0  # symm_ht: tokens per count of the streamed combine its dispatch set up
 
     def __repr__(self) -> str:
         return f"SymmHandle(parity={self.parity}, num_tokens={self.num_tokens})"
@@ -639,6 +640,13 @@ class _Launcher:
         key = (dev, num_warps, tuple(consts.items()), parts)
         kernel = self.compiled.get(key)
         if kernel is None:
+            tensors = [name for name, value in consts.items() if isinstance(value, torch.Tensor)]
+            if tensors:  # (a key holding a fresh tensor would miss, and keep it, every call)
+                name = getattr(self.fn, "__name__", self.fn)
+                raise TypeError(
+                    f"{name}: pass {tensors} positionally (keyword arguments are compile-time "
+                    "constants of the launch cache)"
+                )
             self.compiled[key] = self.fn[grid](*args, **num_warps_and, **consts)
             return
         try:

@@ -28,6 +28,7 @@ from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pend
 from epmoe.comm.symm.common import (
     NUM_PARITIES,
     SymmBackend,
+    SymmHandle,
     SymmTransport,
     kernels,
     launch,
@@ -238,7 +239,7 @@ class SymmHTBackend(SymmBackend):
                 topk_ids=tr.ids_out[b],
                 topk_weights=tr.w_out[b],
                 hidden_scale=scale,
-                handle=self._handle(tr, b, ids, T),
+                handle=SymmHandle(b, ids, T, tr, tr.generation[b], chunk),
             )
 
         return Pending(receive)
@@ -250,12 +251,20 @@ class SymmHTBackend(SymmBackend):
         h, y, c = self._combine_prologue(expert_out, result)
         tr, W, b = h.transport, self.world_size, h.parity
         reg = tr.regions[b]
+        if bool(h.chunk) != bool(self.reducers):
+            # (the chunk counts a streamed combine waits for are cleared by its dispatch)
+            raise RuntimeError(
+                f"this dispatch result was made by a symm_ht with reducers="
+                f"{'>0' if h.chunk else '0'}, this backend has reducers={self.reducers}: "
+                "combine each result with the backend that dispatched it"
+            )
         if self.reducers:
             return self._combine_streamed(h, y, c)
         launch(k.ht_combine_send_kernel)(
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
+            y, tr.recv_t[b], tr.err_addr, 0, 1, 0,  # (a streamed combine's only)
             BATCH=self._batch, FENCE=self._fence, COUNTED=self._counted,
             ROWS=SEND_ROWS if self._counted else min(self._batch, SEND_ROWS),
             num_warps=tr.num_warps, **c,
@@ -277,9 +286,9 @@ class SymmHTBackend(SymmBackend):
             (W, senders + reducers),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
-            out_ptr=out, routes_ptr=tr.routes[b], err_addr=tr.err_addr, T=T, senders=senders,
-            timeout_ns=tr.timeout_ns, BATCH=1, FENCE=False, COUNTED=True, ROWS=SEND_ROWS,
-            STREAM=True, CHUNK=STREAM_CHUNK, BLOCK_W=pow2(W),
+            out, tr.routes[b], tr.err_addr, T, senders, tr.timeout_ns,
+            BATCH=1, FENCE=False, COUNTED=True, ROWS=SEND_ROWS,
+            STREAM=True, CHUNK=h.chunk, BLOCK_W=pow2(W),
             RECV_BLOCK_H=min(RECV_BLOCK_H, c["BLOCK_H"]), RECV_ROWS=RECV_ROWS,
             RECV_RANKS=min(RECV_RANKS, W),
             num_warps=tr.num_warps, **c,

@@ -1400,7 +1400,7 @@ def ht_combine_reduce_kernel(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["me", "off_flags", "off_y"])
+@triton.jit(do_not_specialize=["me", "off_flags", "off_y", "T"])
 def ht_combine_send_kernel(
     y_ptr,  # [W·M, H] the experts' partial sums per received row, in the combine dtype
     bases_ptr,  # [W] int64
@@ -1412,6 +1412,14 @@ def ht_combine_send_kernel(
     me,
     off_flags,
     off_y,
+    # a streamed combine (STREAM) only, the sum of the partial rows while they arrive
+    # (other launches pass placeholders)
+    out_ptr,  # [T, H] the combined output, in the combine dtype
+    routes_ptr,  # [M] int32 the ranks each of this rank's tokens went to
+    err_addr,
+    T,  # this rank's tokens
+    senders,  # sending programs per source (on axis 1, after the reducers)
+    timeout_ns,
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -1419,14 +1427,7 @@ def ht_combine_send_kernel(
     FENCE: tl.constexpr,  # one system fence per batch, relaxed flags (batch_fence(BATCH))
     COUNTED: tl.constexpr,  # no flags: one fence and one count per program, at its end
     ROWS: tl.constexpr = 4,  # rows a program loads and stores at once (flags: ROWS | BATCH)
-    # a streamed combine (COUNTED only): the sum of the partial rows while they arrive
-    out_ptr=None,  # [T, H] the combined output, in the combine dtype
-    routes_ptr=None,  # [M] int32 the ranks each of this rank's tokens went to
-    err_addr=0,
-    T=0,  # this rank's tokens
-    senders=1,  # STREAM: sending programs per source (on axis 1, after the reducers)
-    timeout_ns=0,
-    STREAM: tl.constexpr = False,
+    STREAM: tl.constexpr = False,  # (COUNTED only)
     CHUNK: tl.constexpr = 512,  # STREAM: tokens per count
     BLOCK_W: tl.constexpr = 1,  # STREAM: a power of two >= W
     RECV_BLOCK_H: tl.constexpr = 4096,  # STREAM: the reducers' column block, rows, ranks
