@@ -19,7 +19,6 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
 
 import epmoe  # noqa: E402
 from epmoe.comm.base import Layout  # noqa: E402
-from epmoe.comm.symm import ht  # noqa: E402
 from epmoe.comm.symm.ht import STREAM_CHUNK, SymmHTBackend  # noqa: E402
 from epmoe.reference import assert_close, quantize_groups  # noqa: E402
 from tests.gpu.test_symm_ll import (  # noqa: E402  (EPMoE and graph cases shared with symm_ll)
@@ -72,12 +71,11 @@ def exact_dispatch(rank, world):
             spec = _spec(placement, dev, fp8)
             comm = SymmHTBackend(
                 spec, None, Layout.STANDARD, num_sms=sms, tokens_per_flag=per_flag,
-                reducers=reducers,
+                reducers=reducers, combine_chunk=chunk or STREAM_CHUNK,
             )  # fmt: skip
             every = torch.cuda.get_device_properties(dev).multi_processor_count
             default = every // 2 if per_flag == 0 and sms is None and every >= 64 else 0
             assert comm.reducers == (default if reducers is None else reducers)
-            ht.STREAM_CHUNK = chunk or STREAM_CHUNK
             for name, T in cases.items():
                 for routing in ("uniform", "one expert", "one rank"):
                     label = f"sms={sms}/{per_flag}/{comm.reducers}"
@@ -124,7 +122,6 @@ def exact_dispatch(rank, world):
                         assert_close(out.float(), want_x, 2e-2, name=f"rank {rank}")
             comm.check()
             comm.close()
-    ht.STREAM_CHUNK = STREAM_CHUNK
     sweep.check()
     return sweep.passed
 

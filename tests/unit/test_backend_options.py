@@ -41,7 +41,8 @@ def tagged(monkeypatch):
 
 def test_every_backend_names_its_options():
     options = {name: backend_option_names(backend_class(name)) for name in ("symm_ht", "naive")}
-    assert options == {"symm_ht": ["num_sms", "tokens_per_flag", "reducers"], "naive": []}
+    options_ht = ["num_sms", "tokens_per_flag", "reducers", "combine_chunk"]
+    assert options == {"symm_ht": options_ht, "naive": []}
     assert backend_option_names(TaggedBackend) == ["tag", "rounds"]
 
 

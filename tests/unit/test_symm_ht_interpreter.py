@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _backend(spec, num_sms=None, tokens_per_flag=1, reducers=None):
+def _backend(spec, num_sms=None, tokens_per_flag=1, reducers=None, **options):
     from epmoe.comm.symm.ht import SymmHTBackend
 
     class OnCPU(SymmHTBackend):  # the same kernels, on CPU tensors through the interpreter
@@ -41,7 +41,7 @@ def _backend(spec, num_sms=None, tokens_per_flag=1, reducers=None):
         tokens_per_flag, reducers = 0, 2
     return OnCPU(
         spec, None, Layout.STANDARD, num_sms=num_sms, tokens_per_flag=tokens_per_flag,
-        reducers=reducers,
+        reducers=reducers, **options,
     )  # fmt: skip
 
 
@@ -178,6 +178,8 @@ def test_num_sms_tokens_per_flag_and_reducers_are_checked(monkeypatch):
         _backend(spec, tokens_per_flag=0, reducers=-1)
     with pytest.raises(ValueError, match="reducers=2 needs tokens_per_flag=0"):
         _backend(spec, tokens_per_flag=4, reducers=2)
+    with pytest.raises(ValueError, match="combine_chunk must be a positive int"):
+        _backend(spec, tokens_per_flag=0, combine_chunk=0)
     # the default streams from STREAM_MIN_SMS SMs (half of them reduce), not below (the
     # CPU counts as 4 SMs); never with row flags; at most all SMs but one
     import epmoe.comm.symm.ht as ht
@@ -189,16 +191,13 @@ def test_num_sms_tokens_per_flag_and_reducers_are_checked(monkeypatch):
     assert _backend(spec, num_sms=3, tokens_per_flag=0, reducers=5).reducers == 2
 
 
-def test_a_result_is_combined_in_the_mode_it_was_dispatched_in(monkeypatch):
+def test_a_result_is_combined_in_the_mode_it_was_dispatched_in():
     """Two symm_ht on one transport, one streaming its combine and one not: a result of
     the one combined by the other is refused (the streamed combine waits for chunk counts
     that only its own dispatch clears), and each combines its own."""
-    import epmoe.comm.symm.ht as ht
-
-    monkeypatch.setattr(ht, "STREAM_CHUNK", 2)
     E, K, H = 4, 2, 128
     spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
-    streamed = _backend(spec, tokens_per_flag=0, reducers=1)
+    streamed = _backend(spec, tokens_per_flag=0, reducers=1, combine_chunk=2)
     plain = _backend(spec, tokens_per_flag=0, reducers=0)
     assert streamed._live() is plain._live()  # (one transport for the shape)
     x = torch.randn(3, H)

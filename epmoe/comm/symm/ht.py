@@ -128,6 +128,7 @@ class SymmHTBackend(SymmBackend):
         num_sms: int | None = None,
         tokens_per_flag: int = 0,
         reducers: int | None = None,
+        combine_chunk: int = STREAM_CHUNK,
     ):
         """``num_sms``: programs per kernel (default every SM). ``tokens_per_flag``: 0 (the
         default), no flag per row: each program streams all its rows, then fences once and
@@ -142,8 +143,9 @@ class SymmHTBackend(SymmBackend):
         send kernel while the other rows still travel (a streamed combine; the experts'
         own rows are read where they are, not copied); 0: the sum runs at ``wait()`` on
         every SM, after all rows arrived. Default: half the SMs from ``STREAM_MIN_SMS``,
-        else 0. Every rank must pass the same values (the modes signal differently: a
-        mismatch reads as a timeout)."""
+        else 0. ``combine_chunk``: tokens per count of a streamed combine (each sender
+        fences once per chunk; the last chunk's sum is not hidden). Every rank must pass
+        the same values (the modes signal differently: a mismatch reads as a timeout)."""
         # checked before the transport is taken (nothing to release on a refusal)
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
             raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
@@ -157,6 +159,11 @@ class SymmHTBackend(SymmBackend):
                 f"reducers must be a non-negative int (programs that sum the combine's rows "
                 f"while they arrive; 0: at wait()), got {reducers!r}"
             )
+        if type(combine_chunk) is not int or combine_chunk < 1:
+            raise ValueError(
+                f"combine_chunk must be a positive int (tokens per count of a streamed "
+                f"combine), got {combine_chunk!r}"
+            )
         if reducers and tokens_per_flag:
             raise ValueError(
                 f"reducers={reducers} needs tokens_per_flag=0 (the streamed combine counts "
@@ -169,6 +176,7 @@ class SymmHTBackend(SymmBackend):
 
         self._sms = num_sms
         self._reducers = reducers
+        self._chunk = combine_chunk
         self._counted = tokens_per_flag == 0
         self._batch = max(tokens_per_flag, 1)
         self._fence = batch_fence(self._batch)
@@ -219,7 +227,7 @@ class SymmHTBackend(SymmBackend):
         rows = 1
         if self._counted:  # (FP8 quantized in the send holds fewer rows in registers)
             rows = FUSED_FP8_ROWS if tr.fp8 and not self._quantize_first else DISPATCH_ROWS
-        chunk = STREAM_CHUNK if self.reducers else 0  # (the chunk counts it clears)
+        chunk = self._chunk if self.reducers else 0  # (the chunk counts it clears)
         self._send(tr, x, ids, w, b, dict(c, CHUNK=chunk), self._grid(max(T, 1)), rows)
 
         publish = PUBLISH_ROWS if self._counted else 1
