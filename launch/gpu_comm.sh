@@ -12,6 +12,8 @@
 #     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
 #     ht                 symm_ht: its GPU tests, and the comm benchmark at prefill sizes
 #                        (every SM and DeepEP's 24, 4 rows per flag and one count per program)
+#     ht_variants        symm_ht's streamed combine at 4096 tokens against the sum at wait(),
+#                        other reducer counts and chunk sizes, and on DeepEP's 24 SMs
 #     conformance        the registry's conformance suite, FP8 weights, shard loading and
 #                        bitwise determinism (symm_* with Triton experts too) on NCCL
 #     prefill            the layer at 4096 tokens per rank on symm_ht, all_to_all and symm_ll
@@ -80,7 +82,7 @@ for s in "${STEPS[@]}"; do
         ;;
     ht)
         EPMOE_TEST_DEVICE=cuda timeout "${HT_TESTS_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider \
-            tests/gpu/test_symm_ht.py >"$OUT/ht.log" 2>&1 &&
+            tests/gpu/test_symm_ht.py tests/gpu/test_symm_ht_one_gpu.py >"$OUT/ht.log" 2>&1 &&
         timeout "${HT_BENCH_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 512 4096 16384 --dispatch-dtypes bfloat16 float8_e4m3fn \
             --backends symm_ht:standard symm_ht:standard:66 symm_ht:standard:32 \
@@ -91,6 +93,15 @@ for s in "${STEPS[@]}"; do
             --tokens 512 4096 --dispatch-dtypes bfloat16 float8_e4m3fn \
             --backends symm_ll:expert_batched --iters 10 --warmup 3 \
             --out "$OUT/comm_ht_ll.json" >>"$OUT/ht.log" 2>&1
+        ;;
+    ht_variants)
+        timeout "${HT_VARIANTS_LIMIT_S:-150}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
+            --tokens 4096 --dispatch-dtypes bfloat16 --backends symm_ht:standard \
+            symm_ht:standard:reducers=0 symm_ht:standard:reducers=33 symm_ht:standard:reducers=99 \
+            symm_ht:standard:combine_chunk=256 symm_ht:standard:combine_chunk=1024 \
+            symm_ht:standard:24 symm_ht:standard:num_sms=24,reducers=8 \
+            symm_ht:standard:num_sms=24,reducers=12 --iters 10 --warmup 3 \
+            --out "$OUT/comm_ht_variants.json" >"$OUT/ht_variants.log" 2>&1
         ;;
     conformance)
         worlds=1,2; [ "$NGPU" -gt 2 ] && worlds="1,2,$NGPU"

@@ -1,7 +1,9 @@
 """W ranks of the symmetric-memory backends simulated in one process, for the protocol
 tests under the Triton interpreter: a symmetric buffer per rank, reached by every
 rank's kernels through one address table, and the kernels of each phase launched rank by
-rank in the order the W streams would run them (every wait is then already met).
+rank in the order the W streams would run them (every wait is then already met). With
+``device="cuda"`` the buffers live on one GPU, where the ranks' kernels can also run
+concurrently on streams of their own (``tests/gpu/test_symm_ht_one_gpu.py``).
 
 Shape legend: W ranks (2 unless given) · M tokens per rank · H hidden · K top-k · E = 2W
 experts (linear placement: 2 per rank).
@@ -21,21 +23,24 @@ class Ranks:
 
     M, K = 8, 2
 
-    def __init__(self, W: int = 2, H: int = 128, fp8: bool = False) -> None:
+    def __init__(self, W: int = 2, H: int = 128, fp8: bool = False, device: str = "cpu") -> None:
         self.W, self.E, self.H, self.G = W, 2 * W, H, -(-H // 128)
         self.BLOCK_W = 1 << max(W - 1, 0).bit_length()  # (a power of two >= W)
         W, M, H, K = self.W, self.M, self.H, self.K
         wire = torch.float8_e4m3fn if fp8 else torch.float32
         self.regions, nbytes = layout(W, M, H, K, wire, torch.float32, fp8)
-        self.bufs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(W)]
-        self.bases = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64)
-        self.err = torch.zeros(1, dtype=torch.int32)
+        self.bufs = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(W)]
+        self.bases = torch.tensor(
+            [b.data_ptr() for b in self.bufs], dtype=torch.int64, device=device
+        )
+        self.err = torch.zeros(1, dtype=torch.int32, device=device)
         per_rank = self.E // W
-        self.owner = torch.arange(self.E, dtype=torch.int32) // per_rank
-        self.local = torch.arange(self.E, dtype=torch.int32) % per_rank
+        self.owner = (torch.arange(self.E, dtype=torch.int32) // per_rank).to(device)
+        self.local = (torch.arange(self.E, dtype=torch.int32) % per_rank).to(device)
         self.gen = torch.Generator().manual_seed(0)
         # [W, parity, M] the ranks each token went to (the dispatch send's routes)
-        self.routes = torch.zeros(W, 2, M, dtype=torch.int32)
+        self.routes = torch.zeros(W, 2, M, dtype=torch.int32, device=device)
+        self.device = torch.device(device)
 
     def inputs(self, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(x [T, H], ids [T, K], w [T, K])``: distinct experts per token, token 1 (when
@@ -44,7 +49,8 @@ class Ranks:
         ids = torch.rand(T, self.E, generator=self.gen).argsort(1)[:, : self.K].contiguous()
         if T > 1:
             ids[1] = -1
-        return x, ids, torch.rand(T, self.K, generator=self.gen)
+        w = torch.rand(T, self.K, generator=self.gen)
+        return x.to(self.device), ids.to(self.device), w.to(self.device)
 
     def flags(self, r: int, parity: int) -> torch.Tensor:
         """Rank r's int32 flags: expect[W], started[W], dflag[W, M], cflag[W, M], done[W],
@@ -115,7 +121,7 @@ class Ranks:
         (its own partial rows are read there), checked as ``combine_receive``."""
         x, ids, w = inputs
         T, reg = x.shape[0], self.regions[parity]
-        out = torch.empty(T, self.H)
+        out = torch.empty(T, self.H, device=self.device)
         kernels.ht_combine_reduce_kernel[(grid,)](
             y, out, self.routes[r, parity], self.bases, self.err.data_ptr(), T, self.H,
             self.W, self.M, r, 10**9, reg.flags, reg.y, CHUNK=chunk, BLOCK_W=self.BLOCK_W,
