@@ -8,8 +8,8 @@ and bounded waits, as they do across GPUs. Rounds alternate the parities, with T
 rank, T = M, chunks that loop and a partial last chunk, and one rank's combine started 2 ms
 late by the host. (A first ``torch.cuda._sleep`` on the late rank's stream instead made
 the waiting kernel report a timeout within a millisecond, with and without streaming
-alike, once per process; with the delay on the host, never: 2026-12-01, one H200, not
-understood; see docs/benchmarks.md.)
+alike, once per process; with the delay on the host, or with CUDA_MODULE_LOADING=EAGER,
+never: 2026-12-01, one H200; see docs/benchmarks.md.)
 
 Run in the GPU tier: ``EPMOE_TEST_DEVICE=cuda python -m pytest tests/gpu/test_symm_ht_one_gpu.py``.
 """
