@@ -6,10 +6,9 @@ launch, so the interpreter (one program after another) runs them in a launch of 
 here the fused launches of all ranks run concurrently, with the real fences, acquire polls
 and bounded waits, as they do across GPUs. Rounds alternate the parities, with T = 0 on a
 rank, T = M, chunks that loop and a partial last chunk, and one rank's combine started 2 ms
-late by the host. (A first ``torch.cuda._sleep`` on the late rank's stream instead made
-the waiting kernel report a timeout within a millisecond, with and without streaming
-alike, once per process; with the delay on the host, or with CUDA_MODULE_LOADING=EAGER,
-never: 2026-12-01, one H200; see docs/benchmarks.md.)
+late by the host (not by a ``torch.cuda._sleep`` on its stream: the first launch of that
+kernel loads its module and waits for the device to be idle, which holds the host until
+the waiting rank's bound has passed: a deadlock of this one-process simulation).
 
 Run in the GPU tier: ``EPMOE_TEST_DEVICE=cuda python -m pytest tests/gpu/test_symm_ht_one_gpu.py``.
 """
