@@ -448,8 +448,8 @@ class SymmBackend(AllToAll):
         self._combine_done(h)
         return out
 
-    def _handle(self, tr, parity: int, ids_TK: torch.Tensor, T: int) -> SymmHandle:
-        return SymmHandle(parity, ids_TK, T, tr, tr.generation[parity])
+    def _handle(self, tr, parity: int, ids_TK: torch.Tensor, T: int, chunk: int = 0) -> SymmHandle:
+        return SymmHandle(parity, ids_TK, T, tr, tr.generation[parity], chunk)
 
     def _combine_prologue(self, expert_out, result) -> tuple[SymmHandle, torch.Tensor, dict]:
         """Checks; ``(h, y, consts)``: the result's handle (``h.transport`` is the live

@@ -28,7 +28,6 @@ from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pend
 from epmoe.comm.symm.common import (
     NUM_PARITIES,
     SymmBackend,
-    SymmHandle,
     SymmTransport,
     kernels,
     launch,
@@ -247,7 +246,7 @@ class SymmHTBackend(SymmBackend):
                 topk_ids=tr.ids_out[b],
                 topk_weights=tr.w_out[b],
                 hidden_scale=scale,
-                handle=SymmHandle(b, ids, T, tr, tr.generation[b], chunk),
+                handle=self._handle(tr, b, ids, T, chunk),
             )
 
         return Pending(receive)
@@ -259,15 +258,16 @@ class SymmHTBackend(SymmBackend):
         h, y, c = self._combine_prologue(expert_out, result)
         tr, W, b = h.transport, self.world_size, h.parity
         reg = tr.regions[b]
-        if bool(h.chunk) != bool(self.reducers):
+        reducers = self.reducers
+        if bool(h.chunk) != bool(reducers):
             # (the chunk counts a streamed combine waits for are cleared by its dispatch)
             raise RuntimeError(
                 f"this dispatch result was made by a symm_ht with reducers="
-                f"{'>0' if h.chunk else '0'}, this backend has reducers={self.reducers}: "
+                f"{'>0' if h.chunk else '0'}, this backend has reducers={reducers}: "
                 "combine each result with the backend that dispatched it"
             )
-        if self.reducers:
-            return self._combine_streamed(h, y, c)
+        if reducers:
+            return self._combine_streamed(h, y, c, reducers)
         launch(k.ht_combine_send_kernel)(
             (W, self._grid(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
@@ -282,12 +282,11 @@ class SymmHTBackend(SymmBackend):
         c = dict(c, BLOCK_H=min(RECV_BLOCK_H, c["BLOCK_H"]))
         return Pending(lambda: self._combine_receive(h, c, programs, **recv))
 
-    def _combine_streamed(self, h, y, c) -> Pending[torch.Tensor]:
-        """One launch: senders (the SM budget less the reducers) send the rows back chunk
-        by chunk, the reducers sum each chunk of this rank's tokens as it completes."""
+    def _combine_streamed(self, h, y, c, reducers: int) -> Pending[torch.Tensor]:
+        """One launch: senders (the SM budget less the ``reducers``) send the rows back
+        chunk by chunk, the reducers sum each chunk of this rank's tokens as it completes."""
         tr, W, b, T = h.transport, self.world_size, h.parity, h.num_tokens
         reg = tr.regions[b]
-        reducers = self.reducers
         senders = max(1, min(tr.M, self.num_sms - reducers))
         out = torch.empty(T, tr.H, dtype=self.spec.dtype, device=tr.device)
         launch(kernels().ht_combine_send_kernel)(
