@@ -1,11 +1,12 @@
 """In-process A/B of the Standard layout's two expert GEMMs at the DeepSeek-V3 prefill shape
 (4096 tokens, top-8 of 256, 128 local experts) on one Hopper GPU: the portable ``tl.dot``
 kernels, the Hopper ``wgmma`` kernel, and ``wgmma_ws`` with one program per SM claiming
-tiles (shipped) and with one program per tile. Interleaved rounds in
-one process, medians of each GEMM, and each output's relative error against ``tl.dot``'s.
-For kernel work, not for records: the layer's record is ``python -m epmoe.bench experts``.
+tiles (shipped) and with one program per tile. Interleaved rounds in one process, medians
+of each GEMM, and each output's relative error against ``tl.dot``'s. For kernel work, not
+for records: the layer's record is ``python -m epmoe.bench experts``.
 
-Usage (repository root, GPU): ``python launch/kernel_ab.py [--dtype bf16|fp8] [--rounds 3]``
+Usage (repository root, GPU): ``python launch/kernel_ab.py [--dtype bf16|fp8] [--rounds 3]
+[--tokens 4096]``
 """
 
 import argparse
@@ -38,6 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=("bf16", "fp8"), default="fp8")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=T, help="tokens T (each picks top-8 of 256)")
     p.add_argument(
         "--group-m",
         type=int,
@@ -50,15 +52,15 @@ def main() -> None:
     fp8 = args.dtype == "fp8"
     w13 = torch.randn(e, 2 * I, H, device="cuda").bfloat16() * H**-0.5
     w2 = torch.randn(e, H, I, device="cuda").bfloat16() * I**-0.5
-    x = torch.randn(T, H, device="cuda").bfloat16()
+    x = torch.randn(args.tokens, H, device="cuda").bfloat16()
     if fp8:
         (w13, s13), (w2, s2) = quantize_block(w13), quantize_block(w2)
         x, xs = quantize_groups(x)
     else:
         s13 = s2 = xs = None
-    ids = torch.rand(T, E, device="cuda").argsort(1)[:, :K]
+    ids = torch.rand(args.tokens, E, device="cuda").argsort(1)[:, :K]
     ids = torch.where(ids < e, ids, -1)
-    weights = torch.rand(T, K, device="cuda")
+    weights = torch.rand(args.tokens, K, device="cuda")
     G = GemmConfig
     bk = 128 if fp8 else 64
     shipped = ops._ws_programs

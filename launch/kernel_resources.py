@@ -9,10 +9,12 @@ For each kernel, as ``epmoe.kernels.ops`` would launch it at the benchmark's sha
 on; 2: two MMA groups stay in flight), and from the SASS whether ptxas serialised the MMAs
 anyway (``mma_serialized``: a wait for zero groups after every ``HGMMA``/``QGMMA``; ptxas
 warns C7514/C7515, e.g. when registers of an MMA still in flight are read across a loop's
-back edge). Uses Triton's bundled ptxas and cuobjdump and
-internals of triton 3.x (``ASTSource``, ``GPUTarget``): a developer's tool, best effort.
-It mirrors Triton's launch-time specialisation (integer arguments equal to 1 become
-constants, multiples of 16 get a divisibility hint, pointers are 16-byte aligned).
+back edge). Uses Triton's bundled ptxas and cuobjdump and internals of triton 3.x
+(``ASTSource``, ``GPUTarget``): a developer's tool, best effort. It mirrors Triton's
+launch-time specialisation (integer arguments equal to 1 become constants, multiples of 16
+get a divisibility hint, pointers are 16-byte aligned). ``--rows slab|index`` compiles
+``wgmma_ws`` as the ExpertBatched layout runs it; ``EPMOE_RESOURCES_TRACE=1`` raises a
+compile error with its traceback instead of printing its last line.
 """
 
 from __future__ import annotations
@@ -134,8 +136,11 @@ def _resources(kernel) -> dict:
     }
 
 
-def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list[dict]:
-    """Compile ``gate_up`` and ``down`` of ``config`` for the Standard layout."""
+def report(
+    dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048, row_mode: str = "pairs"
+) -> list[dict]:
+    """Compile ``gate_up`` and ``down`` of ``config`` for the Standard layout (``row_mode``
+    ``"slab"`` / ``"index"``: the ``wgmma_ws`` kernel as ExpertBatched runs it)."""
     from epmoe.kernels import grouped_gemm, ops
 
     fp8 = dtype == "fp8"
@@ -202,6 +207,9 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
         )
     if hopper is not None:
         launches = {meta["GATE_UP"]: (args, meta) for args, meta in pair.launches}
+        if row_mode != "pairs":  # (the same arguments; the kernel reads them per layout)
+            for _, meta in launches.values():
+                meta["ROWS"] = row_mode
         fn = hopper.pair_gemm_ws_kernel if config.kernel == "wgmma_ws" else hopper.pair_gemm_kernel
         kernels = [("gate_up", launches[True], fn), ("down", launches[False], fn)]
     else:
@@ -211,11 +219,13 @@ def report(dtype: str, config, e: int = 4, H: int = 7168, I: int = 2048) -> list
         ]
     rows = []
     for name, launch, fn in kernels:
-        row = {"dtype": dtype, "config": config.short(), "kernel": name}
+        row = {"dtype": dtype, "config": config.short(), "kernel": name, "rows": row_mode}
         try:
             row.update(_resources(_compile(fn, *launch)))
         except Exception as exc:  # e.g. out of shared memory
             row["error"] = " ".join(str(exc).splitlines())[-400:]
+            if os.environ.get("EPMOE_RESOURCES_TRACE"):
+                raise
         rows.append(row)
     return rows
 
@@ -226,6 +236,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=("bf16", "fp8"), action="append")
     p.add_argument("--config", help="a MoEConfig as JSON (MoEConfig.to_dict); default: table")
+    p.add_argument(
+        "--rows",
+        choices=("pairs", "slab", "index"),
+        default="pairs",
+        help="wgmma_ws only: the Standard layout's pairs, or ExpertBatched slabs / row index",
+    )
     args = p.parse_args()
     for dtype in args.dtype or ["bf16", "fp8"]:
         if args.config:
@@ -233,7 +249,7 @@ def main() -> None:
         else:
             key = problem_key("standard", dtype, 7168, 2048, 128)
             config = lookup(load_table("NVIDIA H200"), key, 4096)
-        for row in report(dtype, config):
+        for row in report(dtype, config, row_mode=args.rows):
             print(json.dumps(row))
 
 

@@ -14,6 +14,9 @@ Three launches, no host synchronisation (see ``ops.align_pairs``):
    how many blocks are in use; fills the padding positions with the sentinel.
 3. ``scatter_pairs_kernel``: each pair writes its flat index ``r·K + k`` at position
    ``start[expert] + rank`` and that position into ``pair_pos`` (-1 for pairs not local).
+
+``slab_blocks_kernel`` writes the same kind of block table for ExpertBatched slabs (rows
+already grouped by expert), for the persistent Hopper kernel (``ops.slab_blocks``).
 """
 
 import triton
@@ -139,3 +142,35 @@ def scatter_pairs_kernel(
     pos = start + rank
     tl.store(sorted_pairs_ptr + pos, offs.to(tl.int32), mask=local)
     tl.store(pair_pos_ptr + offs, tl.where(local, pos, -1), mask=in_range)
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def slab_blocks_kernel(
+    # pointers
+    counts_ptr,  # [e] int32: valid rows of each expert's slab (clamped to [0, C] here)
+    block_expert_ptr,  # [B] int32 out: expert of each row block in use
+    block_start_ptr,  # [B] int32 out: its first row in the [e·C] slabs
+    block_rows_ptr,  # [B] int32 out: its valid rows (1 .. BLOCK_M)
+    blocks_used_ptr,  # [1] int32 out: row blocks in use (the first ones; the rest unwritten)
+    # sizes
+    num_experts,  # e
+    capacity,  # C
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # power of two >= e
+):
+    """The block table of ExpertBatched slabs ``[e, C, ·]`` for the persistent Hopper
+    kernel (one program): expert i's valid rows ``[i·C, i·C + count_i)`` in blocks of
+    ``BLOCK_M`` rows, experts in order, empty ones skipped."""
+    e_offs = tl.arange(0, BLOCK_E)
+    e_mask = e_offs < num_experts
+    counts = tl.load(counts_ptr + e_offs, mask=e_mask, other=0)
+    counts = tl.minimum(tl.maximum(counts, 0), capacity)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    first = tl.cumsum(blocks, 0) - blocks
+    tl.store(blocks_used_ptr, tl.sum(blocks, 0))
+    for b in range(0, tl.max(blocks, 0)):
+        has = e_mask & (b < blocks)
+        tl.store(block_expert_ptr + first + b, e_offs, mask=has)
+        tl.store(block_start_ptr + first + b, e_offs * capacity + b * BLOCK_M, mask=has)
+        tl.store(block_rows_ptr + first + b, tl.minimum(counts - b * BLOCK_M, BLOCK_M), mask=has)

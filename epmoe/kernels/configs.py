@@ -71,8 +71,9 @@ class MoEConfig:
     ``kernel``: ``"dot"``, the portable ``tl.dot`` kernels (``grouped_gemm``), or
     ``"wgmma"``, the Hopper (sm_90) Gluon kernels of the Standard layout (``wgmma``), with
     explicitly asynchronous warpgroup MMAs on two accumulator tiles, or ``"wgmma_ws"``, their
-    warp-specialised form (a loader partition; each MMA warpgroup a partition that waits on
-    mbarriers only; ``num_warps`` 8: two MMA warpgroups). A ``wgmma`` config has
+    warp-specialised, persistent form (a loader partition; each MMA warpgroup a partition
+    that waits on mbarriers only; ``num_warps`` 8: two MMA warpgroups), which also runs the
+    ExpertBatched layout. A ``wgmma`` config has
     ``block_m = 16 · num_warps`` in both GEMMs, ``block_k`` of 128 bytes, ``gate_up.block_n``
     128 and an even ``down.block_n`` (two accumulator tiles of ``down.block_n / 2``); with
     ``half_tail`` the two warpgroups of a half-height tile split its columns.
@@ -189,7 +190,8 @@ def wgmma_config(dtype: str, kernel: str = "wgmma") -> MoEConfig | None:
     """The Hopper kernels' tiling for the Standard layout in ``dtype`` (None for fp32):
     128-row blocks over two warpgroups, half-height tails, four stages of 128-byte K steps,
     GEMM 2 tiles of 256 columns (two accumulators of 128); ``kernel`` ``"wgmma"`` or
-    ``"wgmma_ws"`` (what the H200 table ships for prefill)."""
+    ``"wgmma_ws"`` (what the H200 table ships for prefill, and for decode slabs from C = 512
+    in bf16 and C = 1024 in FP8)."""
     if dtype == "fp32":
         return None
     block_k = 128 if dtype == "fp8" else 64
@@ -391,9 +393,11 @@ def candidate_configs(
                 if cfg not in out and smem_bytes(cfg, nbytes, nbytes) <= _SMEM_BYTES:
                     out.append(cfg)
     tiles = intermediate_size % 128 == 0 and hidden_size % 256 == 0  # (gate_up, down) tiles
-    if layout == "standard" and dtype != "fp32" and tiles and base.block_m >= 64:
-        for kernel in WGMMA_KERNELS:  # sm_90 only: select_config drops them elsewhere
-            out.append(wgmma_config(dtype, kernel))
+    if dtype != "fp32" and tiles:  # sm_90 only: select_config drops them elsewhere
+        if layout == "standard" and base.block_m >= 64:
+            out.extend(wgmma_config(dtype, kernel) for kernel in WGMMA_KERNELS)
+        elif layout == "batched":  # slabs walked by the persistent kernel (C >= 512 on H200)
+            out.append(wgmma_config(dtype, "wgmma_ws"))
     return out
 
 

@@ -190,6 +190,35 @@ def align_pairs(
     return aligned
 
 
+class SlabBlocks(NamedTuple):
+    """ExpertBatched slabs ``[e, C, ·]`` cut into row blocks (``slab_blocks``), as the
+    persistent Hopper kernel walks them: ``num_blocks`` is the worst case ``e·⌈C/block_m⌉``,
+    ``blocks_used [1]`` (on the device) how many of the first entries hold rows."""
+
+    block_expert: torch.Tensor  # [num_blocks] int32
+    block_start: torch.Tensor  # [num_blocks] int32 first row in the [e·C] slabs
+    block_rows: torch.Tensor  # [num_blocks] int32 valid rows
+    blocks_used: torch.Tensor  # [1] int32
+    num_blocks: int
+
+
+def slab_blocks(counts_e: torch.Tensor, capacity: int, block_m: int) -> SlabBlocks:
+    """The row blocks of ExpertBatched slabs with ``counts_e [e]`` int32 valid rows each
+    (clamped to ``[0, capacity]``): one launch, read on the device only (graph-safe)."""
+    e = counts_e.shape[0]
+    num_blocks = e * _cdiv(capacity, block_m)
+    i32 = dict(dtype=torch.int32, device=counts_e.device)
+    # three allocations: each pointer keeps the allocator's alignment (as in align_pairs)
+    table = [torch.empty(max(num_blocks, 1), **i32) for _ in range(3)]
+    blocks_used = torch.zeros(1, **i32)
+    if num_blocks:
+        align.slab_blocks_kernel[(1,)](
+            counts_e, *table, blocks_used, e, capacity, BLOCK_M=block_m, BLOCK_E=_pow2(e),
+            num_warps=4,
+        )  # fmt: skip
+    return SlabBlocks(*table, blocks_used, num_blocks)
+
+
 def per_token_group_quant_fp8(
     x: torch.Tensor, counts: torch.Tensor | None = None, group_size: int = FP8_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -588,7 +617,8 @@ def down(
 
 
 # ---------------------------------------------------------------------------------------
-# The Hopper (sm_90) Gluon kernels of the Standard layout (configs with kernel="wgmma")
+# The Hopper (sm_90) Gluon kernels (configs with kernel="wgmma" / "wgmma_ws"): the Standard
+# layout, and ExpertBatched on "wgmma_ws"
 
 
 def wgmma_unsupported(
@@ -596,8 +626,11 @@ def wgmma_unsupported(
 ) -> str | None:
     """Why ``config``'s ``wgmma`` kernels cannot run this GEMM (``a [rows, K]`` against
     ``w [e, N_w, K]``, ``n_cols`` output columns in tiles of ``tile_n``), or None."""
-    if batched:
-        return "they run the Standard layout only (use a kernel='dot' config for ExpertBatched)"
+    if batched and config.kernel != "wgmma_ws":
+        return (
+            f"kernel={config.kernel!r} runs the Standard layout only (ExpertBatched runs on "
+            "kernel='wgmma_ws' or 'dot')"
+        )
     if interpreted():
         return "the Triton interpreter does not run Gluon kernels"
     if a.device.type != "cuda":
@@ -619,6 +652,11 @@ def wgmma_unsupported(
         return f"the activations have K = {K} columns but the weights {w.shape[-1]}"
     if not _copyable(a):
         return _NOT_COPYABLE.format("activations")
+    if a.dim() == 3 and not _experts_stacked(a):
+        return (
+            f"the ExpertBatched slabs must be one [e·C, K] matrix (strides {tuple(a.stride())}); "
+            "pass them .contiguous()"
+        )
     return _weights_unsupported(config, w)
 
 
@@ -654,13 +692,15 @@ def _copyable(t: torch.Tensor) -> bool:
     )
 
 
-def _hopper_fits(config: MoEConfig, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+def _hopper_fits(
+    config: MoEConfig, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, batched: bool = False
+) -> bool:
     """Whether a *selected* config (table, autotuner: chosen by shape) runs these operands;
     a Hopper config that does not (strides, alignment) gives way to the shape heuristics.
     (GEMM 2 reads GEMM 1's output, which ``gate_up`` allocates: only ``w2`` is checked.)"""
     if config.kernel not in WGMMA_KERNELS:
         return True
-    if wgmma_unsupported(config, x, w13, w13.shape[1] // 2, config.gate_up.block_n, False):
+    if wgmma_unsupported(config, x, w13, w13.shape[1] // 2, config.gate_up.block_n, batched):
         return False
     return w2.shape[1] % config.down.block_n == 0 and _weights_unsupported(config, w2) is None
 
@@ -708,7 +748,18 @@ def _launch_wgmma(
                 f"kernel={config.kernel!r} needs weight scales with unit stride along K; "
                 "pass w_scale.contiguous()"
             )
-    grid = (r.num_m_blocks * (n_cols // cfg.block_n),)
+    rows_mode, num_m_blocks = "pairs", r.num_m_blocks
+    blocks = (r.block_expert, r.block_start, r.block_rows, r.blocks_used)
+    if r.batched:  # slabs [e, C, ·] as [e·C, ·] matrices, cut into blocks on the device
+        table = slab_blocks(r.counts, r.capacity, config.block_m)
+        blocks, num_m_blocks = table[:4], table.num_blocks
+        rows_mode = "index" if r.gather else "slab"
+        a, out = a.reshape(-1, a.shape[-1]), out.view(-1, out.shape[-1])
+        if a_scale is not None:
+            a_scale = a_scale.reshape(-1, a_scale.shape[-1])
+        if out_scale is not None:
+            out_scale = out_scale.view(-1, out_scale.shape[-1])
+    grid = (num_m_blocks * (n_cols // cfg.block_n),)
     if grid[0] == 0:
         return
     args = (
@@ -719,14 +770,12 @@ def _launch_wgmma(
         out,
         out_scale if out_scale is not None else out,
         topk_weights if topk_weights is not None else out,
-        r.sorted_pairs,
-        r.block_expert,
-        r.block_start,
-        r.block_rows,
+        r.sorted_pairs,  # ("index": the row index [e, C]; "slab": unused)
+        *blocks[:3],
         n_cols,
         a.shape[-1],
         r.num_pairs,
-        r.num_m_blocks,
+        num_m_blocks,
         a.stride(0),
         a_scale.stride(0) if a_scale is not None else 0,
         w.stride(0),
@@ -757,9 +806,10 @@ def _launch_wgmma(
             *args[:2],
             w_desc,
             *args[3:],
-            blocks_used_ptr=r.blocks_used,
+            blocks_used_ptr=blocks[3],
             tile_counter_ptr=torch.zeros(1, dtype=torch.int32, device=a.device),
             **meta,
+            ROWS=rows_mode,
             LOAD_WARPS=4,
             LOAD_REGS=64,  # (ptxas: no spills in the loader with triton 3.6 or 3.9)
             MMA_REGS=224,
@@ -781,13 +831,14 @@ def _gate_up_wgmma(
     w13_scale: torch.Tensor | None,
     fp8: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``gate_up`` on the Hopper kernels: ``y [P_pad, I]`` (FP8 with its group scales)."""
+    """``gate_up`` on the Hopper kernels: ``y [P_pad, I]`` or ``[e, C, I]`` (ExpertBatched),
+    FP8 with its group scales."""
     N = w13.shape[1] // 2
-    P_pad = r.sorted_pairs.shape[0]
-    y = torch.empty((P_pad, N), dtype=x.dtype, device=x.device)
+    rows = (w13.shape[0], r.capacity) if r.batched else (r.sorted_pairs.shape[0],)
+    y = torch.empty((*rows, N), dtype=x.dtype, device=x.device)
     y_scale = None
     if fp8:
-        y_scale = torch.empty((P_pad, _cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device)
+        y_scale = torch.empty((*rows, _cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device)
     _launch_wgmma(True, x, x_scale, w13, w13_scale, y, y_scale, None, r, config, N, activation, fp8)
     return y, y_scale
 
@@ -803,7 +854,8 @@ def _down_wgmma(
     weights: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    """``down`` on the Hopper kernels, into ``out [P_pad, H]`` (router-weighted rows)."""
+    """``down`` on the Hopper kernels, into ``out [P_pad, H]`` (router-weighted rows) or
+    ``[e, C, H]`` (ExpertBatched, unweighted)."""
     _launch_wgmma(
         False, h, h_scale, w2, w2_scale, out, None, weights, r, config, w2.shape[1], "silu", fp8
     )
@@ -1082,5 +1134,7 @@ def fused_moe_batched(
     )  # fmt: skip
     if config is None:
         config = select_config("batched", w13.dtype, C, H, I, e, 1, device, run, autotune)
+        if not _hopper_fits(config, x, w13, w2, batched=True):
+            config = heuristic_config("batched", dtype_name(w13.dtype), C, H, I, e, 1, device.type)
     check_config(config, w13.dtype == FP8_DTYPE)
     return run(config)

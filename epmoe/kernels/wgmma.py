@@ -54,9 +54,17 @@ not apply to them; Hopper has no TMA gather). A stage is refilled two steps afte
 were issued: by then every warpgroup has waited for them and passed the step's CTA
 barrier, so neither warpgroup can overwrite operands the other's MMA still reads.
 
-Scope: the Standard layout; K and the output columns multiples of the tile; operands with
-unit stride along K and row strides that are multiples of 16 elements; for ``wgmma_ws``,
-each expert's weight rows following the last one's (one TMA descriptor). ``ops`` checks these
+ExpertBatched on ``wgmma_ws`` (``ROWS="slab"`` / ``"index"``): the slabs ``[e, C, ·]`` are
+one ``[e·C, ·]`` matrix whose row blocks ``ops.slab_blocks`` writes on the device from the
+counts, so the same persistent walk runs decode batches with no host synchronisation. On
+one H200 it reads the weights at 0.83–0.89 of the copy bandwidth from C = 512 rows of
+capacity up, where the ``tl.dot`` ExpertBatched kernels fall to 0.30–0.66 (they re-read
+each weight tile for every 16 rows); at C = 256 those stay ahead (docs/kernels.md).
+
+Scope: the Standard layout, and ExpertBatched on ``wgmma_ws``; K and the output columns
+multiples of the tile; operands with unit stride along K and row strides that are multiples
+of 16 elements; for ``wgmma_ws``, each expert's weight rows following the last one's (one
+TMA descriptor). ``ops`` checks these
 and the device (sm_90): an explicit Hopper config is refused with the reason, and one that
 a table or the autotuner picked gives way to the portable kernels.
 """
@@ -119,18 +127,31 @@ def _smem_layout(elem_bits):
 
 @gluon.jit
 def _rows(first, rows, sorted_pairs_ptr, num_pairs, GATE_UP: gl.constexpr, TOP_K: gl.constexpr,
-          M: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+          M: gl.constexpr, layout: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
     """``M`` rows of a tile from position ``first`` in ``layout``: (position, pair, valid,
     source row of the activations), int64. Past ``rows`` (a short block's tile reaches into
-    the next block, or past the table) they are invalid."""
+    the next block, or past the table) they are invalid.
+
+    ``ROWS`` (see ``pair_gemm_ws_kernel``): ``"pairs"``, the Standard layout (GEMM 1
+    gathers each pair's token); ``"slab"``, ExpertBatched rows ``[e·C]`` read in place;
+    ``"index"``, ExpertBatched rows whose GEMM 1 input is ``x[row_index[position]]``
+    (``sorted_pairs_ptr`` is then ``row_index``). GEMM 2 reads GEMM 1's output by position."""
     offs = gl.arange(0, M, layout=layout)
     pos = first + offs
-    pair = gl.load(sorted_pairs_ptr + pos, mask=offs < rows, other=num_pairs)
-    valid = pair < num_pairs
-    if GATE_UP:  # the pair's token, gathered
-        src = gl.where(valid, pair // TOP_K, 0).to(gl.int64)
-    else:  # GEMM 2 reads GEMM 1's output by position
-        src = pos
+    if ROWS == "pairs":
+        pair = gl.load(sorted_pairs_ptr + pos, mask=offs < rows, other=num_pairs)
+        valid = pair < num_pairs
+        if GATE_UP:  # the pair's token, gathered
+            src = gl.where(valid, pair // TOP_K, 0).to(gl.int64)
+        else:
+            src = pos
+    else:
+        pair = pos  # (no router weights in this layout)
+        valid = offs < rows
+        if GATE_UP and ROWS == "index":
+            src = gl.load(sorted_pairs_ptr + pos, mask=valid, other=0).to(gl.int64)
+        else:
+            src = pos
     return pos, pair, valid, src
 
 
@@ -186,9 +207,11 @@ def _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid, k, num_k, WS_STEP: gl.constexpr
 def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, valid, n0,
               pid_n, stride_om, stride_osm, GATE_UP: gl.constexpr, ACTIVATION: gl.constexpr,
               FP8: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
-              BLOCK_N: gl.constexpr, cols_layout: gl.constexpr):  # fmt: skip
+              BLOCK_N: gl.constexpr, cols_layout: gl.constexpr,
+              WEIGHTED: gl.constexpr):  # fmt: skip
     """GEMM 1: ``act(acc0) · acc1`` (FP8: quantized per row, one group per tile); GEMM 2:
-    both halves scaled by the pair's router weight. Rows by position; valid rows only."""
+    both halves, scaled by the pair's router weight when ``WEIGHTED`` (the Standard
+    layout). Rows by position; valid rows only."""
     offs_c = gl.arange(0, BLOCK_N, layout=cols_layout)
     out_rows = out_ptr + pos[:, None] * stride_om
     store_mask = valid[:, None] & (offs_c[None, :] < BLOCK_N)
@@ -207,9 +230,12 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
         else:
             gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        router_w = gl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
-        out0 = (acc0 * router_w[:, None]).to(out_ptr.dtype.element_ty)
-        out1 = (acc1 * router_w[:, None]).to(out_ptr.dtype.element_ty)
+        if WEIGHTED:
+            router_w = gl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
+            acc0 = acc0 * router_w[:, None]
+            acc1 = acc1 * router_w[:, None]
+        out0 = acc0.to(out_ptr.dtype.element_ty)
+        out1 = acc1.to(out_ptr.dtype.element_ty)
         gl.store(out_rows + (n0 + offs_c)[None, :], out0, mask=store_mask)
         gl.store(out_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
 
@@ -275,10 +301,10 @@ def _pair_tile(
     # the tile's rows for the copies, and for the scales and the epilogue
     _, _, valid_l, src_l = _rows(
         first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
-        gl.SliceLayout(1, load_layout),
+        gl.SliceLayout(1, load_layout), "pairs",
     )  # fmt: skip
     pos_m, pair_m, valid_m, src_m = _rows(
-        first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M, rows_mma
+        first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M, rows_mma, "pairs"
     )
     a_ptrs, a_mask = _activation_ptrs(a_ptr, src_l, valid_l, stride_am, BLOCK_K, load_layout)
     b_ptrs, b1_off = _weight_ptrs(
@@ -341,7 +367,7 @@ def _pair_tile(
     _epilogue(
         acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
         pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX, BLOCK_N,
-        gl.SliceLayout(0, mma_layout),
+        gl.SliceLayout(0, mma_layout), True,
     )  # fmt: skip
 
 
@@ -484,7 +510,7 @@ def _ws_loader(
     a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K, num_pairs,
     blocks_used_ptr, tile_counter_ptr, num_n_blocks, stride_am,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
 ):  # fmt: skip
     """Claims tiles from the launch's counter (``tile_counter_ptr``, zero at launch: each
     SM takes the next tile as it frees, in the grouped order) and passes each to the MMA
@@ -511,7 +537,7 @@ def _ws_loader(
         )  # fmt: skip
         _, _, valid, src = _rows(
             first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
-            gl.SliceLayout(1, load_layout),
+            gl.SliceLayout(1, load_layout), ROWS,
         )  # fmt: skip
         a_ptrs, a_mask = _activation_ptrs(a_ptr, src, valid, stride_am, BLOCK_K, load_layout)
         row0 = (expert * n_w + n0).to(gl.int32)
@@ -540,7 +566,7 @@ def _ws_mma(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     ROW0: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
 ):  # fmt: skip
     """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of each tile the loader queues, both
     accumulators, the K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows.
@@ -565,7 +591,7 @@ def _ws_mma(
         if rows > ROW0:
             pos_m, pair_m, valid_m, src_m = _rows(
                 first + ROW0, rows - ROW0, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, WG_M,
-                rows_mma,
+                rows_mma, ROWS,
             )  # fmt: skip
             acc0 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
             acc1 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
@@ -612,7 +638,7 @@ def _ws_mma(
             _epilogue(
                 acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m,
                 n0, pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX,
-                INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout),
+                INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), ROWS == "pairs",
             )  # fmt: skip
         else:  # idle: release the stages the other warpgroup reads
             for k in range(num_k):
@@ -634,13 +660,20 @@ def pair_gemm_ws_kernel(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, LOAD_WARPS: gl.constexpr,
-    LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+    LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):  # fmt: skip
     """``pair_gemm_kernel`` (one tile height) as three partitions over a persistent grid:
     each program claims tiles from ``tile_counter_ptr`` until none are left; this
     program's 4 warps and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS``
-    warps claim the tiles and load. The launch picks the number of programs."""
+    warps claim the tiles and load. The launch picks the number of programs.
+
+    ``ROWS`` (see ``_rows``): ``"pairs"``, the Standard layout (``sorted_pairs_ptr`` and the
+    block table from ``align_pairs``, router weights in GEMM 2); ``"slab"`` / ``"index"``,
+    ExpertBatched (the block table from ``slab_blocks``, positions in ``[e·C]``; for
+    ``"index"`` GEMM 1 reads ``a[row_index[position]]`` with ``sorted_pairs_ptr`` the row
+    index; no router weights)."""
     num_n_blocks = N // (BLOCK_N if GATE_UP else 2 * BLOCK_N)
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     smem_layout: gl.constexpr = _smem_layout(ELEM_BITS)
@@ -674,7 +707,7 @@ def pair_gemm_ws_kernel(
                     K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
                     stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    0, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                    0, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS,
                 ),
             ),
             (  # rows WG_M .. BLOCK_M
@@ -686,7 +719,7 @@ def pair_gemm_ws_kernel(
                     K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
                     stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    WG_M, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                    WG_M, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS,
                 ),
             ),
             (
@@ -696,7 +729,7 @@ def pair_gemm_ws_kernel(
                     block_rows_ptr, a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready,
                     queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr,
                     num_n_blocks, stride_am,
-                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS,
                 ),
             ),
         ],

@@ -19,6 +19,7 @@ from epmoe.reference import (
     TOLERANCES,
     assert_close,
     dequantize_block,
+    expert_mlp,
     moe,
     quantize_block,
     quantize_groups,
@@ -145,6 +146,84 @@ def test_k_steps_not_a_multiple_of_the_stages(dtype, kernel, programs, monkeypat
     assert_close(out, moe(x.double(), w13d, w2d, w, ids), rtol, name=f"{dtype} short K")
 
 
+def _batched(x, counts, weights, cfg, x_scale=None, row_index=None):
+    q13, q2, s13, s2 = weights
+    return ops.fused_moe_batched(
+        x, counts, q13, q2, hidden_scale=x_scale, w13_scale=s13, w2_scale=s2, config=cfg,
+        row_index_eC=row_index,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("programs", [3, None], ids=["3-programs", "per-SM"])
+@pytest.mark.parametrize("rows", ["slab", "index"], ids=["slabs", "row-index"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_expert_batched_on_ws(dtype, rows, programs, monkeypatch):
+    """ExpertBatched (decode) on ``wgmma_ws``: the block table built on the device from the
+    counts (above C counts as C), slabs read in place or rows through a row index (what
+    ``symm_ll`` delivers), counts across every tile boundary: against the oracle per valid
+    row, and equal up to rounding to the portable kernels."""
+    C, H, I = 320, 7168, 2048
+    counts_l = [0, 1, 63, 64, 65, 127, 128, 129, 256, C, 7, 999]  # 999: clamped to C
+    e = len(counts_l)
+    weights, (w13d, w2d) = _weights(dtype, e, H, I, seed=31)
+    counts = torch.tensor(counts_l, dtype=torch.int32, device=DEV)
+    x = torch.randn(e, C, H, generator=_gen(32), device=DEV).to(BF16)
+    x_scale, xin, xd = None, x, x.double()
+    if dtype == "fp8":  # the oracle gets what the kernels see
+        xin, x_scale = quantize_groups(x)
+        xd = xin.double() * x_scale.double().repeat_interleave(128, dim=-1)
+    cfg = WGMMA[dtype, "wgmma_ws"]
+    if programs is not None:
+        monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
+    if rows == "index":  # the received rows in another order, found through the index
+        perm = torch.randperm(e * C, generator=_gen(33), device=DEV)
+        received = torch.empty_like(xin.view(e * C, H))
+        received[perm] = xin.view(e * C, H)
+        row_index = perm.view(e, C).to(torch.int32)
+        rs = None
+        if x_scale is not None:
+            rs = torch.empty_like(x_scale.view(e * C, -1))
+            rs[perm] = x_scale.view(e * C, -1)
+        out = _batched(received, counts, weights, cfg, rs, row_index)
+    else:
+        out = _batched(xin, counts, weights, cfg, x_scale)
+    portable = _batched(xin, counts, weights, DOT[dtype], x_scale)
+    rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
+    for i, n in enumerate(min(c, C) for c in counts_l):
+        if n:
+            ref = expert_mlp(xd[i, :n], w13d[i], w2d[i])
+            assert_close(out[i, :n], ref, rtol, name=f"{dtype} {rows} expert {i}")
+            assert_close(out[i, :n], portable[i, :n], rtol / 4, name=f"vs dot, expert {i}")
+
+
+def test_expert_batched_ws_replays_in_a_graph_with_new_counts():
+    """The decode layer on ``wgmma_ws`` in a CUDA graph: new counts and rows written in
+    place are picked up at every replay (the block table is rebuilt on the device)."""
+    e, C, H, I = 16, 64, 1024, 512
+    weights, _ = _weights("fp8", e, H, I, seed=41)
+    cfg = WGMMA["fp8", "wgmma_ws"]
+    xq, xs = quantize_groups(torch.randn(e, C, H, generator=_gen(42), device=DEV).to(BF16))
+    counts = torch.randint(0, C + 1, (e,), generator=_gen(43), device=DEV, dtype=torch.int32)
+    _batched(xq, counts, weights, cfg, xs)  # compile outside the capture
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out_graph = _batched(xq, counts, weights, cfg, xs)
+    torch.cuda.current_stream().wait_stream(stream)
+    for step in range(3):
+        q, s = quantize_groups(torch.randn(e, C, H, generator=_gen(50 + step), device=DEV).to(BF16))
+        xq.copy_(q)
+        xs.copy_(s)
+        counts.copy_(torch.randint(0, C + 1, (e,), generator=_gen(60 + step), device=DEV))
+        graph.replay()
+        eager = _batched(xq, counts, weights, cfg, xs)
+        torch.cuda.synchronize()
+        for i, n in enumerate(counts.tolist()):
+            assert torch.equal(out_graph[i, :n], eager[i, :n]), f"step {step} expert {i}"
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_no_local_pairs_gives_zeros(kernel):
     """Every pair routed to another rank's experts: no row block is in use, the programs
@@ -215,8 +294,9 @@ def test_bf16_top_k_and_graph_replay(kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_unsupported_cases_name_the_fix(kernel):
-    """Shapes the kernels cannot tile, and the ExpertBatched layout, are refused with the
-    reason (never a wrong answer)."""
+    """Shapes the kernels cannot tile, the ExpertBatched layout on ``wgmma`` and slabs
+    that are not one matrix on ``wgmma_ws`` are refused with the reason (never a wrong
+    answer)."""
     e, H, I, R = 2, 1000, 256, 16
     weights, _ = _weights("bf16", e, H, I, seed=9)
     x = torch.randn(R, H, device=DEV).to(BF16)
@@ -227,8 +307,13 @@ def test_unsupported_cases_name_the_fix(kernel):
     q13, q2, _, _ = _weights("bf16", e, 1024, I, seed=9)[0]
     counts = torch.tensor([3, 0], dtype=torch.int32, device=DEV)
     xb = torch.randn(e, 8, 1024, device=DEV).to(BF16)
-    with pytest.raises(ValueError, match="Standard layout only"):
-        ops.fused_moe_batched(xb, counts, q13, q2, config=WGMMA["bf16", kernel])
+    if kernel == "wgmma":
+        with pytest.raises(ValueError, match="Standard layout only.*'wgmma_ws'"):
+            ops.fused_moe_batched(xb, counts, q13, q2, config=WGMMA["bf16", kernel])
+    else:
+        gappy = torch.randn(e, 16, 1024, device=DEV).to(BF16)[:, :8]
+        with pytest.raises(ValueError, match=r"one \[e·C, K\] matrix.*contiguous\(\)"):
+            ops.fused_moe_batched(gappy, counts, q13, q2, config=WGMMA["bf16", kernel])
 
 
 def test_ws_refuses_experts_that_are_not_stacked_and_wgmma_runs_them():

@@ -620,9 +620,28 @@ def test_half_tail_config_and_alignment_must_match():
         ops.gate_up(x, w13, aligned, half)
 
 
+def test_slab_blocks_cut_each_experts_valid_rows():
+    """``slab_blocks``: ExpertBatched slabs ``[e, C]`` into the persistent Hopper kernel's
+    row blocks, on the device: experts in order, empty ones skipped, counts clamped to
+    ``[0, C]``, only the blocks in use written."""
+    C, block_m = 256, 128
+    counts = torch.tensor([0, 3, 128, 129, 300, -2, 64], dtype=torch.int32, device=DEVICE)
+    t = ops.slab_blocks(counts, C, block_m)
+    assert t.num_blocks == 7 * 2
+    used = int(t.blocks_used)
+    expected = [(1, 1 * C, 3), (2, 2 * C, 128), (3, 3 * C, 128), (3, 3 * C + 128, 1),
+                (4, 4 * C, 128), (4, 4 * C + 128, 128), (6, 6 * C, 64)]  # fmt: skip
+    assert used == len(expected)
+    got = zip(t.block_expert[:used].tolist(), t.block_start[:used].tolist(),
+              t.block_rows[:used].tolist(), strict=True)  # fmt: skip
+    assert list(got) == expected
+    empty = ops.slab_blocks(torch.zeros(3, dtype=torch.int32, device=DEVICE), C, block_m)
+    assert int(empty.blocks_used) == 0
+
+
 def test_wgmma_configs_are_checked_and_refused_where_they_cannot_run():
     """``kernel="wgmma"`` configs: validated when built, kept through JSON, offered to the
-    autotuner for the Standard layout only, and refused with the reason off sm_90 (here:
+    autotuner (ExpertBatched: ``wgmma_ws`` only), and refused with the reason off sm_90 (here:
     CPU) instead of falling through to a wrong kernel."""
     fp8 = configs.wgmma_config("fp8")
     assert fp8.kernel == "wgmma" and configs.wgmma_config("fp32") is None
@@ -644,7 +663,7 @@ def test_wgmma_configs_are_checked_and_refused_where_they_cannot_run():
             configs.check_config(configs.wgmma_config(dtype, kernel), dtype == "fp8")
             assert configs.wgmma_config(dtype, kernel) in std
         batched = configs.candidate_configs("batched", dtype, 256, 7168, 2048, 128, 8)
-        assert all(c.kernel == "dot" for c in batched)
+        assert [c.kernel for c in batched if c.kernel != "dot"] == ["wgmma_ws"]
     assert not configs._runnable(fp8, torch.device("cpu"))
     assert configs._runnable(SMALL, torch.device("cpu"))
 
@@ -684,6 +703,11 @@ def test_wgmma_refusals_name_each_reason(monkeypatch):
         fp8_cfg = configs.wgmma_config("fp8")
         assert "block_k must be 64" in ops.wgmma_unsupported(fp8_cfg, a, w, 128, 128, False)
         assert "Standard layout only" in ops.wgmma_unsupported(cfg, a, w, 128, 128, True)
+        ws = configs.wgmma_config("bf16", "wgmma_ws")  # ExpertBatched: slabs as one matrix
+        slab = torch.empty(2, 8, 256, dtype=torch.bfloat16)
+        assert ops.wgmma_unsupported(ws, slab, w, 128, 128, True) is None
+        gappy = torch.empty(2, 16, 256, dtype=torch.bfloat16)[:, :8]
+        assert "one [e·C, K] matrix" in ops.wgmma_unsupported(ws, gappy, w, 128, 128, True)
         padded = torch.empty(8, 264, dtype=torch.bfloat16)[:, :256]  # rows 528 bytes apart
         assert "multiples of 16" in ops.wgmma_unsupported(cfg, padded, w, 128, 128, False)
         w_k = torch.empty(2, 256, 128, dtype=torch.bfloat16)
