@@ -30,18 +30,37 @@ def time_fn(
     iters: int = 20,
     device: torch.device | str | None = None,
     barrier: Callable[[], None] | None = None,
+    back_to_back: bool = False,
 ) -> list[float]:
     """Run ``fn`` ``warmup`` times, then time ``iters`` runs; returns each run's milliseconds.
 
     On CUDA each run is bracketed by events on the current stream; on CPU by
     ``time.perf_counter``. ``barrier`` (e.g. a ``dist.barrier``) runs before every timed run
     so that ranks start together in collective benchmarks.
+
+    By default the host waits for each run before it launches the next, so a run's time
+    includes the host's latency to launch its first kernel onto an idle GPU (what an eager
+    caller sees). ``back_to_back`` (CUDA, no ``barrier``) enqueues every run before it
+    waits: while the host keeps ahead of the GPU, each run's events bracket its GPU work
+    alone (the first run, which starts on an idle GPU, is dropped from the result) — the
+    kernels' own time, as a CUDA graph or a busy serving loop sees it.
     """
     device = torch.device(device) if device is not None else _default_device()
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if back_to_back and device.type == "cuda" and barrier is None:
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters + 1)
+        ]
+        for start, end in events:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events[1:]]
     times: list[float] = []
     for _ in range(iters):
         if barrier is not None:

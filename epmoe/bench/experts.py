@@ -21,6 +21,12 @@ Scenarios (one GPU, DeepSeek-V3 expert shapes by default):
 * FP8 (``--dtypes ...,fp8``): W8A8 with 128×128 block weight scales and activations
   arriving quantized (as an FP8 dispatch delivers them); speedup over bf16 per scenario.
 
+Times are medians of CUDA-event brackets around runs enqueued back to back: the GPU time
+of the layer, which is what a CUDA graph or a busy serving loop pays. With
+``--host-latency`` each run waits for the last one first, so its time also holds the host's
+latency to launch its first kernel onto an idle GPU (≈ 0.05–0.15 ms for these layers from
+Python); records before 2026-12-01 13:10 UTC were taken that way.
+
 ``--configs`` sweeps the kernels' tilings (GEMM 1 and GEMM 2 separately for each row
 block size, within ``--sweep-budget-s``), reports the best next to the default and writes
 a table for ``epmoe/kernels/configs/<device>.json`` with ``--configs-out``.
@@ -71,6 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baselines", action="store_true", help="time the Triton kernels only")
+    p.add_argument(
+        "--host-latency",
+        action="store_true",
+        help="wait for each timed run before launching the next (times then include the "
+        "host's latency to launch the first kernel; the default enqueues runs back to back)",
+    )
     p.add_argument("--configs", action="store_true", help="sweep kernel tilings")
     p.add_argument("--sweep-budget-s", type=float, default=240.0, help="total sweep time")
     p.add_argument("--configs-out", default=None, help="write the tuned table (JSON) here")
@@ -133,7 +145,10 @@ def _quant_block(w: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.T
 
 
 def _ms(fn, args) -> float:
-    return median(time_fn(fn, warmup=args.warmup, iters=args.iters, device=args.device))
+    """Median GPU milliseconds of ``fn``: runs enqueued back to back (the kernels' time, not
+    the host's latency to launch the first one; ``--host-latency`` restores that)."""
+    timing = dict(warmup=args.warmup, iters=args.iters, device=args.device)
+    return median(time_fn(fn, **timing, back_to_back=not args.host_latency))
 
 
 def _copy_bandwidth(device: torch.device, args) -> float:
