@@ -994,7 +994,7 @@ def _combine_recv(
     if not COUNTED:
         # every rank started its combine, then the partial rows of this token's ranks:
         # one poll loop each over all ranks
-        _wait_started(flags, rr, W, timeout_ns, err_addr)
+        _wait_started(flags, rr, W, timeout_ns, err_addr, rr < W)
     _stamp(stamps_ptr, pid, 1, STAMPS)
     if t < T:
         cflags = flags + 2 * W + W * M
@@ -1043,7 +1043,7 @@ def _combine_recv_rows(
     flags = _at(base, off_flags, tl.int32)
     cflag = flags + 2 * W + W * M + r_any * M + t64[:, None]
     if not COUNTED:
-        _wait_started(flags, rr, W, timeout_ns, err_addr)
+        _wait_started(flags, rr, W, timeout_ns, err_addr, rr < W)
         lanes = rr[None, :] + tl.zeros((ROWS, BLOCK_W), tl.int32)
         _wait_all(cflag, mine, lanes, timeout_ns, err_addr, OP_COMBINE)
     comb_y = _at(base, off_y, out_ptr.dtype.element_ty)
@@ -1075,16 +1075,17 @@ def _combine_waits(bases_ptr, err_addr, T, W, M, me, timeout_ns, off_flags,
     then every rank's count of this rank's tokens it went through reached T."""
     rr = tl.arange(0, BLOCK_W)
     flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
-    _wait_started(flags, rr, W, timeout_ns, err_addr)
+    _wait_started(flags, rr, W, timeout_ns, err_addr, rr < W)
     cdone = _counts(flags, W, M) + W + tl.minimum(rr, W - 1)
     _wait_all(cdone, rr < W, rr, timeout_ns, err_addr, OP_COMBINE, T)
 
 
 @triton.jit
-def _wait_started(flags, rr, W, timeout_ns, err_addr):
-    """Wait until every rank raised ``started`` in this rank's ``flags`` (it began its
-    combine: see the module docstring); ``rr [BLOCK_W]`` a lane per rank."""
-    _wait_all(flags + W + tl.minimum(rr, W - 1), rr < W, rr, timeout_ns, err_addr, OP_COMBINE)
+def _wait_started(flags, rr, W, timeout_ns, err_addr, need):
+    """Wait until every rank of ``need`` raised ``started`` in this rank's ``flags`` (it
+    began its combine: see the module docstring); ``rr [BLOCK_W]`` a lane per rank,
+    ``need [BLOCK_W]`` the lanes to wait for (``rr < W``: every rank)."""
+    _wait_all(flags + W + tl.minimum(rr, W - 1), need, rr, timeout_ns, err_addr, OP_COMBINE)
 
 
 @triton.jit(do_not_specialize=["me", "off_flags", "off_w", "off_y"])
@@ -1370,7 +1371,7 @@ def _ht_combine_reduce(
     flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
     peers = (rr < W) & (rr != me)
     r_any = tl.minimum(rr, W - 1)  # (a valid address in every lane)
-    _wait_all(flags + W + r_any, peers, rr, timeout_ns, err_addr, OP_COMBINE)  # started
+    _wait_started(flags, rr, W, timeout_ns, err_addr, peers)
     ccount = _chunk_counts(flags, W, M) + r_any * M
     for c0 in range(0, T, CHUNK):
         c_end = tl.minimum(c0 + CHUNK, T)
