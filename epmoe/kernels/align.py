@@ -71,6 +71,7 @@ def block_table_kernel(
     num_padded_ptr,  # [1] int32 out: total padded positions (a multiple of PAD_M)
     blocks_used_ptr,  # [1] int32 out: row blocks in use (the rest have block_rows 0)
     sorted_pairs_ptr,  # [P_pad] int32 out: the sentinel `num_pairs` at every padding position
+    tile_counters_ptr,  # [2] int32 out: zeros (the persistent Hopper GEMMs' tile counters)
     # sizes
     num_pairs,  # P, the sentinel
     num_experts,  # e
@@ -96,6 +97,7 @@ def block_table_kernel(
         tl.store(expert_start_ptr + e_offs, start, mask=e_mask)
         tl.store(num_padded_ptr, tl.sum(padded, 0))
         tl.store(blocks_used_ptr, tl.sum((padded + BLOCK_M - 1) // BLOCK_M, 0))
+        tl.store(tile_counters_ptr + tl.arange(0, 2), tl.zeros((2,), tl.int32))
 
     blocks = pid * BLOCK_B + tl.arange(0, BLOCK_B)
     b_mask = blocks < num_blocks
@@ -152,6 +154,7 @@ def slab_blocks_kernel(
     block_start_ptr,  # [B] int32 out: its first row in the [e·C] slabs
     block_rows_ptr,  # [B] int32 out: its valid rows (1 .. BLOCK_M)
     blocks_used_ptr,  # [1] int32 out: row blocks in use (the first ones; the rest unwritten)
+    tile_counter_ptr,  # [1] int32 out: zero (the persistent Hopper GEMM's tile counter)
     # sizes
     num_experts,  # e
     capacity,  # C
@@ -169,6 +172,7 @@ def slab_blocks_kernel(
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     first = tl.cumsum(blocks, 0) - blocks
     tl.store(blocks_used_ptr, tl.sum(blocks, 0))
+    tl.store(tile_counter_ptr, 0)
     for b in range(0, tl.max(blocks, 0)):
         has = e_mask & (b < blocks)
         tl.store(block_expert_ptr + first + b, e_offs, mask=has)

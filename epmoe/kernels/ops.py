@@ -64,7 +64,8 @@ class AlignedPairs:
     pairs per expert. ``num_padded [1]`` int32: padded positions in use;
     ``blocks_used [1]`` int32: row blocks in use (the first ones). Only
     ``B = ceil((P + min(e, P)·(block_m − 1)) / block_m)`` (the worst case) is known on the
-    host.
+    host. ``tile_counters [2]`` int32, zero: the tile counters of the persistent Hopper
+    kernel's GEMM 1 and GEMM 2 (each launch leaves its counter at zero again).
     """
 
     sorted_pairs: torch.Tensor
@@ -79,6 +80,7 @@ class AlignedPairs:
     pad_m: int
     num_rows: int  # R
     top_k: int  # K
+    tile_counters: torch.Tensor | None = None
 
     @property
     def num_pairs(self) -> int:  # P
@@ -156,9 +158,10 @@ def align_pairs(
     num_padded, blocks_used = torch.zeros(1, **i32), torch.zeros(1, **i32)
     pair_pos = torch.empty(P, **i32)
     rank = torch.empty(P, **i32)
+    tile_counters = torch.empty(2, **i32)  # (zeroed by block_table_kernel)
     aligned = AlignedPairs(
         sorted_pairs, *block_table, pair_pos, counts, num_padded, blocks_used, block_m, pad_m,
-        R, K,
+        R, K, tile_counters,
     )  # fmt: skip
     if P == 0:
         return aligned
@@ -175,6 +178,7 @@ def align_pairs(
         num_padded,
         blocks_used,
         sorted_pairs,
+        tile_counters,
         P,
         num_experts,
         num_blocks,
@@ -200,6 +204,7 @@ class SlabBlocks(NamedTuple):
     block_rows: torch.Tensor  # [num_blocks] int32 valid rows
     blocks_used: torch.Tensor  # [1] int32
     num_blocks: int
+    tile_counter: torch.Tensor  # [1] int32, zero
 
 
 def slab_blocks(counts_e: torch.Tensor, capacity: int, block_m: int) -> SlabBlocks:
@@ -210,13 +215,13 @@ def slab_blocks(counts_e: torch.Tensor, capacity: int, block_m: int) -> SlabBloc
     i32 = dict(dtype=torch.int32, device=counts_e.device)
     # three allocations: each pointer keeps the allocator's alignment (as in align_pairs)
     table = [torch.empty(max(num_blocks, 1), **i32) for _ in range(3)]
-    blocks_used = torch.zeros(1, **i32)
-    if num_blocks:
+    blocks_used, counter = torch.zeros(1, **i32), torch.empty(1, **i32)
+    if num_blocks:  # (else no GEMM launches, and the counter is never read)
         align.slab_blocks_kernel[(1,)](
-            counts_e, *table, blocks_used, e, capacity, BLOCK_M=block_m, BLOCK_E=_pow2(e),
-            num_warps=4,
+            counts_e, *table, blocks_used, counter, e, capacity, BLOCK_M=block_m,
+            BLOCK_E=_pow2(e), num_warps=4,
         )  # fmt: skip
-    return SlabBlocks(*table, blocks_used, num_blocks)
+    return SlabBlocks(*table, blocks_used, num_blocks, counter)
 
 
 def per_token_group_quant_fp8(
@@ -321,6 +326,7 @@ class _Rows(NamedTuple):
     top_k: int
     gather: bool = False  # Batched: x is [R, H], sorted_pairs the row index [e, C]
     blocks_used: torch.Tensor | None = None  # Standard: [1] int32 row blocks in use
+    tile_counters: torch.Tensor | None = None  # Standard: [2] int32, zero (GEMM 1, GEMM 2)
 
 
 def _rows(
@@ -342,6 +348,7 @@ def _rows(
         return _Rows(
             False, rows.num_blocks, sp, rows.block_expert, rows.block_start, rows.block_rows,
             sp, rows.num_pairs, 0, rows.top_k, blocks_used=rows.blocks_used,
+            tile_counters=rows.tile_counters,
         )  # fmt: skip
     if rows.shape != (e,) or rows.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
@@ -750,9 +757,14 @@ def _launch_wgmma(
             )
     rows_mode, num_m_blocks = "pairs", r.num_m_blocks
     blocks = (r.block_expert, r.block_start, r.block_rows, r.blocks_used)
+    # the persistent kernel's tile counter: zero at launch, and zero again after it
+    if r.tile_counters is not None:
+        counter = r.tile_counters[0:1] if gate_up else r.tile_counters[1:2]
+    else:  # (AlignedPairs built by hand)
+        counter = torch.zeros(1, dtype=torch.int32, device=a.device)
     if r.batched:  # slabs [e, C, ·] as [e·C, ·] matrices, cut into blocks on the device
         table = slab_blocks(r.counts, r.capacity, config.block_m)
-        blocks, num_m_blocks = table[:4], table.num_blocks
+        blocks, num_m_blocks, counter = table[:4], table.num_blocks, table.tile_counter
         rows_mode = "index" if r.gather else "slab"
         a, out = a.reshape(-1, a.shape[-1]), out.view(-1, out.shape[-1])
         if a_scale is not None:
@@ -807,7 +819,7 @@ def _launch_wgmma(
             w_desc,
             *args[3:],
             blocks_used_ptr=blocks[3],
-            tile_counter_ptr=torch.zeros(1, dtype=torch.int32, device=a.device),
+            tile_counter_ptr=counter,
             **meta,
             ROWS=rows_mode,
             LOAD_WARPS=4,

@@ -554,6 +554,11 @@ def _ws_loader(
             c += 1
         i += 1
         t = gl.atomic_add(tile_counter_ptr, 1)
+    # Every program ends with one claim past the last tile: the one that gets the last of
+    # those values is the launch's last claim, and leaves the counter at zero for the next
+    # launch (a graph replay, or GEMM 1 of the same aligned pairs again).
+    if t == num_tiles + gl.num_programs(0) - 1:
+        gl.store(tile_counter_ptr, 0)
     _publish_tile(queue, queue_ready, queue_empty, i, num_tiles)  # the end
 
 
@@ -656,7 +661,7 @@ def pair_gemm_ws_kernel(
     N, K, num_pairs, num_m_blocks,  # (unused here: the tiles come from blocks_used_ptr)
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     blocks_used_ptr,  # [1] int32: row blocks in use (align_pairs), the first ones
-    tile_counter_ptr,  # [1] int32, zero at launch: the next tile to claim
+    tile_counter_ptr,  # [1] int32, zero at launch (and left at zero): the next tile to claim
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,

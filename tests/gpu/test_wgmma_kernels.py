@@ -125,6 +125,38 @@ def test_persistent_programs_walk_many_tiles(dtype, programs, monkeypatch):
     assert torch.equal(persistent, one_per_tile)
 
 
+@pytest.mark.parametrize("programs", [3, None], ids=["3-programs", "per-SM"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_ws_leaves_its_tile_counter_at_zero(dtype, programs, monkeypatch):
+    """``wgmma_ws`` claims tiles from a counter in the aligned pairs (zeroed by
+    ``align_pairs``, no memset per launch); the launch's last claim leaves it at zero, so
+    GEMMs run again on the same aligned pairs give the same output."""
+    counts = [0, 1, 63, 64, 65, 127, 128, 129, 192, 255, 256, 300]
+    e, H, I = len(counts), 1024, 512
+    (q13, q2, s13, s2), _ = _weights(dtype, e, H, I, seed=71)
+    ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
+    R = ids.numel()
+    ids = ids[torch.randperm(R, generator=_gen(72), device=DEV)][:, None]
+    x = torch.randn(R, H, generator=_gen(73), device=DEV).to(BF16)
+    xs = None
+    if dtype == "fp8":
+        x, xs = quantize_groups(x)
+    w = torch.rand(R, 1, generator=_gen(74), device=DEV) + 0.1
+    cfg = WGMMA[dtype, "wgmma_ws"]
+    if programs is not None:
+        monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
+    aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail)
+    outs = []
+    for _ in range(3):
+        y, ys = ops.gate_up(x, q13, aligned, cfg, "silu", xs, s13)
+        outs.append(ops.down(y, q2, aligned, cfg, BF16, ys, s2, w))
+        torch.cuda.synchronize()
+        assert aligned.tile_counters.tolist() == [0, 0]
+    keep = aligned.sorted_pairs[: int(aligned.num_padded)] < R  # positions holding a pair
+    for out in outs[1:]:
+        assert torch.equal(out[: keep.numel()][keep], outs[0][: keep.numel()][keep])
+
+
 @pytest.mark.parametrize(
     "kernel,programs",
     [("wgmma", None), ("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws", None)],

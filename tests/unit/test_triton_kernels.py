@@ -332,6 +332,7 @@ def test_align_pairs(R, K, e, block_m, ids_case, half_tail):
     assert a.num_blocks == math.ceil((P + min(e, P) * (block_m - 1)) / block_m)
     if P == 0:
         return
+    assert a.tile_counters.tolist() == [0, 0]  # (the persistent Hopper GEMMs' counters)
     sp, pos = a.sorted_pairs.cpu().long(), a.pair_pos.cpu().long()
     be, bs, br = (t.cpu().long() for t in (a.block_expert, a.block_start, a.block_rows))
     start, b = 0, 0
@@ -635,6 +636,7 @@ def test_slab_blocks_cut_each_experts_valid_rows():
     got = zip(t.block_expert[:used].tolist(), t.block_start[:used].tolist(),
               t.block_rows[:used].tolist(), strict=True)  # fmt: skip
     assert list(got) == expected
+    assert t.tile_counter.tolist() == [0]
     empty = ops.slab_blocks(torch.zeros(3, dtype=torch.int32, device=DEVICE), C, block_m)
     assert int(empty.blocks_used) == 0
 
