@@ -207,6 +207,8 @@ def report(
         )
     if hopper is not None:
         launches = {meta["GATE_UP"]: (args, meta) for args, meta in pair.launches}
+        if row_mode != "pairs" and config.kernel != "wgmma_ws":
+            raise SystemExit(f"--rows {row_mode} needs a wgmma_ws config, got {config.short()}")
         if row_mode != "pairs":  # (the same arguments; the kernel reads them per layout)
             for _, meta in launches.values():
                 meta["ROWS"] = row_mode

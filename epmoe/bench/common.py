@@ -43,7 +43,8 @@ def time_fn(
     caller sees). ``back_to_back`` (CUDA, no ``barrier``) enqueues every run before it
     waits: while the host keeps ahead of the GPU, each run's events bracket its GPU work
     alone (the first run, which starts on an idle GPU, is dropped from the result) — the
-    kernels' own time, as a CUDA graph or a busy serving loop sees it.
+    kernels' own time, as a CUDA graph or a busy serving loop sees it. (An ``fn`` that waits
+    for the GPU itself, e.g. ``.item()``, is timed as without it.)
     """
     device = torch.device(device) if device is not None else _default_device()
     for _ in range(warmup):
@@ -59,7 +60,7 @@ def time_fn(
             start.record()
             fn()
             end.record()
-        torch.cuda.synchronize(device)
+        events[-1][1].synchronize()  # (the stream the events were recorded on)
         return [start.elapsed_time(end) for start, end in events[1:]]
     times: list[float] = []
     for _ in range(iters):

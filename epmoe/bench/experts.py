@@ -543,7 +543,9 @@ def _sweep(problem, args, dtype: str, weights, budget_s: float):
     out_dtype = torch.bfloat16 if dtype == "fp8" else x.dtype
     tw = problem.topk_weights if standard else None
     seeds = candidate_configs(problem.layout, dtype, problem.m, H, I, e, top_k)
-    quick = argparse.Namespace(warmup=1, iters=5, device=args.device)
+    quick = argparse.Namespace(
+        warmup=1, iters=5, device=args.device, host_latency=args.host_latency
+    )
     records: list[dict[str, Any]] = []
     best: tuple[float, Any] | None = None
 

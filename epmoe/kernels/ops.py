@@ -65,7 +65,9 @@ class AlignedPairs:
     ``blocks_used [1]`` int32: row blocks in use (the first ones). Only
     ``B = ceil((P + min(e, P)·(block_m − 1)) / block_m)`` (the worst case) is known on the
     host. ``tile_counters [2]`` int32, zero: the tile counters of the persistent Hopper
-    kernel's GEMM 1 and GEMM 2 (each launch leaves its counter at zero again).
+    kernel's GEMM 1 and GEMM 2 (each launch leaves its counter at zero again; so at most
+    one GEMM 1 and one GEMM 2 on the same aligned pairs may run at a time — two at once on
+    two streams would share a counter).
     """
 
     sorted_pairs: torch.Tensor
@@ -164,6 +166,7 @@ def align_pairs(
         R, K, tile_counters,
     )  # fmt: skip
     if P == 0:
+        tile_counters.zero_()  # (no kernel runs: nothing else would zero them)
         return aligned
     block = 1024
     align.count_pairs_kernel[(_cdiv(P, block),)](
@@ -631,8 +634,9 @@ def down(
 def wgmma_unsupported(
     config: MoEConfig, a: torch.Tensor, w: torch.Tensor, n_cols: int, tile_n: int, batched: bool
 ) -> str | None:
-    """Why ``config``'s ``wgmma`` kernels cannot run this GEMM (``a [rows, K]`` against
-    ``w [e, N_w, K]``, ``n_cols`` output columns in tiles of ``tile_n``), or None."""
+    """Why ``config``'s ``wgmma`` kernels cannot run this GEMM (``a [rows, K]``, or
+    ExpertBatched slabs ``[e, C, K]``, against ``w [e, N_w, K]``, ``n_cols`` output columns
+    in tiles of ``tile_n``), or None."""
     if batched and config.kernel != "wgmma_ws":
         return (
             f"kernel={config.kernel!r} runs the Standard layout only (ExpertBatched runs on "

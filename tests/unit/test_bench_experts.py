@@ -83,3 +83,28 @@ def experts_ops_interpreted() -> bool:
     from epmoe.kernels import ops
 
     return ops.interpreted()
+
+
+def test_the_tiling_sweep_times_its_candidates(tmp_path):
+    """``--configs``: the sweep's records carry times (not only errors), and the best goes
+    into the table written by ``--configs-out``."""
+    if not experts_ops_interpreted():
+        pytest.skip("runs the kernels under TRITON_INTERPRET=1")
+    import argparse
+    import shlex
+
+    out = tmp_path / "table.json"
+    p = argparse.ArgumentParser()
+    experts.add_arguments(p)
+    args = p.parse_args(
+        shlex.split(
+            "--device cpu --scenario decode --dtypes fp16 --hidden 64 --intermediate 32 "
+            "--num-experts 8 --local-experts 4 --top-k 2 --decode-tokens 8 --decode-ranks 2 "
+            f"--iters 1 --warmup 0 --no-baselines --configs --sweep-budget-s 4 --configs-out {out}"
+        )
+    )
+    records = experts.main(args)
+    swept = [r for r in records if "sweep" in r]
+    assert swept and all("error" not in r for r in swept), swept[:2]
+    assert all(r["ms"] > 0 for r in swept)
+    assert json.loads(out.read_text())["configs"]
