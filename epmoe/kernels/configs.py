@@ -190,8 +190,8 @@ def wgmma_config(dtype: str, kernel: str = "wgmma") -> MoEConfig | None:
     """The Hopper kernels' tiling for the Standard layout in ``dtype`` (None for fp32):
     128-row blocks over two warpgroups, half-height tails, four stages of 128-byte K steps,
     GEMM 2 tiles of 256 columns (two accumulators of 128); ``kernel`` ``"wgmma"`` or
-    ``"wgmma_ws"`` (what the H200 table ships for prefill, and for decode slabs from C = 512
-    in bf16 and C = 1024 in FP8)."""
+    ``"wgmma_ws"`` (what the H200 table ships for prefill, and for decode slabs from
+    C = 512)."""
     if dtype == "fp32":
         return None
     block_k = 128 if dtype == "fp8" else 64

@@ -200,7 +200,9 @@ def align_pairs(
 class SlabBlocks(NamedTuple):
     """ExpertBatched slabs ``[e, C, ·]`` cut into row blocks (``slab_blocks``), as the
     persistent Hopper kernel walks them: ``num_blocks`` is the worst case ``e·⌈C/block_m⌉``,
-    ``blocks_used [1]`` (on the device) how many of the first entries hold rows."""
+    ``blocks_used [1]`` (on the device) how many of the first entries hold rows. It can
+    stand in for the counts as ``gate_up`` / ``down``'s ``rows``, so that both GEMMs of a
+    layer walk one table (the tile counter is left at zero by each launch)."""
 
     block_expert: torch.Tensor  # [num_blocks] int32
     block_start: torch.Tensor  # [num_blocks] int32 first row in the [e·C] slabs
@@ -208,6 +210,9 @@ class SlabBlocks(NamedTuple):
     blocks_used: torch.Tensor  # [1] int32
     num_blocks: int
     tile_counter: torch.Tensor  # [1] int32, zero
+    counts: torch.Tensor  # [e] int32, as given
+    capacity: int  # C
+    block_m: int
 
 
 def slab_blocks(counts_e: torch.Tensor, capacity: int, block_m: int) -> SlabBlocks:
@@ -224,7 +229,7 @@ def slab_blocks(counts_e: torch.Tensor, capacity: int, block_m: int) -> SlabBloc
             counts_e, *table, blocks_used, counter, e, capacity, BLOCK_M=block_m,
             BLOCK_E=_pow2(e), num_warps=4,
         )  # fmt: skip
-    return SlabBlocks(*table, blocks_used, num_blocks, counter)
+    return SlabBlocks(*table, blocks_used, num_blocks, counter, counts_e, capacity, block_m)
 
 
 def per_token_group_quant_fp8(
@@ -330,10 +335,11 @@ class _Rows(NamedTuple):
     gather: bool = False  # Batched: x is [R, H], sorted_pairs the row index [e, C]
     blocks_used: torch.Tensor | None = None  # Standard: [1] int32 row blocks in use
     tile_counters: torch.Tensor | None = None  # Standard: [2] int32, zero (GEMM 1, GEMM 2)
+    slabs: SlabBlocks | None = None  # Batched: the Hopper kernel's block table, built once
 
 
 def _rows(
-    rows: AlignedPairs | torch.Tensor,
+    rows: AlignedPairs | SlabBlocks | torch.Tensor,
     config: MoEConfig,
     e: int,
     x: torch.Tensor,
@@ -353,12 +359,23 @@ def _rows(
             sp, rows.num_pairs, 0, rows.top_k, blocks_used=rows.blocks_used,
             tile_counters=rows.tile_counters,
         )  # fmt: skip
+    slabs = None
+    if isinstance(rows, SlabBlocks):
+        slabs, rows = rows, rows.counts
     if rows.shape != (e,) or rows.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
     if row_index is None:
-        return _Rows(True, 0, rows, rows, rows, rows, rows, 0, x.shape[1], 1)
-    C = _check_row_index(row_index, e, x, "row_index", "x")
-    return _Rows(True, 0, row_index.contiguous(), rows, rows, rows, rows, 0, C, 1, True)
+        r = _Rows(True, 0, rows, rows, rows, rows, rows, 0, x.shape[1], 1, slabs=slabs)
+    else:
+        C = _check_row_index(row_index, e, x, "row_index", "x")
+        r = _Rows(True, 0, row_index.contiguous(), rows, rows, rows, rows, 0, C, 1, True, slabs=slabs)  # fmt: skip
+    if slabs is not None and (slabs.capacity, slabs.block_m) != (r.capacity, config.block_m):
+        raise ValueError(
+            f"slab blocks built for C={slabs.capacity}, block_m={slabs.block_m}; these slabs "
+            f"have C={r.capacity} and the config block_m={config.block_m} (slab_blocks(counts, "
+            "C, config.block_m))"
+        )
+    return r
 
 
 def _check_row_index(
@@ -447,7 +464,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def gate_up(
     x: torch.Tensor,
     w13: torch.Tensor,
-    rows: AlignedPairs | torch.Tensor,
+    rows: AlignedPairs | SlabBlocks | torch.Tensor,
     config: MoEConfig,
     activation: str = "silu",
     x_scale: torch.Tensor | None = None,
@@ -458,7 +475,9 @@ def gate_up(
     """GEMM 1 with the activation fused: ``act(x @ gate.T) · (x @ up.T)`` per expert.
 
     ``x`` is ``[R, H]`` with ``rows`` an ``AlignedPairs`` (Standard), or ``[e, C, H]`` with
-    ``rows`` the ``counts [e]`` int32 (ExpertBatched). ``w13 [e, 2I, H]``. In FP8 mode
+    ``rows`` the ``counts [e]`` int32 (ExpertBatched) — or ``slab_blocks(counts, C,
+    config.block_m)``, the persistent Hopper kernel's block table built once for both GEMMs
+    (else each builds it). ``w13 [e, 2I, H]``. In FP8 mode
     (``w13`` is ``float8_e4m3fn``) ``x`` is FP8 with ``x_scale [..., ceil(H/128)]`` and
     ``w13_scale`` is given. Returns ``(y, y_scale)``: ``y`` is ``[B·block_m, I]`` by padded
     position (Standard) or ``[e, C, I]``, in ``x``'s dtype, or FP8 with ``y_scale [...,
@@ -546,7 +565,7 @@ def gate_up(
 def down(
     h: torch.Tensor,
     w2: torch.Tensor,
-    rows: AlignedPairs | torch.Tensor,
+    rows: AlignedPairs | SlabBlocks | torch.Tensor,
     config: MoEConfig,
     out_dtype: torch.dtype,
     h_scale: torch.Tensor | None = None,
@@ -767,7 +786,9 @@ def _launch_wgmma(
     else:  # (AlignedPairs built by hand)
         counter = torch.zeros(1, dtype=torch.int32, device=a.device)
     if r.batched:  # slabs [e, C, ·] as [e·C, ·] matrices, cut into blocks on the device
-        table = slab_blocks(r.counts, r.capacity, config.block_m)
+        table = (
+            r.slabs if r.slabs is not None else slab_blocks(r.counts, r.capacity, config.block_m)
+        )
         blocks, num_m_blocks, counter = table[:4], table.num_blocks, table.tile_counter
         rows_mode = "index" if r.gather else "slab"
         a, out = a.reshape(-1, a.shape[-1]), out.view(-1, out.shape[-1])
@@ -1020,10 +1041,14 @@ def batched_with_config(
     """The ExpertBatched pipeline on prepared inputs (no checks): GEMM 1, GEMM 2.
     ``m_splits`` fixes the row programs per expert (default ``batched_m_splits``);
     ``row_index_eC``: ``x`` is ``[R, H]`` rows read in place (see ``gate_up``)."""
+    rows: SlabBlocks | torch.Tensor = counts_e
+    if config.kernel == "wgmma_ws":  # one block table for both GEMMs
+        C = x.shape[1] if row_index_eC is None else row_index_eC.shape[1]
+        rows = slab_blocks(counts_e, C, config.block_m)
     y, y_scale = gate_up(
-        x, w13, counts_e, config, activation, x_scale, w13_scale, m_splits, row_index_eC
+        x, w13, rows, config, activation, x_scale, w13_scale, m_splits, row_index_eC
     )
-    return down(y, w2, counts_e, config, out_dtype, y_scale, w2_scale, m_splits=m_splits)
+    return down(y, w2, rows, config, out_dtype, y_scale, w2_scale, m_splits=m_splits)
 
 
 def fused_moe_standard(

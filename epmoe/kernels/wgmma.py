@@ -57,9 +57,10 @@ barrier, so neither warpgroup can overwrite operands the other's MMA still reads
 ExpertBatched on ``wgmma_ws`` (``ROWS="slab"`` / ``"index"``): the slabs ``[e, C, ·]`` are
 one ``[e·C, ·]`` matrix whose row blocks ``ops.slab_blocks`` writes on the device from the
 counts, so the same persistent walk runs decode batches with no host synchronisation. On
-one H200 it reads the weights at 0.83–0.89 of the copy bandwidth from C = 512 rows of
-capacity up, where the ``tl.dot`` ExpertBatched kernels fall to 0.30–0.66 (they re-read
-each weight tile for every 16 rows); at C = 256 those stay ahead (docs/kernels.md).
+one H200 it reads the weights at 0.98–1.04 of the copy bandwidth (GPU time) from C = 256
+to 1024 rows of capacity, where the ``tl.dot`` ExpertBatched kernels fall to 0.86 at
+C = 512 and to 0.30–0.66 at C = 1024–2048 (they re-read each weight tile for every 16
+rows); docs/kernels.md.
 
 Scope: the Standard layout, and ExpertBatched on ``wgmma_ws``; K and the output columns
 multiples of the tile; operands with unit stride along K and row strides that are multiples

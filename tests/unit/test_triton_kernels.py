@@ -809,3 +809,22 @@ def test_h200_table_ships_the_benchmark_shapes():
                 configs.smem_bytes(cfg, 1 if dtype == "fp8" else 2, 1 if dtype == "fp8" else 2)
                 <= 227 * 1024
             )
+
+
+def test_slab_blocks_stand_in_for_the_counts():
+    """ExpertBatched GEMMs take ``slab_blocks(counts, C, block_m)`` as their rows (one block
+    table for both GEMMs on the Hopper kernel): the same output as the counts on the
+    portable kernels, and a table built for another C or block_m is refused with the fix."""
+    e, C, H, I = 3, 8, 64, 32
+    torch.manual_seed(3)
+    x = torch.randn(e, C, H, device=DEVICE)
+    w13 = torch.randn(e, 2 * I, H, device=DEVICE) * H**-0.5
+    counts = torch.tensor([3, 0, 8], dtype=torch.int32, device=DEVICE)
+    y_counts, _ = ops.gate_up(x, w13, counts, SMALL)
+    y_slabs, _ = ops.gate_up(x, w13, ops.slab_blocks(counts, C, SMALL.block_m), SMALL)
+    for i, n in enumerate(counts.tolist()):
+        assert torch.equal(y_slabs[i, :n], y_counts[i, :n])
+    with pytest.raises(ValueError, match=r"built for C=16.*slab_blocks\(counts, C, config"):
+        ops.gate_up(x, w13, ops.slab_blocks(counts, 16, SMALL.block_m), SMALL)
+    with pytest.raises(ValueError, match=r"block_m=64"):
+        ops.gate_up(x, w13, ops.slab_blocks(counts, C, 64), SMALL)
