@@ -53,10 +53,15 @@ def test_ratios_roofline_and_fp8_speedup():
     assert fp8["fp8_speedup"] == pytest.approx(best["ms"] / 2.4)
 
 
-def test_decode_row_splits_are_timed_and_checked_against_the_default(capsys):
-    """``--m-splits`` adds one decode record per S (row programs per expert), each with its
-    output's difference from the default grid's; ``--decode-full-expert`` fills expert 0's
-    slab (the serial worst case)."""
+def experts_ops_interpreted() -> bool:
+    from epmoe.kernels import ops
+
+    return ops.interpreted()
+
+
+def _tiny_decode(extra: str) -> list[dict]:
+    """``experts.main`` on a tiny decode problem under the interpreter, with ``extra``
+    options (skips unless the kernels are interpreted)."""
     if not experts_ops_interpreted():
         pytest.skip("runs the kernels under TRITON_INTERPRET=1")
     import argparse
@@ -68,10 +73,17 @@ def test_decode_row_splits_are_timed_and_checked_against_the_default(capsys):
         shlex.split(
             "--device cpu --scenario decode --dtypes fp16 --hidden 64 --intermediate 32 "
             "--num-experts 8 --local-experts 4 --top-k 2 --decode-tokens 8 --decode-ranks 2 "
-            "--decode-full-expert --m-splits 1 3 --iters 1 --warmup 0 --no-baselines"
+            "--iters 1 --warmup 0 --no-baselines " + extra
         )
     )
-    records = experts.main(args)
+    return experts.main(args)
+
+
+def test_decode_row_splits_are_timed_and_checked_against_the_default(capsys):
+    """``--m-splits`` adds one decode record per S (row programs per expert), each with its
+    output's difference from the default grid's; ``--decode-full-expert`` fills expert 0's
+    slab (the serial worst case)."""
+    records = _tiny_decode("--decode-full-expert --m-splits 1 3")
     runs = [r for r in records if r.get("impl", "").startswith("epmoe triton")]
     assert [r["m_splits"] for r in runs] == ["auto", 1, 3]
     assert all(r["max_count"] == 16 for r in runs)  # C = 8 tokens x 2 ranks, all in expert 0
@@ -79,31 +91,11 @@ def test_decode_row_splits_are_timed_and_checked_against_the_default(capsys):
     assert "S=3" in capsys.readouterr().out
 
 
-def experts_ops_interpreted() -> bool:
-    from epmoe.kernels import ops
-
-    return ops.interpreted()
-
-
 def test_the_tiling_sweep_times_its_candidates(tmp_path):
     """``--configs``: the sweep's records carry times (not only errors), and the best goes
     into the table written by ``--configs-out``."""
-    if not experts_ops_interpreted():
-        pytest.skip("runs the kernels under TRITON_INTERPRET=1")
-    import argparse
-    import shlex
-
     out = tmp_path / "table.json"
-    p = argparse.ArgumentParser()
-    experts.add_arguments(p)
-    args = p.parse_args(
-        shlex.split(
-            "--device cpu --scenario decode --dtypes fp16 --hidden 64 --intermediate 32 "
-            "--num-experts 8 --local-experts 4 --top-k 2 --decode-tokens 8 --decode-ranks 2 "
-            f"--iters 1 --warmup 0 --no-baselines --configs --sweep-budget-s 4 --configs-out {out}"
-        )
-    )
-    records = experts.main(args)
+    records = _tiny_decode(f"--configs --sweep-budget-s 4 --configs-out {out}")
     swept = [r for r in records if "sweep" in r]
     assert swept and all("error" not in r for r in swept), swept[:2]
     assert all(r["ms"] > 0 for r in swept)
