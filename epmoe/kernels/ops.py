@@ -781,10 +781,7 @@ def _launch_wgmma(
     rows_mode, num_m_blocks = "pairs", r.num_m_blocks
     blocks = (r.block_expert, r.block_start, r.block_rows, r.blocks_used)
     # the persistent kernel's tile counter: zero at launch, and zero again after it
-    if r.tile_counters is not None:
-        counter = r.tile_counters[0:1] if gate_up else r.tile_counters[1:2]
-    else:  # (AlignedPairs built by hand)
-        counter = torch.zeros(1, dtype=torch.int32, device=a.device)
+    counter = None
     if r.batched:  # slabs [e, C, ·] as [e·C, ·] matrices, cut into blocks on the device
         table = (
             r.slabs if r.slabs is not None else slab_blocks(r.counts, r.capacity, config.block_m)
@@ -796,6 +793,8 @@ def _launch_wgmma(
             a_scale = a_scale.reshape(-1, a_scale.shape[-1])
         if out_scale is not None:
             out_scale = out_scale.view(-1, out_scale.shape[-1])
+    elif r.tile_counters is not None:
+        counter = r.tile_counters[0:1] if gate_up else r.tile_counters[1:2]
     grid = (num_m_blocks * (n_cols // cfg.block_n),)
     if grid[0] == 0:
         return
@@ -839,6 +838,8 @@ def _launch_wgmma(
     )
     if config.kernel == "wgmma_ws":  # (short blocks idle the second MMA warpgroup by itself)
         w_desc = kernels.weight_descriptor(w, block_n, cfg.block_k)
+        if counter is None:  # (AlignedPairs built by hand carry none)
+            counter = torch.zeros(1, dtype=torch.int32, device=a.device)
         kernels.pair_gemm_ws_kernel[(_ws_programs(grid[0], a.device),)](
             *args[:2],
             w_desc,
