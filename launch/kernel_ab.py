@@ -1,9 +1,10 @@
 """In-process A/B of the Standard layout's two expert GEMMs at the DeepSeek-V3 prefill shape
 (4096 tokens, top-8 of 256, 128 local experts) on one Hopper GPU: the portable ``tl.dot``
 kernels, the Hopper ``wgmma`` kernel, and ``wgmma_ws`` with one program per SM claiming
-tiles (shipped) and with one program per tile. Interleaved rounds in one process, medians
-of each GEMM, and each output's relative error against ``tl.dot``'s. For kernel work, not
-for records: the layer's record is ``python -m epmoe.bench experts``.
+tiles, with one program per tile, and with 192-row tiles (three MMA warpgroups; the H200
+table's). Interleaved rounds in one process, medians of each GEMM, and each output's
+relative error against ``tl.dot``'s. For kernel work, not for records: the layer's record
+is ``python -m epmoe.bench experts``.
 
 Usage (repository root, GPU): ``python launch/kernel_ab.py [--dtype bf16|fp8] [--rounds 3]
 [--tokens 4096]``
@@ -68,25 +69,28 @@ def main() -> None:
     def one_per_tile(tiles, device):
         return tiles
 
+    ws192 = wgmma_config(args.dtype, "wgmma_ws", 192)
     variants = {
         "tl.dot": (MoEConfig(128, G(128, bk, 8, 8, 4), G(128, 64, 8, 4, 5), True), shipped),
         "wgmma": (wgmma_config(args.dtype, "wgmma"), shipped),
         "wgmma_ws one/tile": (wgmma_config(args.dtype, "wgmma_ws"), one_per_tile),
         "wgmma_ws one/SM": (wgmma_config(args.dtype, "wgmma_ws"), shipped),
+        "wgmma_ws 192 rows": (ws192, shipped),
     }
-    ws = wgmma_config(args.dtype, "wgmma_ws")
-    for g in args.group_m:
-        cfg = dataclasses.replace(
-            ws,
-            gate_up=dataclasses.replace(ws.gate_up, group_m=g),
-            down=dataclasses.replace(ws.down, group_m=g),
-        )
-        variants[f"wgmma_ws group_m={g}"] = (cfg, shipped)
+    for block_m in (128, 192):
+        ws = wgmma_config(args.dtype, "wgmma_ws", block_m)
+        for g in args.group_m:
+            cfg = dataclasses.replace(
+                ws,
+                gate_up=dataclasses.replace(ws.gate_up, group_m=g),
+                down=dataclasses.replace(ws.down, group_m=g),
+            )
+            variants[f"wgmma_ws {block_m} group_m={g}"] = (cfg, shipped)
     times, outs = {}, {}
     for _ in range(args.rounds):
         for name, (cfg, programs) in variants.items():
             ops._ws_programs = programs
-            aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail)
+            aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail, cfg.pad_m)
             y, ys = ops.gate_up(x, w13, aligned, cfg, "silu", xs, s13)
             if name not in outs:
                 outs[name] = ops.standard_with_config(

@@ -146,7 +146,7 @@ def report(
     fp8 = dtype == "fp8"
     wdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
     R, K, B = 64, 8, 64
-    pad_m = config.block_m // 2 if config.half_tail else config.block_m
+    pad_m = config.pad_m
     i32 = torch.int32
     aligned = ops.AlignedPairs(
         torch.empty(B * config.block_m, dtype=i32),
@@ -179,6 +179,7 @@ def report(
                 pair_gemm_kernel=pair,
                 pair_gemm_ws_kernel=pair,
                 weight_descriptor=hopper.weight_descriptor if hopper else None,
+                rows_descriptor=hopper.rows_descriptor if hopper else None,
             ),
         ),
         mock.patch.object(ops, "wgmma_unsupported", lambda *a, **k: None),

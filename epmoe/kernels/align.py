@@ -9,7 +9,7 @@ Three launches, no host synchronisation (see ``ops.align_pairs``):
 1. ``count_pairs_kernel``: histogram of pairs per expert with atomics; each pair keeps the
    slot the atomic handed it (its rank inside the expert's group; order is arbitrary).
 2. ``block_table_kernel``: pads each expert's group to a multiple of ``PAD_M`` (``BLOCK_M``,
-   or ``BLOCK_M / 2`` with half-height tail blocks), cuts it into row blocks and writes
+   ``BLOCK_M / 2`` with half-height tail blocks, or a warpgroup's 64 rows), cuts it into row blocks and writes
    each block's expert (``-1`` past the last real block), first position and size, and
    how many blocks are in use; fills the padding positions with the sentinel.
 3. ``scatter_pairs_kernel``: each pair writes its flat index ``r·K + k`` at position
@@ -78,7 +78,8 @@ def block_table_kernel(
     num_blocks,  # B
     # meta-parameters
     BLOCK_M: tl.constexpr,
-    PAD_M: tl.constexpr,  # each group is padded to a multiple of PAD_M (BLOCK_M or BLOCK_M/2)
+    BLOCK_M_P2: tl.constexpr,  # power of two >= BLOCK_M
+    PAD_M: tl.constexpr,  # each group is padded to a multiple of PAD_M (a divisor of BLOCK_M)
     BLOCK_B: tl.constexpr,  # row blocks per program
     BLOCK_E: tl.constexpr,  # power of two >= e
 ):
@@ -116,11 +117,11 @@ def block_table_kernel(
     tl.store(block_rows_ptr + blocks, rows, mask=b_mask)
 
     # Padding positions of each block: those at or past start + count of its expert.
-    m_offs = tl.arange(0, BLOCK_M)
-    pos = first[:, None] + m_offs[None, :]  # [BLOCK_B, BLOCK_M]
+    m_offs = tl.arange(0, BLOCK_M_P2)
+    pos = first[:, None] + m_offs[None, :]  # [BLOCK_B, BLOCK_M_P2]
     in_block = m_offs[None, :] < rows[:, None]
     is_pad = (pos - own_start[:, None]) >= own_count[:, None]
-    sentinel = tl.full((BLOCK_B, BLOCK_M), 0, tl.int32) + num_pairs
+    sentinel = tl.full((BLOCK_B, BLOCK_M_P2), 0, tl.int32) + num_pairs
     tl.store(sorted_pairs_ptr + pos, sentinel, mask=b_mask[:, None] & in_block & is_pad)
 
 

@@ -52,8 +52,11 @@ class GemmConfig:
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
         if self.group_m < 1:
             raise ValueError(f"group_m must be >= 1, got {self.group_m}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if self.num_warps not in (1, 2, 4, 8, 12, 16):
+            raise ValueError(
+                f"num_warps must be one of 1, 2, 4, 8, 16 (12: kernel='wgmma_ws' only), got "
+                f"{self.num_warps}"
+            )
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
@@ -77,6 +80,9 @@ class MoEConfig:
     ``block_m = 16 · num_warps`` in both GEMMs, ``block_k`` of 128 bytes, ``gate_up.block_n``
     128 and an even ``down.block_n`` (two accumulator tiles of ``down.block_n / 2``); with
     ``half_tail`` the two warpgroups of a half-height tile split its columns.
+    ``wgmma_ws`` also runs ``block_m`` 192 (``num_warps`` 12: three MMA warpgroups), so that
+    an expert of up to 192 rows reads each weight tile once, and its ``half_tail`` pads each
+    group to one warpgroup's 64 rows only (``pad_m``).
     """
 
     block_m: int
@@ -86,8 +92,14 @@ class MoEConfig:
     kernel: str = "dot"
 
     def __post_init__(self) -> None:
-        if self.block_m < 16 or self.block_m & (self.block_m - 1):
-            raise ValueError(f"block_m must be a power of two >= 16, got {self.block_m}")
+        three_warpgroups = self.kernel == "wgmma_ws" and self.block_m == 192
+        if (self.block_m < 16 or self.block_m & (self.block_m - 1)) and not three_warpgroups:
+            raise ValueError(
+                f"block_m must be a power of two >= 16 (or 192 with kernel='wgmma_ws'), got "
+                f"{self.block_m}"
+            )
+        if self.kernel != "wgmma_ws" and 12 in (self.gate_up.num_warps, self.down.num_warps):
+            raise ValueError(f"num_warps 12 needs kernel='wgmma_ws', got {self.kernel!r}")
         if self.half_tail and self.block_m < 32:
             raise ValueError(
                 f"half_tail needs block_m >= 32 (tiles of at least 16 rows), got {self.block_m}"
@@ -99,9 +111,15 @@ class MoEConfig:
 
     def _check_wgmma(self) -> None:
         gu, dn = self.gate_up, self.down
+        ws = self.kernel == "wgmma_ws"
         problems = []
         for name, c in (("gate_up", gu), ("down", dn)):
-            if c.num_warps not in (4, 8) or self.block_m != 16 * c.num_warps:
+            if ws and (c.num_warps not in (8, 12) or 16 * c.num_warps != self.block_m):
+                problems.append(
+                    f"{name}.num_warps 8 or 12 (two or three MMA warpgroups; the loader warps "
+                    "come on top) with block_m = 16 · num_warps"
+                )
+            if not ws and (c.num_warps not in (4, 8) or self.block_m != 16 * c.num_warps):
                 problems.append(f"{name}.num_warps 4 or 8 with block_m = 16 · num_warps")
             if c.num_stages < 3:
                 problems.append(f"{name}.num_stages >= 3")
@@ -119,12 +137,19 @@ class MoEConfig:
                 problems.append(
                     f"{name}.num_stages within {_SMEM_BYTES // 1024} KiB of shared memory"
                 )
-        if self.kernel == "wgmma_ws" and (gu.num_warps, dn.num_warps) != (8, 8):
-            problems.append("num_warps 8 (two MMA warpgroups; the loader warps come on top)")
         if problems:
             raise ValueError(
                 f"a kernel={self.kernel!r} config needs {'; '.join(problems)}; got {self}"
             )
+
+    @property
+    def pad_m(self) -> int:
+        """Each expert's group of the Standard layout is padded to a multiple of this:
+        ``block_m``; with ``half_tail`` ``block_m / 2``, or one warpgroup's 64 rows on
+        ``wgmma_ws`` (whose warpgroups skip rows past a block's end by themselves)."""
+        if not self.half_tail:
+            return self.block_m
+        return 64 if self.kernel == "wgmma_ws" else self.block_m // 2
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,12 +211,12 @@ def wgmma_unavailable(device_index: int) -> str | None:
     return None
 
 
-def wgmma_config(dtype: str, kernel: str = "wgmma") -> MoEConfig | None:
+def wgmma_config(dtype: str, kernel: str = "wgmma", block_m: int = 128) -> MoEConfig | None:
     """The Hopper kernels' tiling for the Standard layout in ``dtype`` (None for fp32):
     128-row blocks over two warpgroups, half-height tails, four stages of 128-byte K steps,
     GEMM 2 tiles of 256 columns (two accumulators of 128); ``kernel`` ``"wgmma"`` or
     ``"wgmma_ws"`` (what the H200 table ships for prefill, and for decode slabs from
-    C = 512)."""
+    C = 512); ``block_m`` 192 (``wgmma_ws`` only): three MMA warpgroups."""
     if dtype == "fp32":
         return None
     block_k = 128 if dtype == "fp8" else 64
@@ -199,8 +224,9 @@ def wgmma_config(dtype: str, kernel: str = "wgmma") -> MoEConfig | None:
     # 8 row blocks together; FP8 the other way round (launch/kernel_ab.py, docs/kernels.md)
     group_m = 8 if dtype == "fp8" else 1
     G = GemmConfig
-    gate_up, down = G(128, block_k, group_m, 8, 4), G(256, block_k, 8, 8, 4)
-    return MoEConfig(128, gate_up, down, half_tail=True, kernel=kernel)
+    warps = block_m // 16
+    gate_up, down = G(128, block_k, group_m, warps, 4), G(256, block_k, 8, warps, 4)
+    return MoEConfig(block_m, gate_up, down, half_tail=True, kernel=kernel)
 
 
 def _runnable(config: MoEConfig, device: torch.device) -> bool:
@@ -396,6 +422,7 @@ def candidate_configs(
     if dtype != "fp32" and tiles:  # sm_90 only: select_config drops them elsewhere
         if layout == "standard" and base.block_m >= 64:
             out.extend(wgmma_config(dtype, kernel) for kernel in WGMMA_KERNELS)
+            out.append(wgmma_config(dtype, "wgmma_ws", 192))  # (three MMA warpgroups)
         elif layout == "batched":  # slabs walked by the persistent kernel (C >= 512 on H200)
             out.append(wgmma_config(dtype, "wgmma_ws"))
     return out

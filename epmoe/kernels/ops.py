@@ -122,10 +122,15 @@ def _pow2(n: int) -> int:
 
 
 def align_pairs(
-    topk_ids_RK: torch.Tensor, num_experts: int, block_m: int, half_tail: bool = False
+    topk_ids_RK: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    half_tail: bool = False,
+    pad_m: int | None = None,
 ) -> AlignedPairs:
     """Group the (row, k) pairs by local expert, each group padded to ``block_m`` rows
-    (to ``block_m / 2`` with ``half_tail``: an expert's last block may be half a block).
+    (to ``block_m / 2`` with ``half_tail``: an expert's last block may be half a block;
+    or to ``pad_m``, a divisor of ``block_m``: ``MoEConfig.pad_m``).
 
     ``topk_ids_RK [R, K]`` int32/int64 local slots; ids outside ``[0, num_experts)`` (``-1``
     for experts on other ranks) are not local and get no position. Three small launches,
@@ -138,11 +143,14 @@ def align_pairs(
         )
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    if block_m < 1 or (block_m & (block_m - 1) and block_m % 64):
+        raise ValueError(f"block_m must be a power of two or a multiple of 64, got {block_m}")
     if half_tail and block_m < 2:
         raise ValueError(f"half_tail needs block_m >= 2, got {block_m}")
-    pad_m = block_m // 2 if half_tail else block_m
+    if pad_m is None:
+        pad_m = block_m // 2 if half_tail else block_m
+    elif pad_m < 1 or block_m % pad_m:
+        raise ValueError(f"pad_m must divide block_m ({block_m}), got {pad_m}")
     device = _check_device(topk_ids_RK)
     R, K = topk_ids_RK.shape
     P = R * K
@@ -173,7 +181,7 @@ def align_pairs(
         ids, counts, rank, P, num_experts, BLOCK=block, num_warps=4
     )
     block_e = _pow2(num_experts)
-    block_b = max(1, min(64, 8192 // max(block_e, block_m)))
+    block_b = max(1, min(64, 8192 // max(block_e, _pow2(block_m))))  # (a power of two)
     align.block_table_kernel[(_cdiv(num_blocks, block_b),)](
         counts,
         *block_table,
@@ -186,6 +194,7 @@ def align_pairs(
         num_experts,
         num_blocks,
         BLOCK_M=block_m,
+        BLOCK_M_P2=_pow2(block_m),
         PAD_M=pad_m,
         BLOCK_B=block_b,
         BLOCK_E=block_e,
@@ -346,12 +355,11 @@ def _rows(
     row_index: torch.Tensor | None = None,
 ) -> _Rows:
     if isinstance(rows, AlignedPairs):
-        pad_m = config.block_m // 2 if config.half_tail else config.block_m
-        if (rows.block_m, rows.pad_m) != (config.block_m, pad_m):
+        if (rows.block_m, rows.pad_m) != (config.block_m, config.pad_m):
             raise ValueError(
                 f"pairs aligned for block_m={rows.block_m}, pad_m={rows.pad_m}; the config "
-                f"needs block_m={config.block_m}, pad_m={pad_m} (align_pairs(..., "
-                f"config.block_m, config.half_tail))"
+                f"needs block_m={config.block_m}, pad_m={config.pad_m} (align_pairs(..., "
+                f"config.block_m, config.half_tail, config.pad_m))"
             )
         sp = rows.sorted_pairs
         return _Rows(
@@ -780,6 +788,11 @@ def _launch_wgmma(
             )
     rows_mode, num_m_blocks = "pairs", r.num_m_blocks
     blocks = (r.block_expert, r.block_start, r.block_rows, r.blocks_used)
+    # 192-row tiles: rows in position order (GEMM 2, slabs) come by TMA, gathered ones
+    # (GEMM 1 of the Standard layout, or through a row index) by cp.async
+    a_tma = config.kernel == "wgmma_ws" and config.block_m == 192
+    if gate_up and (r.gather or not r.batched):
+        a_tma = False
     # the persistent kernel's tile counter: zero at launch, and zero again after it
     counter = None
     if r.batched:  # slabs [e, C, ·] as [e·C, ·] matrices, cut into blocks on the device
@@ -838,20 +851,27 @@ def _launch_wgmma(
     )
     if config.kernel == "wgmma_ws":  # (short blocks idle the second MMA warpgroup by itself)
         w_desc = kernels.weight_descriptor(w, block_n, cfg.block_k)
+        a_desc = kernels.rows_descriptor(a, 64, cfg.block_k) if a_tma else w_desc
         if counter is None:  # (AlignedPairs built by hand carry none)
             counter = torch.zeros(1, dtype=torch.int32, device=a.device)
+        # registers per thread: 64K per SM over the MMA warpgroups and the loader's 4 warps
+        # (ptxas: no spills with triton 3.6 or 3.9; three warpgroups need >= 160 each)
+        load_regs, mma_regs = (32, 160) if config.block_m == 192 else (64, 224)
         kernels.pair_gemm_ws_kernel[(_ws_programs(grid[0], a.device),)](
-            *args[:2],
+            args[0],
+            a_desc,
+            args[1],
             w_desc,
             *args[3:],
             blocks_used_ptr=blocks[3],
             tile_counter_ptr=counter,
             **meta,
             ROWS=rows_mode,
+            A_TMA=a_tma,
             LOAD_WARPS=4,
-            LOAD_REGS=64,  # (ptxas: no spills in the loader with triton 3.6 or 3.9)
-            MMA_REGS=224,
-            num_warps=4,  # one MMA warpgroup here; the other and the loader in partitions
+            LOAD_REGS=load_regs,
+            MMA_REGS=mma_regs,
+            num_warps=4,  # one MMA warpgroup here; the others and the loader in partitions
         )
     else:
         kernels.pair_gemm_kernel[grid](
@@ -1019,7 +1039,7 @@ def standard_with_config(
     config: MoEConfig,
 ) -> torch.Tensor:
     """The Standard pipeline on prepared inputs (no checks): align, GEMM 1, GEMM 2, sum."""
-    aligned = align_pairs(topk_ids_RK, w13.shape[0], config.block_m, config.half_tail)
+    aligned = align_pairs(topk_ids_RK, w13.shape[0], config.block_m, config.half_tail, config.pad_m)
     y, y_scale = gate_up(x, w13, aligned, config, activation, x_scale, w13_scale)
     z = down(y, w2, aligned, config, out_dtype, y_scale, w2_scale, topk_weights_RK)
     return sum_topk(z, aligned, out_dtype)

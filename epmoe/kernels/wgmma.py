@@ -48,6 +48,15 @@ Measured on one H200 (docs/kernels.md, third round), the two GEMMs of the DeepSe
 prefill layer in one process: FP8 2.04 ms on ``wgmma_ws`` (2.22 with one program per tile,
 2.55 on ``wgmma``, 2.83 on ``tl.dot``), bf16 3.61 ms (3.62, 4.18, 4.62).
 
+192-row tiles (``block_m`` 192, ``num_warps`` 12): three MMA warpgroups, so that an expert
+of up to 192 rows reads each weight tile once (at DeepSeek-V3's prefill shape experts get
+128 ± 11 rows, and with 128-row blocks half of them read their weights twice: once for the
+block and once for a tail of a few rows). The register file then leaves the loader 32
+registers per thread: rows in position order come by TMA, gathered ones by ``cp.async``
+from addresses made at each step from the tile's source rows in shared memory. On one H200
+(docs/kernels.md) the GEMMs take 3.28 ms in bf16 (3.61 with 128-row tiles) and 2.06 in FP8
+(2.13).
+
 Loads in ``pair_gemm_kernel``: ``cp.async`` of 16 bytes per thread into a ring of
 ``STAGES`` shared-memory stages (the activation rows are gathered, so TMA's box loads do
 not apply to them; Hopper has no TMA gather). A stage is refilled two steps after its MMAs
@@ -507,23 +516,25 @@ def _next_tile(queue, queue_ready, queue_empty, i):
 
 @gluon.jit
 def _ws_loader(
-    a_ptr, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K, num_pairs,
-    blocks_used_ptr, tile_counter_ptr, num_n_blocks, stride_am,
+    a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+    a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue, queue_ready, queue_empty, N, K,
+    num_pairs, blocks_used_ptr, tile_counter_ptr, num_n_blocks, stride_am,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+    A_TMA: gl.constexpr, MMA_WGS: gl.constexpr,
 ):  # fmt: skip
     """Claims tiles from the launch's counter (``tile_counter_ptr``, zero at launch: each
-    SM takes the next tile as it frees, in the grouped order) and passes each to the MMA
-    partitions through ``queue``; then its loads, step after step: step ``c`` (counted
-    across tiles) into stage ``c % STAGES`` once both MMA partitions released it. The two weight tiles come by TMA
-    (``w_desc``: the experts' weights as one ``[e·N_w, K]`` matrix), their bytes expected
-    on ``ready``; the gathered activation rows by ``cp.async``, each thread's copies
-    arriving on ``ready`` when they land."""
+    SM takes the next tile as it frees, in the grouped order), passes each to the MMA
+    partitions through ``queue``, then loads its K steps (``_ws_load_tile``): step ``c``
+    (counted across tiles) into stage ``c % STAGES`` once every MMA partition released it.
+    The weight tiles come by TMA (``w_desc``: the experts' weights as one ``[e·N_w, K]``
+    matrix), their bytes expected on ``ready``; the gathered activation rows by
+    ``cp.async``, each thread's copies arriving on ``ready`` when they land — or, with
+    ``A_TMA`` (rows in position order), by TMA too (``a_desc``: ``[64, BLOCK_K]`` boxes
+    from the block's first position; rows past the block are the next block's or zeros,
+    computed and never stored)."""
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
-    W_BYTES: gl.constexpr = 2 * BLOCK_N * BLOCK_K * ELEM_BITS // 8
     load_layout: gl.constexpr = _load_layout(ELEM_BITS, BLOCK_K, gl.num_warps())
-    num_k = K // BLOCK_K
     n_w = 2 * N if GATE_UP else N  # weight rows per expert
     num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
     num_tiles = num_m_blocks * num_n_blocks
@@ -536,23 +547,11 @@ def _ws_loader(
             t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
             N, GATE_UP, BLOCK_N, GROUP_M,
         )  # fmt: skip
-        _, _, valid, src = _rows(
-            first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
-            gl.SliceLayout(1, load_layout), ROWS,
+        c = _ws_load_tile(
+            a_ptr, a_desc, w_desc, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, src_smem, ready,
+            empty, K, num_pairs, stride_am, c, rows, expert, first, n0, nb1, n_w, load_layout,
+            GATE_UP, TOP_K, TILE_M, BLOCK_N, BLOCK_K, STAGES, ROWS, A_TMA, MMA_WGS,
         )  # fmt: skip
-        a_ptrs, a_mask = _activation_ptrs(a_ptr, src, valid, stride_am, BLOCK_K, load_layout)
-        row0 = (expert * n_w + n0).to(gl.int32)
-        row1 = (expert * n_w + nb1).to(gl.int32)
-        for k in range(num_k):
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
-            k_off = k * BLOCK_K
-            mbarrier.expect(ready.index(s), W_BYTES)
-            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
-            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
-            _cp_async(a_smem.index(s), a_ptrs + k_off, mask=a_mask)
-            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
-            c += 1
         i += 1
         t = gl.atomic_add(tile_counter_ptr, 1)
     # Every program ends with one claim past the last tile: the one that gets the last of
@@ -564,6 +563,93 @@ def _ws_loader(
 
 
 @gluon.jit
+def _ws_load_tile(
+    a_ptr, a_desc, w_desc, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty,
+    K, num_pairs, stride_am, c, rows, expert, first, n0, nb1, n_w,
+    load_layout: gl.constexpr, GATE_UP: gl.constexpr, TOP_K: gl.constexpr,
+    TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    ROWS: gl.constexpr, A_TMA: gl.constexpr, MMA_WGS: gl.constexpr,
+):  # fmt: skip
+    """The loader's K steps of one tile, step ``c`` (counted across tiles) into stage
+    ``c % STAGES``; returns ``c`` past the tile. The weight tiles come by TMA; activation
+    rows in position order (``A_TMA``) too, 64 per box; gathered rows by ``cp.async``."""
+    ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    W_BYTES: gl.constexpr = 2 * BLOCK_N * BLOCK_K * ELEM_BITS // 8
+    A_BYTES: gl.constexpr = MMA_WGS * 64 * BLOCK_K * ELEM_BITS // 8 if A_TMA else 0
+    num_k = K // BLOCK_K
+    row0 = (expert * n_w + n0).to(gl.int32)
+    row1 = (expert * n_w + nb1).to(gl.int32)
+    if A_TMA:
+        a_row = first.to(gl.int32)
+        for k in range(num_k):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+            k_off = k * BLOCK_K
+            mbarrier.expect(ready.index(s), W_BYTES + A_BYTES)
+            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
+            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
+            for j in gl.static_range(MMA_WGS):  # each warpgroup's 64 rows
+                a_j = a_smem.index(s * MMA_WGS + j)
+                _tma_load(a_desc, [a_row + 64 * j, k_off], ready.index(s), a_j)
+            c += 1
+    elif MMA_WGS == 3:
+        # Gathered rows, 64 per warpgroup: too many addresses for the loader's registers,
+        # so the tile's source rows wait in shared memory (-1: none) and each step makes
+        # its addresses from them.
+        rows_l: gl.constexpr = gl.SliceLayout(1, load_layout)
+        _cta_barrier()  # (the loader's warps: the last tile's reads are done)
+        for j in gl.static_range(MMA_WGS):
+            _, _, valid_j, src_j = _rows(
+                first + 64 * j, rows - 64 * j, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K,
+                64, rows_l, ROWS,
+            )  # fmt: skip
+            src_smem.index(j).store(gl.where(valid_j, src_j, -1).to(gl.int32))
+        _cta_barrier()
+        for k in range(num_k):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+            k_off = k * BLOCK_K
+            mbarrier.expect(ready.index(s), W_BYTES)
+            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
+            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
+            for j in gl.static_range(MMA_WGS):
+                from_j = src_smem.index(j).load(rows_l)
+                a_ptrs, a_mask = _activation_ptrs(
+                    a_ptr, from_j.to(gl.int64), from_j >= 0, stride_am, BLOCK_K, load_layout
+                )
+                _cp_async(a_smem.index(s * MMA_WGS + j), a_ptrs + k_off, mask=a_mask)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            c += 1
+    else:
+        _, _, valid, src = _rows(
+            first, rows, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, TILE_M,
+            gl.SliceLayout(1, load_layout), ROWS,
+        )  # fmt: skip
+        a_ptrs, a_mask = _activation_ptrs(a_ptr, src, valid, stride_am, BLOCK_K, load_layout)
+        for k in range(num_k):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+            k_off = k * BLOCK_K
+            mbarrier.expect(ready.index(s), W_BYTES)
+            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
+            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
+            _cp_async(a_smem.index(s), a_ptrs + k_off, mask=a_mask)
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+            c += 1
+    return c
+
+
+@gluon.jit
+def _a_tile(a_smem, s, ROW0: gl.constexpr, MMA_WGS: gl.constexpr):
+    """Stage ``s``'s activation rows ``[ROW0, ROW0 + 64)``: a tile of its own with three
+    MMA warpgroups (shared-memory shapes are powers of two), else a slice of the stage's."""
+    if MMA_WGS == 3:
+        return a_smem.index(s * MMA_WGS + ROW0 // 64)
+    else:
+        return a_smem.index(s).slice(ROW0, 64, dim=0)
+
+
+@gluon.jit
 def _ws_mma(
     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
@@ -571,14 +657,15 @@ def _ws_mma(
     blocks_used_ptr, num_n_blocks, stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
-    ROW0: gl.constexpr, WG_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    ROWS: gl.constexpr, MMA_WGS: gl.constexpr, ROW0: gl.constexpr,
 ):  # fmt: skip
-    """One MMA warpgroup: rows ``[ROW0, ROW0 + WG_M)`` of each tile the loader queues, both
+    """One MMA warpgroup: rows ``[ROW0, ROW0 + 64)`` of each tile the loader queues, both
     accumulators, the K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows.
     A block that ends before ``ROW0`` (an expert's last, short one) leaves this warpgroup
-    idle: it only releases each stage, and the other warpgroup has the tensor cores."""
+    idle: it only releases each stage, and the others have the tensor cores."""
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
+    WG_M: gl.constexpr = 64
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
     )
@@ -618,7 +705,7 @@ def _ws_mma(
                         as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP
                     )
                     acc0, acc1 = _both_mmas(
-                        a_smem.index(s).slice(ROW0, WG_M, dim=0), b0_smem.index(s),
+                        _a_tile(a_smem, s, ROW0, MMA_WGS), b0_smem.index(s),
                         b1_smem.index(s), acc0, acc1, xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1,
                     )  # fmt: skip
                     mbarrier.arrive(empty.index(s))  # both MMAs of the step are done
@@ -630,7 +717,7 @@ def _ws_mma(
                     s = (c + k) % STAGES
                     mbarrier.wait(ready.index(s), ((c + k) // STAGES) & 1)
                     fence_async_shared()
-                    a_s = a_smem.index(s).slice(ROW0, WG_M, dim=0)
+                    a_s = _a_tile(a_smem, s, ROW0, MMA_WGS)
                     tok0 = warpgroup_mma(a_s, b0_smem.index(s).permute((1, 0)), acc0, is_async=True)
                     acc1 = warpgroup_mma_wait(1, deps=[acc1_tok])  # MMA(acc1, k - 1) done
                     # this warpgroup is done with step k - 1's stage
@@ -657,7 +744,7 @@ def _ws_mma(
 
 @gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
 def pair_gemm_ws_kernel(
-    a_ptr, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+    a_ptr, a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
     N, K, num_pairs, num_m_blocks,  # (unused here: the tiles come from blocks_used_ptr)
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
@@ -666,45 +753,63 @@ def pair_gemm_ws_kernel(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+    GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, A_TMA: gl.constexpr,
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
-    """``pair_gemm_kernel`` (one tile height) as three partitions over a persistent grid:
-    each program claims tiles from ``tile_counter_ptr`` until none are left; this
-    program's 4 warps and a second warpgroup run the MMAs of 64 rows each; ``LOAD_WARPS``
-    warps claim the tiles and load. The launch picks the number of programs.
+    """``pair_gemm_kernel`` (one tile height) as partitions over a persistent grid: each
+    program claims tiles from ``tile_counter_ptr`` until none are left; this program's 4
+    warps and one or two more warpgroups run the MMAs, 64 rows each (``BLOCK_M`` 128 or
+    192); ``LOAD_WARPS`` warps claim the tiles and load. The launch picks the number of
+    programs.
 
     ``ROWS`` (see ``_rows``): ``"pairs"``, the Standard layout (``sorted_pairs_ptr`` and the
     block table from ``align_pairs``, router weights in GEMM 2); ``"slab"`` / ``"index"``,
     ExpertBatched (the block table from ``slab_blocks``, positions in ``[e·C]``; for
     ``"index"`` GEMM 1 reads ``a[row_index[position]]`` with ``sorted_pairs_ptr`` the row
-    index; no router weights)."""
+    index; no router weights).
+    ``A_TMA`` (192-row tiles): the activation rows are in position order (GEMM 2, GEMM 1 of
+    ``"slab"``) and come by TMA through ``a_desc``, 64 rows per box; else by ``cp.async``
+    from ``a_ptr`` (``a_desc`` unused). With three MMA warpgroups the loader has 32
+    registers per thread, too few to hold the addresses of 192 gathered rows: it keeps
+    their source rows in shared memory and makes the addresses at each step."""
     num_n_blocks = N // (BLOCK_N if GATE_UP else 2 * BLOCK_N)
+    MMA_WGS: gl.constexpr = BLOCK_M // 64
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     smem_layout: gl.constexpr = _smem_layout(ELEM_BITS)
-    a_smem = gl.allocate_shared_memory(
-        a_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem_layout
-    )
+    if MMA_WGS == 3:  # one 64-row tile per warpgroup and stage (shapes: powers of two)
+        a_smem = gl.allocate_shared_memory(
+            a_ptr.dtype.element_ty, [STAGES * MMA_WGS, 64, BLOCK_K], smem_layout
+        )
+    else:
+        a_smem = gl.allocate_shared_memory(
+            a_ptr.dtype.element_ty, [STAGES, BLOCK_M, BLOCK_K], smem_layout
+        )
     b0_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     b1_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+    # the loader's source rows of a 192-row tile of gathered rows (see _ws_loader)
+    src_smem = gl.allocate_shared_memory(
+        gl.int32, [4 if MMA_WGS == 3 else 1, 64], gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        # the loader's threads (cp.async) and its one expect of the TMA bytes
-        mbarrier.init(ready.index(i), count=LOAD_WARPS * 32 + 1)
-        mbarrier.init(empty.index(i), count=2)
+        # the loader's one expect of the TMA bytes (and its threads' cp.async arrivals)
+        mbarrier.init(ready.index(i), count=1 if A_TMA else LOAD_WARPS * 32 + 1)
+        mbarrier.init(empty.index(i), count=MMA_WGS)
     # the tiles the loader claimed, two in flight: tile ids, and their mbarriers
     queue = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     queue_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     queue_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(queue_ready.index(i), count=1)
-        mbarrier.init(queue_empty.index(i), count=2)
-    WG_M: gl.constexpr = BLOCK_M // 2
-    gl.warp_specialize(
-        [
-            (  # rows 0 .. WG_M of the tile (this program's own warps)
+        mbarrier.init(queue_empty.index(i), count=MMA_WGS)
+    # One partition per MMA warpgroup, 64 rows of each tile each (the first on this
+    # program's own warps), and the loader.
+    if MMA_WGS == 3:
+        gl.warp_specialize(
+            [
+            (  # rows 0 .. 64
                 _ws_mma,
                 (
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
@@ -713,10 +818,10 @@ def pair_gemm_ws_kernel(
                     K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
                     stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    0, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 0,
                 ),
             ),
-            (  # rows WG_M .. BLOCK_M
+            (  # rows 64 .. 128
                 _ws_mma,
                 (
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
@@ -725,30 +830,92 @@ def pair_gemm_ws_kernel(
                     K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
                     stride_wsn, stride_om, stride_osm,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    WG_M, WG_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 64,
+                ),
+            ),
+            (  # rows 128 .. 192
+                _ws_mma,
+                (
+                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
+                    stride_wsn, stride_om, stride_osm,
+                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 128,
                 ),
             ),
             (
                 _ws_loader,
                 (
-                    a_ptr, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
-                    block_rows_ptr, a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready,
-                    queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr,
+                    a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
+                    block_rows_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue,
+                    queue_ready, queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr,
                     num_n_blocks, stride_am,
-                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS,
+                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, A_TMA,
+                    MMA_WGS,
                 ),
             ),
-        ],
-        [4, LOAD_WARPS],
-        [MMA_REGS, LOAD_REGS],
-    )  # fmt: skip
+            ],
+            [4, 4, LOAD_WARPS],
+            [MMA_REGS, MMA_REGS, LOAD_REGS],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+            (  # rows 0 .. 64
+                _ws_mma,
+                (
+                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
+                    stride_wsn, stride_om, stride_osm,
+                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 0,
+                ),
+            ),
+            (  # rows 64 .. 128
+                _ws_mma,
+                (
+                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
+                    stride_wsn, stride_om, stride_osm,
+                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 64,
+                ),
+            ),
+            (
+                _ws_loader,
+                (
+                    a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
+                    block_rows_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue,
+                    queue_ready, queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr,
+                    num_n_blocks, stride_am,
+                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, A_TMA,
+                    MMA_WGS,
+                ),
+            ),
+            ],
+            [4, LOAD_WARPS],
+            [MMA_REGS, LOAD_REGS],
+        )  # fmt: skip
 
 
 def weight_descriptor(w, block_n: int, block_k: int) -> TensorDescriptor:
     """The TMA descriptor of ``w [e, N_w, K]`` (experts stacked: ``ops`` checks) as one
     ``[e·N_w, K]`` matrix read in ``[block_n, block_k]`` boxes into 128-byte swizzled tiles,
     for ``pair_gemm_ws_kernel``."""
+    return rows_descriptor(w.view(-1, w.shape[-1]), block_n, block_k)
+
+
+def rows_descriptor(a, block_rows: int, block_k: int) -> TensorDescriptor:
+    """The TMA descriptor of a matrix ``a [rows, K]`` (unit stride along K) read in
+    ``[block_rows, block_k]`` boxes into 128-byte swizzled tiles (rows past the end read as
+    zeros)."""
     layout = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=w.element_size() * 8, rank=2
+        swizzle_byte_width=128, element_bitwidth=a.element_size() * 8, rank=2
     )
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k], layout)
+    return TensorDescriptor.from_tensor(a, [block_rows, block_k], layout)

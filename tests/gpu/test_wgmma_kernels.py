@@ -38,12 +38,16 @@ from epmoe.kernels.configs import GemmConfig, MoEConfig  # noqa: E402
 DEV = torch.device("cuda")
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 G = GemmConfig
-KERNELS = ["wgmma", "wgmma_ws"]  # one partition, and warp-specialised
-WGMMA = {
-    (dtype, kernel): configs.wgmma_config(dtype, kernel)
-    for dtype in ("bf16", "fp8")
-    for kernel in KERNELS
-}
+
+
+# one partition; warp-specialised; warp-specialised with three MMA warpgroups (192 rows)
+KERNELS = ["wgmma", "wgmma_ws", "wgmma_ws-192"]
+WGMMA = {}
+for _dtype in ("bf16", "fp8"):
+    WGMMA[_dtype, "wgmma"] = configs.wgmma_config(_dtype, "wgmma")
+    WGMMA[_dtype, "wgmma_ws"] = configs.wgmma_config(_dtype, "wgmma_ws")
+    WGMMA[_dtype, "wgmma_ws-192"] = configs.wgmma_config(_dtype, "wgmma_ws", 192)
+WS = ["wgmma_ws", "wgmma_ws-192"]
 DOT = {
     "fp8": MoEConfig(128, G(128, 128, 8, 8, 3), G(128, 128, 8, 8, 4)),
     "bf16": MoEConfig(128, G(128, 64, 8, 8, 4), G(256, 64, 8, 8, 3)),
@@ -85,7 +89,7 @@ def test_every_tile_boundary(dtype, half_tail, kernel):
     """Experts with rows on both sides of every tile boundary (K = 1) at DeepSeek-V3's H
     and I, with and without half-height tail tiles: against the oracle, and equal to the
     portable kernels up to rounding."""
-    counts = [0, 1, 63, 64, 65, 127, 128, 129, 192, 255, 256, 300]
+    counts = [0, 1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 300, 384, 385]
     e, H, I = len(counts), 7168, 2048
     weights, (w13d, w2d) = _weights(dtype, e, H, I, seed=1)
     ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
@@ -102,13 +106,14 @@ def test_every_tile_boundary(dtype, half_tail, kernel):
     assert_close(out, portable, rtol / 4, name=f"wgmma vs dot {dtype}")
 
 
+@pytest.mark.parametrize("kernel", WS)
 @pytest.mark.parametrize("programs", [1, 3, 7])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_persistent_programs_walk_many_tiles(dtype, programs, monkeypatch):
+def test_persistent_programs_walk_many_tiles(dtype, programs, kernel, monkeypatch):
     """``wgmma_ws`` is persistent: with a handful of programs each walks dozens of tiles
     (full and half-height blocks, stage phases carried across tiles) and the output
     is bit-identical to one program per tile."""
-    counts = [0, 1, 63, 64, 65, 127, 128, 129, 192, 255, 256, 300]
+    counts = [0, 1, 63, 64, 65, 127, 128, 129, 192, 193, 255, 256, 300, 385]
     e, H, I = len(counts), 1024, 512
     weights, _ = _weights(dtype, e, H, I, seed=11)
     ids = torch.repeat_interleave(torch.arange(e, device=DEV), torch.tensor(counts, device=DEV))
@@ -116,7 +121,7 @@ def test_persistent_programs_walk_many_tiles(dtype, programs, monkeypatch):
     ids = ids[torch.randperm(R, generator=_gen(12), device=DEV)][:, None]
     x = torch.randn(R, H, generator=_gen(13), device=DEV).to(BF16)
     w = torch.rand(R, 1, generator=_gen(14), device=DEV) + 0.1
-    cfg = WGMMA[dtype, "wgmma_ws"]
+    cfg = WGMMA[dtype, kernel]
     monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: tiles)
     one_per_tile = _run(x, ids, w, weights, cfg)
     monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
@@ -125,9 +130,10 @@ def test_persistent_programs_walk_many_tiles(dtype, programs, monkeypatch):
     assert torch.equal(persistent, one_per_tile)
 
 
+@pytest.mark.parametrize("kernel", WS)
 @pytest.mark.parametrize("programs", [3, None], ids=["3-programs", "per-SM"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_ws_leaves_its_tile_counter_at_zero(dtype, programs, monkeypatch):
+def test_ws_leaves_its_tile_counter_at_zero(dtype, programs, kernel, monkeypatch):
     """``wgmma_ws`` claims tiles from a counter in the aligned pairs (zeroed by
     ``align_pairs``, no memset per launch); the launch's last claim leaves it at zero, so
     GEMMs run again on the same aligned pairs give the same output."""
@@ -142,10 +148,10 @@ def test_ws_leaves_its_tile_counter_at_zero(dtype, programs, monkeypatch):
     if dtype == "fp8":
         x, xs = quantize_groups(x)
     w = torch.rand(R, 1, generator=_gen(74), device=DEV) + 0.1
-    cfg = WGMMA[dtype, "wgmma_ws"]
+    cfg = WGMMA[dtype, kernel]
     if programs is not None:
         monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
-    aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail)
+    aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail, cfg.pad_m)
     outs = []
     for _ in range(3):
         y, ys = ops.gate_up(x, q13, aligned, cfg, "silu", xs, s13)
@@ -159,8 +165,15 @@ def test_ws_leaves_its_tile_counter_at_zero(dtype, programs, monkeypatch):
 
 @pytest.mark.parametrize(
     "kernel,programs",
-    [("wgmma", None), ("wgmma_ws", 1), ("wgmma_ws", 3), ("wgmma_ws", None)],
-    ids=["wgmma", "ws-1-program", "ws-3-programs", "ws-per-SM"],
+    [
+        ("wgmma", None),
+        ("wgmma_ws", 1),
+        ("wgmma_ws", 3),
+        ("wgmma_ws", None),
+        ("wgmma_ws-192", 3),
+        ("wgmma_ws-192", None),
+    ],
+    ids=["wgmma", "ws-1-program", "ws-3-programs", "ws-per-SM", "ws192-3", "ws192-per-SM"],
 )
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_k_steps_not_a_multiple_of_the_stages(dtype, kernel, programs, monkeypatch):
@@ -187,9 +200,18 @@ def _batched(x, counts, weights, cfg, x_scale=None, row_index=None):
 
 
 @pytest.mark.parametrize("programs", [3, None], ids=["3-programs", "per-SM"])
-@pytest.mark.parametrize("rows", ["slab", "index"], ids=["slabs", "row-index"])
+@pytest.mark.parametrize(
+    "rows,kernel",
+    [
+        ("slab", "wgmma_ws"),
+        ("index", "wgmma_ws"),
+        ("slab", "wgmma_ws-192"),
+        ("index", "wgmma_ws-192"),
+    ],
+    ids=["slabs", "row-index", "slabs-192", "row-index-192"],
+)
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_expert_batched_on_ws(dtype, rows, programs, monkeypatch):
+def test_expert_batched_on_ws(dtype, rows, kernel, programs, monkeypatch):
     """ExpertBatched (decode) on ``wgmma_ws``: the block table built on the device from the
     counts (above C counts as C), slabs read in place or rows through a row index (what
     ``symm_ll`` delivers), counts across every tile boundary: against the oracle per valid
@@ -204,7 +226,7 @@ def test_expert_batched_on_ws(dtype, rows, programs, monkeypatch):
     if dtype == "fp8":  # the oracle gets what the kernels see
         xin, x_scale = quantize_groups(x)
         xd = xin.double() * x_scale.double().repeat_interleave(128, dim=-1)
-    cfg = WGMMA[dtype, "wgmma_ws"]
+    cfg = WGMMA[dtype, kernel]
     if programs is not None:
         monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
     if rows == "index":  # the received rows in another order, found through the index
@@ -228,12 +250,13 @@ def test_expert_batched_on_ws(dtype, rows, programs, monkeypatch):
             assert_close(out[i, :n], portable[i, :n], rtol / 4, name=f"vs dot, expert {i}")
 
 
-def test_expert_batched_ws_replays_in_a_graph_with_new_counts():
+@pytest.mark.parametrize("kernel", WS)
+def test_expert_batched_ws_replays_in_a_graph_with_new_counts(kernel):
     """The decode layer on ``wgmma_ws`` in a CUDA graph: new counts and rows written in
     place are picked up at every replay (the block table is rebuilt on the device)."""
-    e, C, H, I = 16, 64, 1024, 512
+    e, C, H, I = 16, 256, 1024, 512
     weights, _ = _weights("fp8", e, H, I, seed=41)
-    cfg = WGMMA["fp8", "wgmma_ws"]
+    cfg = WGMMA["fp8", kernel]
     xq, xs = quantize_groups(torch.randn(e, C, H, generator=_gen(42), device=DEV).to(BF16))
     counts = torch.randint(0, C + 1, (e,), generator=_gen(43), device=DEV, dtype=torch.int32)
     _batched(xq, counts, weights, cfg, xs)  # compile outside the capture
@@ -334,7 +357,7 @@ def test_unsupported_cases_name_the_fix(kernel):
     x = torch.randn(R, H, device=DEV).to(BF16)
     ids = torch.zeros(R, 1, dtype=torch.int64, device=DEV)
     w = torch.ones(R, 1, device=DEV)
-    with pytest.raises(ValueError, match=f"kernel='{kernel}'.*multiple of"):
+    with pytest.raises(ValueError, match=f"kernel='{WGMMA['bf16', kernel].kernel}'.*multiple of"):
         _run(x, ids, w, weights, WGMMA["bf16", kernel])
     q13, q2, _, _ = _weights("bf16", e, 1024, I, seed=9)[0]
     counts = torch.tensor([3, 0], dtype=torch.int32, device=DEV)

@@ -304,7 +304,7 @@ def test_half_tail_matches_oracle(layout, dtype):
     assert_close(out.cpu(), ref, TOLERANCES[dtype], name="standard, half tails")
 
 
-@pytest.mark.parametrize("half_tail", [False, True], ids=["full", "half-tail"])
+@pytest.mark.parametrize("pad", ["full", "half-tail", "warpgroup"])
 @pytest.mark.parametrize(
     "R,K,e,block_m,ids_case",
     [
@@ -315,13 +315,22 @@ def test_half_tail_matches_oracle(layout, dtype):
         pytest.param(5, 2, 4, 32, "none_local", id="none-local"),
         pytest.param(0, 2, 4, 16, "random", id="R=0"),
         pytest.param(6, 2, 1, 64, "random", id="e=1"),
+        pytest.param(900, 2, 5, 192, "random", id="192-row-blocks"),
+        pytest.param(450, 1, 2, 192, "one_expert", id="192-one-expert"),
     ],
 )
-def test_align_pairs(R, K, e, block_m, ids_case, half_tail):
+def test_align_pairs(R, K, e, block_m, ids_case, pad):
+    """Groups padded to ``block_m``, to half of it (half-height tails) or to one
+    warpgroup's 64 rows (the Hopper kernel's 192-row blocks) and cut into blocks."""
+    if pad == "warpgroup" and block_m % 64:
+        pytest.skip("64-row padding needs block_m a multiple of 64")
     ids = _ids_for(ids_case, R, K, e, seed=R + e)
-    a = ops.align_pairs(ids.to(torch.int32).to(DEVICE), e, block_m, half_tail)
+    half_tail = pad != "full"
+    pad_m = {"full": block_m, "half-tail": block_m // 2, "warpgroup": 64}[pad]
+    a = ops.align_pairs(
+        ids.to(torch.int32).to(DEVICE), e, block_m, half_tail, 64 if pad == "warpgroup" else None
+    )
     P = R * K
-    pad_m = block_m // 2 if half_tail else block_m
     assert (a.block_m, a.pad_m) == (block_m, pad_m)
     flat = ids.reshape(-1)
     counts = torch.bincount(flat[flat >= 0], minlength=e)
@@ -656,14 +665,26 @@ def test_wgmma_configs_are_checked_and_refused_where_they_cannot_run():
     assert fp8.half_tail  # tail blocks run half-height tiles (the warpgroups split columns)
     with pytest.raises(ValueError, match="block_m = 16 · num_warps"):
         MoEConfig(64, fp8.gate_up, fp8.down, kernel="wgmma")
-    with pytest.raises(ValueError, match="num_warps 8"):
+    with pytest.raises(ValueError, match=r"num_warps 8 or 12 \(two or three MMA warpgroups"):
         gemm = GemmConfig(128, 128, 8, 4, 4), GemmConfig(256, 128, 8, 4, 4)
         MoEConfig(64, *gemm, kernel="wgmma_ws")
+    # three MMA warpgroups: 192-row blocks padded to 64 rows, on wgmma_ws only
+    ws192 = configs.wgmma_config("fp8", "wgmma_ws", 192)
+    assert (ws192.block_m, ws192.pad_m, ws192.gate_up.num_warps) == (192, 64, 12)
+    assert MoEConfig.from_dict(json.loads(json.dumps(ws192.to_dict()))) == ws192
+    assert configs.wgmma_config("bf16", "wgmma_ws").pad_m == 64 == fp8.pad_m
+    with pytest.raises(ValueError, match="or 192 with kernel='wgmma_ws'"):
+        MoEConfig(192, ws192.gate_up, ws192.down, kernel="wgmma")
+    with pytest.raises(ValueError, match="with block_m = 16 · num_warps"):
+        MoEConfig(128, ws192.gate_up, ws192.down, kernel="wgmma_ws")
+    with pytest.raises(ValueError, match="num_warps 12 needs kernel='wgmma_ws'"):
+        MoEConfig(128, GemmConfig(128, 64, 8, 12, 4), GemmConfig(128, 64, 8, 12, 4))
     for dtype in ("bf16", "fp8"):
         std = configs.candidate_configs("standard", dtype, 4096, 7168, 2048, 128, 8)
         for kernel in configs.WGMMA_KERNELS:
             configs.check_config(configs.wgmma_config(dtype, kernel), dtype == "fp8")
             assert configs.wgmma_config(dtype, kernel) in std
+        assert configs.wgmma_config(dtype, "wgmma_ws", 192) in std
         batched = configs.candidate_configs("batched", dtype, 256, 7168, 2048, 128, 8)
         assert [c.kernel for c in batched if c.kernel != "dot"] == ["wgmma_ws"]
     assert not configs._runnable(fp8, torch.device("cpu"))
