@@ -16,7 +16,9 @@ Three launches, no host synchronisation (see ``ops.align_pairs``):
    ``start[expert] + rank`` and that position into ``pair_pos`` (-1 for pairs not local).
 
 ``slab_blocks_kernel`` writes the same kind of block table for ExpertBatched slabs (rows
-already grouped by expert), for the persistent Hopper kernel (``ops.slab_blocks``).
+already grouped by expert), for the persistent Hopper kernel (``ops.slab_blocks``);
+``sort_scales_kernel`` lays GEMM 1's FP8 row scales out by position for it
+(``ops.sort_scales``).
 """
 
 import triton
@@ -179,3 +181,43 @@ def slab_blocks_kernel(
         tl.store(block_expert_ptr + first + b, e_offs, mask=has)
         tl.store(block_start_ptr + first + b, e_offs * capacity + b * BLOCK_M, mask=has)
         tl.store(block_rows_ptr + first + b, tl.minimum(counts - b * BLOCK_M, BLOCK_M), mask=has)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def sort_scales_kernel(
+    # pointers
+    x_scale_ptr,  # [R, G] float32: the FP8 group scales of GEMM 1's input rows
+    sorted_pairs_ptr,  # [P_pad] int32: the pair r·K + k at each position, P at padding
+    num_padded_ptr,  # [1] int32: positions in use
+    out_ptr,  # [G, P_pad] float32 out: x_scale[pair // K, g] at (g, position), 1 at padding
+    # sizes
+    num_pairs,  # P, the sentinel
+    G,
+    # strides (elements)
+    stride_xsm,
+    stride_xsg,
+    stride_og,
+    # meta-parameters
+    TOP_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # positions per program
+    BLOCK_G: tl.constexpr,  # power of two >= G
+):
+    """GEMM 1's FP8 row scales by position, group-major (``ops.sort_scales``): the Hopper
+    kernel's warpgroups then read a K step's scales of 64 positions as 256 contiguous
+    bytes instead of 64 scattered ones. Programs past the positions in use return at once."""
+    pid = tl.program_id(0)
+    n = tl.load(num_padded_ptr)
+    if pid * BLOCK_P >= n:
+        return
+    pos = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    in_use = pos < n
+    pair = tl.load(sorted_pairs_ptr + pos, mask=in_use, other=num_pairs)
+    valid = pair < num_pairs
+    src = tl.where(valid, pair // TOP_K, 0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < G
+    v = tl.load(
+        x_scale_ptr + src[None, :] * stride_xsm + g[:, None] * stride_xsg,
+        mask=g_mask[:, None] & valid[None, :], other=1.0,
+    )  # fmt: skip
+    tl.store(out_ptr + g[:, None] * stride_og + pos[None, :], v, mask=g_mask[:, None] & in_use)

@@ -241,6 +241,28 @@ def slab_blocks(counts_e: torch.Tensor, capacity: int, block_m: int) -> SlabBloc
     return SlabBlocks(*table, blocks_used, num_blocks, counter, counts_e, capacity, block_m)
 
 
+def sort_scales(x_scale_RG: torch.Tensor, aligned: AlignedPairs) -> torch.Tensor:
+    """GEMM 1's FP8 row scales ``x_scale [R, G]`` by padded position, group-major:
+    ``[G, P_pad]`` with ``x_scale[pair // K]`` at each position in use and 1 at the padding
+    (positions past ``num_padded`` unspecified). One launch, no host synchronisation."""
+    return _sort_scales(
+        x_scale_RG, aligned.sorted_pairs, aligned.num_padded, aligned.num_pairs, aligned.top_k
+    )
+
+
+def _sort_scales(x_scale, sorted_pairs, num_padded, num_pairs, top_k):
+    P_pad, G = sorted_pairs.shape[0], x_scale.shape[1]
+    out = torch.empty((G, P_pad), dtype=torch.float32, device=x_scale.device)
+    if P_pad and x_scale.shape[0]:
+        block_p = 128
+        align.sort_scales_kernel[(_cdiv(P_pad, block_p),)](
+            x_scale, sorted_pairs, num_padded, out, num_pairs, G, x_scale.stride(0),
+            x_scale.stride(1), out.stride(0), TOP_K=top_k, BLOCK_P=block_p,
+            BLOCK_G=_pow2(G), num_warps=4,
+        )  # fmt: skip
+    return out
+
+
 def per_token_group_quant_fp8(
     x: torch.Tensor, counts: torch.Tensor | None = None, group_size: int = FP8_GROUP
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,6 +367,7 @@ class _Rows(NamedTuple):
     blocks_used: torch.Tensor | None = None  # Standard: [1] int32 row blocks in use
     tile_counters: torch.Tensor | None = None  # Standard: [2] int32, zero (GEMM 1, GEMM 2)
     slabs: SlabBlocks | None = None  # Batched: the Hopper kernel's block table, built once
+    num_padded: torch.Tensor | None = None  # Standard: [1] int32 positions in use
 
 
 def _rows(
@@ -365,7 +388,7 @@ def _rows(
         return _Rows(
             False, rows.num_blocks, sp, rows.block_expert, rows.block_start, rows.block_rows,
             sp, rows.num_pairs, 0, rows.top_k, blocks_used=rows.blocks_used,
-            tile_counters=rows.tile_counters,
+            tile_counters=rows.tile_counters, num_padded=rows.num_padded,
         )  # fmt: skip
     slabs = None
     if isinstance(rows, SlabBlocks):
@@ -489,7 +512,9 @@ def gate_up(
     (``w13`` is ``float8_e4m3fn``) ``x`` is FP8 with ``x_scale [..., ceil(H/128)]`` and
     ``w13_scale`` is given. Returns ``(y, y_scale)``: ``y`` is ``[B·block_m, I]`` by padded
     position (Standard) or ``[e, C, I]``, in ``x``'s dtype, or FP8 with ``y_scale [...,
-    ceil(I/128)]`` float32 (otherwise ``None``). Rows that hold no pair are unspecified.
+    ceil(I/128)]`` float32 (otherwise ``None``; on ``kernel="wgmma_ws"`` a view of
+    group-major memory, the layout ``down`` reads fastest there). Rows that hold no pair
+    are unspecified.
     ``m_splits``: ExpertBatched row programs per expert (default ``batched_m_splits``).
     ``row_index [e, C]`` int32 (ExpertBatched): ``x`` is ``[R, H]`` and row ``c`` of expert
     ``i`` is ``x[row_index[i, c]]`` (rows read where they landed; ``y`` is ``[e, C, I]``).
@@ -779,13 +804,11 @@ def _launch_wgmma(
             f"config {config.short()} (kernel={config.kernel!r}) cannot run here: {reason}"
         )
     w_block, ws_strides = _weight_scale_strides(w_scale, w, "w_scale")
-    if fp8:
-        a_scale = a_scale.contiguous()  # (column-major scales, as some producers lay them out)
-        if w_block and ws_strides[2] != 1:
-            raise ValueError(
-                f"kernel={config.kernel!r} needs weight scales with unit stride along K; "
-                "pass w_scale.contiguous()"
-            )
+    if fp8 and w_block and ws_strides[2] != 1:
+        raise ValueError(
+            f"kernel={config.kernel!r} needs weight scales with unit stride along K; "
+            "pass w_scale.contiguous()"
+        )
     rows_mode, num_m_blocks = "pairs", r.num_m_blocks
     blocks = (r.block_expert, r.block_start, r.block_rows, r.blocks_used)
     # 192-row tiles: rows in position order (GEMM 2, slabs) come by TMA, gathered ones
@@ -793,6 +816,12 @@ def _launch_wgmma(
     a_tma = config.kernel == "wgmma_ws" and config.block_m == 192
     if gate_up and (r.gather or not r.batched):
         a_tma = False
+    # FP8 GEMM 1 of the Standard layout on wgmma_ws: the gathered rows' scales laid out by
+    # position, group-major, first (a warpgroup then reads a K step's scales of its 64 rows
+    # as 256 contiguous bytes, not as 64 scattered sectors)
+    scales_by_pos = fp8 and gate_up and config.kernel == "wgmma_ws" and not r.batched
+    if scales_by_pos:
+        a_scale = _sort_scales(a_scale, r.sorted_pairs, r.num_padded, r.num_pairs, r.top_k).T
     # the persistent kernel's tile counter: zero at launch, and zero again after it
     counter = None
     if r.batched:  # slabs [e, C, ·] as [e·C, ·] matrices, cut into blocks on the device
@@ -827,12 +856,14 @@ def _launch_wgmma(
         num_m_blocks,
         a.stride(0),
         a_scale.stride(0) if a_scale is not None else 0,
+        a_scale.stride(1) if a_scale is not None else 0,
         w.stride(0),
         w.stride(1),
         ws_strides[0],
         ws_strides[1],
         out.stride(0),
         out_scale.stride(0) if out_scale is not None else 0,
+        out_scale.stride(1) if out_scale is not None else 0,
     )
     kernels = _wgmma_module()
     meta = dict(
@@ -868,6 +899,7 @@ def _launch_wgmma(
             **meta,
             ROWS=rows_mode,
             A_TMA=a_tma,
+            SCALES_BY_POS=scales_by_pos,
             LOAD_WARPS=4,
             LOAD_REGS=load_regs,
             MMA_REGS=mma_regs,
@@ -896,7 +928,14 @@ def _gate_up_wgmma(
     y = torch.empty((*rows, N), dtype=x.dtype, device=x.device)
     y_scale = None
     if fp8:
-        y_scale = torch.empty((*rows, _cdiv(N, FP8_GROUP)), dtype=torch.float32, device=x.device)
+        groups = _cdiv(N, FP8_GROUP)
+        if config.kernel == "wgmma_ws":
+            # group-major ([..., G] viewed over [G, ...]): GEMM 2's warpgroups read a K
+            # step's scales of 64 consecutive positions as 256 contiguous bytes
+            t = torch.empty((groups, *rows), dtype=torch.float32, device=x.device)
+            y_scale = t.permute(*range(1, t.dim()), 0)
+        else:
+            y_scale = torch.empty((*rows, groups), dtype=torch.float32, device=x.device)
     _launch_wgmma(True, x, x_scale, w13, w13_scale, y, y_scale, None, r, config, N, activation, fp8)
     return y, y_scale
 

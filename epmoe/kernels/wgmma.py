@@ -204,11 +204,11 @@ def _scale_ptrs(a_scale_ptr, w_scale_ptr, src, expert, n0, nb1, stride_asm, stri
 
 
 @gluon.jit
-def _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid, k, num_k, WS_STEP: gl.constexpr):
+def _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid, k, num_k, stride_ask, WS_STEP: gl.constexpr):
     """Step ``k``'s scales (activation rows, weight tile 0, weight tile 1); 1 past the last
     step, so that the last rescale is the final multiply."""
     has = k < num_k
-    xs = gl.load(as_ptrs + k, mask=valid & has, other=1.0)
+    xs = gl.load(as_ptrs + k * stride_ask, mask=valid & has, other=1.0)
     w0 = gl.load(ws0_ptr + k * WS_STEP, mask=has, other=1.0)
     w1 = gl.load(ws1_ptr + k * WS_STEP, mask=has, other=1.0)
     return xs, w0, w1
@@ -216,7 +216,8 @@ def _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid, k, num_k, WS_STEP: gl.constexpr
 
 @gluon.jit
 def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, valid, n0,
-              pid_n, stride_om, stride_osm, GATE_UP: gl.constexpr, ACTIVATION: gl.constexpr,
+              pid_n, stride_om, stride_osm, stride_osk, GATE_UP: gl.constexpr,
+              ACTIVATION: gl.constexpr,
               FP8: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
               BLOCK_N: gl.constexpr, cols_layout: gl.constexpr,
               WEIGHTED: gl.constexpr):  # fmt: skip
@@ -237,7 +238,7 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
             scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * INV_FP8_MAX
             q = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
             gl.store(y_ptrs, q.to(out_ptr.dtype.element_ty), mask=store_mask)
-            gl.store(out_scale_ptr + pos * stride_osm + pid_n, scale, mask=valid)
+            gl.store(out_scale_ptr + pos * stride_osm + pid_n * stride_osk, scale, mask=valid)
         else:
             gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
@@ -290,7 +291,8 @@ def _step_stage(k, num_k, a_smem, b0_smem, b1_smem, a_ptrs, a_mask, b_ptrs, b1_o
 def _pair_tile(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K, num_pairs,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    stride_osm, stride_osk,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     TILE_M: gl.constexpr, WARPS_N: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -347,14 +349,20 @@ def _pair_tile(
             a_scale_ptr, w_scale_ptr, src_m, expert, n0, nb1, stride_asm, stride_wse,
             stride_wsn, W_BLOCK_SCALE, BLOCK_K,
         )  # fmt: skip
-        xs_cur, w0_cur, w1_cur = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP)
-        xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
+        xs_cur, w0_cur, w1_cur = _scales_at(
+            as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, stride_ask, WS_STEP
+        )
+        xs_1, w0_1, w1_1 = _scales_at(
+            as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, stride_ask, WS_STEP
+        )
         for k in range(num_k):
             stage = _step_stage(
                 k, num_k, a_smem, b0_smem, b1_smem, a_ptrs, a_mask, b_ptrs, b1_off, BLOCK_K,
                 STAGES,
             )  # fmt: skip
-            xs_2, w0_2, w1_2 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP)
+            xs_2, w0_2, w1_2 = _scales_at(
+                as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, stride_ask, WS_STEP
+            )
             acc0, acc1 = _both_mmas(
                 a_smem.index(stage), b0_smem.index(stage), b1_smem.index(stage), acc0, acc1,
                 xs_cur, w0_cur, w1_cur, xs_1, w0_1, w1_1,
@@ -377,8 +385,8 @@ def _pair_tile(
     async_copy.wait_group(0)
     _epilogue(
         acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
-        pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX, INV_FP8_MAX, BLOCK_N,
-        gl.SliceLayout(0, mma_layout), True,
+        pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
+        INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), True,
     )  # fmt: skip
 
 
@@ -404,12 +412,14 @@ def pair_gemm_kernel(
     # strides (elements; unit stride along K and along the output columns)
     stride_am,
     stride_asm,
+    stride_ask,
     stride_we,
     stride_wn,
     stride_wse,
     stride_wsn,
     stride_om,
     stride_osm,
+    stride_osk,
     # meta-parameters
     GATE_UP: gl.constexpr,  # GEMM 1 (act(gate)·up, tiles n and N + n) else GEMM 2 (n, n + BN)
     TOP_K: gl.constexpr,
@@ -447,16 +457,18 @@ def pair_gemm_kernel(
             _pair_tile(
                 a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
                 topk_weights_ptr, sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K,
-                num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
-                stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+                num_pairs, stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse,
+                stride_wsn, stride_om, stride_osm, stride_osk, GATE_UP, TOP_K, ACTIVATION, FP8,
+                W_BLOCK_SCALE, FP8_MAX,
                 INV_FP8_MAX, BLOCK_M // 2, 2, BLOCK_N, BLOCK_K, STAGES, num_warps,
             )  # fmt: skip
             return
     _pair_tile(
         a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, out_scale_ptr,
         topk_weights_ptr, sorted_pairs_ptr, expert, first, rows, pid_n, n0, nb1, N, K,
-        num_pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn,
-        stride_om, stride_osm, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+        num_pairs, stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse,
+        stride_wsn, stride_om, stride_osm, stride_osk, GATE_UP, TOP_K, ACTIVATION, FP8,
+        W_BLOCK_SCALE, FP8_MAX,
         INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps,
     )  # fmt: skip
 
@@ -655,11 +667,12 @@ def _ws_mma(
     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
     a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K, num_pairs,
-    blocks_used_ptr, num_n_blocks, stride_asm, stride_wse, stride_wsn, stride_om, stride_osm,
+    blocks_used_ptr, num_n_blocks, stride_asm, stride_ask, stride_wse, stride_wsn, stride_om,
+    stride_osm, stride_osk,
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    ROWS: gl.constexpr, MMA_WGS: gl.constexpr, ROW0: gl.constexpr,
+    ROWS: gl.constexpr, MMA_WGS: gl.constexpr, SCALES_BY_POS: gl.constexpr, ROW0: gl.constexpr,
 ):  # fmt: skip
     """One MMA warpgroup: rows ``[ROW0, ROW0 + 64)`` of each tile the loader queues, both
     accumulators, the K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows.
@@ -690,20 +703,24 @@ def _ws_mma(
             acc0 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
             acc1 = gl.zeros([WG_M, BLOCK_N], gl.float32, layout=mma_layout)
             if FP8:  # as in _pair_tile: both MMAs of a step retire within it
+                # the rows' scales: by source row, or (SCALES_BY_POS) by position
+                scale_rows = pos_m if SCALES_BY_POS else src_m
                 as_ptrs, ws0_ptr, ws1_ptr = _scale_ptrs(
-                    a_scale_ptr, w_scale_ptr, src_m, expert, n0, nb1, stride_asm, stride_wse,
-                    stride_wsn, W_BLOCK_SCALE, BLOCK_K,
+                    a_scale_ptr, w_scale_ptr, scale_rows, expert, n0, nb1, stride_asm,
+                    stride_wse, stride_wsn, W_BLOCK_SCALE, BLOCK_K,
                 )  # fmt: skip
                 xs_cur, w0_cur, w1_cur = _scales_at(
-                    as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, WS_STEP
+                    as_ptrs, ws0_ptr, ws1_ptr, valid_m, 0, num_k, stride_ask, WS_STEP
                 )
-                xs_1, w0_1, w1_1 = _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, WS_STEP)
+                xs_1, w0_1, w1_1 = _scales_at(
+                    as_ptrs, ws0_ptr, ws1_ptr, valid_m, 1, num_k, stride_ask, WS_STEP
+                )
                 for k in range(num_k):
                     s = (c + k) % STAGES
                     mbarrier.wait(ready.index(s), ((c + k) // STAGES) & 1)
                     fence_async_shared()  # the copies (generic proxy) before the MMAs read them
                     xs_2, w0_2, w1_2 = _scales_at(
-                        as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, WS_STEP
+                        as_ptrs, ws0_ptr, ws1_ptr, valid_m, k + 2, num_k, stride_ask, WS_STEP
                     )
                     acc0, acc1 = _both_mmas(
                         _a_tile(a_smem, s, ROW0, MMA_WGS), b0_smem.index(s),
@@ -731,7 +748,7 @@ def _ws_mma(
                 mbarrier.arrive(empty.index((c + num_k - 1) % STAGES))  # the tile's last step
             _epilogue(
                 acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m,
-                n0, pid_n, stride_om, stride_osm, GATE_UP, ACTIVATION, FP8, FP8_MAX,
+                n0, pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
                 INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), ROWS == "pairs",
             )  # fmt: skip
         else:  # idle: release the stages the other warpgroup reads
@@ -748,13 +765,15 @@ def pair_gemm_ws_kernel(
     a_ptr, a_desc, a_scale_ptr, w_desc, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
     N, K, num_pairs, num_m_blocks,  # (unused here: the tiles come from blocks_used_ptr)
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    stride_osm, stride_osk,
     blocks_used_ptr,  # [1] int32: row blocks in use (align_pairs), the first ones
     tile_counter_ptr,  # [1] int32, zero at launch (and left at zero): the next tile to claim
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, A_TMA: gl.constexpr,
+    SCALES_BY_POS: gl.constexpr,  # FP8: a_scale's rows are positions (else source rows)
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -816,10 +835,10 @@ def pair_gemm_ws_kernel(
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
                     a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
-                    stride_wsn, stride_om, stride_osm,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
+                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 0,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 0,
                 ),
             ),
             (  # rows 64 .. 128
@@ -828,10 +847,10 @@ def pair_gemm_ws_kernel(
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
                     a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
-                    stride_wsn, stride_om, stride_osm,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
+                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 64,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 64,
                 ),
             ),
             (  # rows 128 .. 192
@@ -840,10 +859,10 @@ def pair_gemm_ws_kernel(
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
                     a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
-                    stride_wsn, stride_om, stride_osm,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
+                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 128,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 128,
                 ),
             ),
             (
@@ -870,10 +889,10 @@ def pair_gemm_ws_kernel(
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
                     a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
-                    stride_wsn, stride_om, stride_osm,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
+                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 0,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 0,
                 ),
             ),
             (  # rows 64 .. 128
@@ -882,10 +901,10 @@ def pair_gemm_ws_kernel(
                     a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
                     sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
                     a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_wse,
-                    stride_wsn, stride_om, stride_osm,
+                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
+                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
                     GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, 64,
+                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 64,
                 ),
             ),
             (

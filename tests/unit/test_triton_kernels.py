@@ -849,3 +849,19 @@ def test_slab_blocks_stand_in_for_the_counts():
         ops.gate_up(x, w13, ops.slab_blocks(counts, 16, SMALL.block_m), SMALL)
     with pytest.raises(ValueError, match=r"block_m=64"):
         ops.gate_up(x, w13, ops.slab_blocks(counts, C, 64), SMALL)
+
+
+def test_sort_scales_lays_gemm1_fp8_scales_out_by_position():
+    """``ops.sort_scales`` (the Hopper kernel's FP8 GEMM 1 reads its rows' scales so):
+    ``[G, P_pad]`` with each position's pair's row scales, 1 at the padding."""
+    R, K, e, G = 50, 3, 5, 9
+    ids = _ids_for("random", R, K, e, seed=94).to(DEVICE)
+    xs = torch.rand(G, R, generator=_gen(95)).to(DEVICE).T  # (column-major, as some give)
+    aligned = ops.align_pairs(ids, e, 192, True, 64)
+    out = ops.sort_scales(xs, aligned).cpu()
+    n = int(aligned.num_padded)
+    pairs = aligned.sorted_pairs[:n].long().cpu()
+    valid = pairs < R * K
+    assert out.shape == (G, aligned.sorted_pairs.shape[0])
+    assert torch.equal(out[:, :n][:, valid], xs.cpu()[pairs[valid] // K].T)
+    assert bool((out[:, :n][:, ~valid] == 1).all())
