@@ -53,10 +53,11 @@ of up to 192 rows reads each weight tile once (at DeepSeek-V3's prefill shape ex
 128 ± 11 rows, and with 128-row blocks half of them read their weights twice: once for the
 block and once for a tail of a few rows). The register file then leaves the loader 32
 registers per thread: rows in position order come by TMA, gathered ones by ``cp.async``
-from addresses made at each step from the tile's source rows in shared memory. On one H200
-(docs/kernels.md, interleaved A/B rounds) the GEMMs take 3.28–3.47 ms in bf16 against
-3.61–3.70 with 128-row tiles, and 2.06–2.19 in FP8 against 2.13–2.18 (FP8's GEMM 1 gains
-nothing: 2–6 % slower; its GEMM 2 is 6–11 % faster).
+from addresses made at each step from the tile's source rows in shared memory. FP8 row
+scales are read by position, group-major (``ops.sort_scales`` for GEMM 1's gathered rows,
+GEMM 1's epilogue for GEMM 2's): a warpgroup reads a K step's 64 scales as 256 contiguous
+bytes. On one H200 (docs/kernels.md, interleaved A/B rounds) the GEMMs take 3.28–3.47 ms in
+bf16 against 3.61–3.70 with 128-row tiles, and 1.97 ms in FP8 against 2.11.
 
 Loads in ``pair_gemm_kernel``: ``cp.async`` of 16 bytes per thread into a ring of
 ``STAGES`` shared-memory stages (the activation rows are gathered, so TMA's box loads do
