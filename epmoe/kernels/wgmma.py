@@ -530,9 +530,7 @@ def _next_tile(queue, queue_ready, queue_empty, i):
 
 @gluon.jit
 def _ws_loader(
-    a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue, queue_ready, queue_empty, N, K,
-    num_pairs, blocks_used_ptr, tile_counter_ptr, num_n_blocks, stride_am,
+    args,  # the runtime arguments, a tuple: see pair_gemm_ws_kernel
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
     A_TMA: gl.constexpr, MMA_WGS: gl.constexpr,
@@ -547,6 +545,12 @@ def _ws_loader(
     ``A_TMA`` (rows in position order), by TMA too (``a_desc``: ``[64, BLOCK_K]`` boxes
     from the block's first position; rows past the block are the next block's or zeros,
     computed and never stored)."""
+    (
+        a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
+        block_rows_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue, queue_ready,
+        queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr, num_n_blocks,
+        stride_am,
+    ) = args  # fmt: skip
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     load_layout: gl.constexpr = _load_layout(ELEM_BITS, BLOCK_K, gl.num_warps())
     n_w = 2 * N if GATE_UP else N  # weight rows per expert
@@ -665,11 +669,7 @@ def _a_tile(a_smem, s, ROW0: gl.constexpr, MMA_WGS: gl.constexpr):
 
 @gluon.jit
 def _ws_mma(
-    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K, num_pairs,
-    blocks_used_ptr, num_n_blocks, stride_asm, stride_ask, stride_wse, stride_wsn, stride_om,
-    stride_osm, stride_osk,
+    args,  # the runtime arguments, a tuple: see pair_gemm_ws_kernel
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
@@ -679,6 +679,13 @@ def _ws_mma(
     accumulators, the K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows.
     A block that ends before ``ROW0`` (an expert's last, short one) leaves this warpgroup
     idle: it only releases each stage, and the others have the tensor cores."""
+    (
+        a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+        sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+        a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K,
+        num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask, stride_wse,
+        stride_wsn, stride_om, stride_osm, stride_osk,
+    ) = args  # fmt: skip
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     WG_M: gl.constexpr = 64
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -825,58 +832,35 @@ def pair_gemm_ws_kernel(
     for i in gl.static_range(2):
         mbarrier.init(queue_ready.index(i), count=1)
         mbarrier.init(queue_empty.index(i), count=MMA_WGS)
+    mma = (
+        a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
+        sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
+        a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K,
+        num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask, stride_wse,
+        stride_wsn, stride_om, stride_osm, stride_osk,
+    )  # fmt: skip
+    load = (
+        a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
+        block_rows_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue, queue_ready,
+        queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr, num_n_blocks,
+        stride_am,
+    )  # fmt: skip
     # One partition per MMA warpgroup, 64 rows of each tile each (the first on this
     # program's own warps), and the loader.
     if MMA_WGS == 3:
         gl.warp_specialize(
             [
-            (  # rows 0 .. 64
-                _ws_mma,
-                (
-                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
-                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
-                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 0,
-                ),
-            ),
-            (  # rows 64 .. 128
-                _ws_mma,
-                (
-                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
-                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
-                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 64,
-                ),
-            ),
-            (  # rows 128 .. 192
-                _ws_mma,
-                (
-                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
-                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
-                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 128,
-                ),
-            ),
-            (
-                _ws_loader,
-                (
-                    a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
-                    block_rows_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue,
-                    queue_ready, queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr,
-                    num_n_blocks, stride_am,
-                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, A_TMA,
-                    MMA_WGS,
-                ),
-            ),
+                (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+                           INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
+                           SCALES_BY_POS, 0)),
+                (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+                           INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
+                           SCALES_BY_POS, 64)),
+                (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+                           INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
+                           SCALES_BY_POS, 128)),
+                (_ws_loader, (load, GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                              STAGES, ROWS, A_TMA, MMA_WGS)),
             ],
             [4, 4, LOAD_WARPS],
             [MMA_REGS, MMA_REGS, LOAD_REGS],
@@ -884,41 +868,14 @@ def pair_gemm_ws_kernel(
     else:
         gl.warp_specialize(
             [
-            (  # rows 0 .. 64
-                _ws_mma,
-                (
-                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
-                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
-                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 0,
-                ),
-            ),
-            (  # rows 64 .. 128
-                _ws_mma,
-                (
-                    a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-                    sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-                    a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N,
-                    K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
-                    stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
-                    GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX, INV_FP8_MAX,
-                    BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS, SCALES_BY_POS, 64,
-                ),
-            ),
-            (
-                _ws_loader,
-                (
-                    a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
-                    block_rows_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty, queue,
-                    queue_ready, queue_empty, N, K, num_pairs, blocks_used_ptr, tile_counter_ptr,
-                    num_n_blocks, stride_am,
-                    GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, A_TMA,
-                    MMA_WGS,
-                ),
-            ),
+                (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+                           INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
+                           SCALES_BY_POS, 0)),
+                (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
+                           INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
+                           SCALES_BY_POS, 64)),
+                (_ws_loader, (load, GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                              STAGES, ROWS, A_TMA, MMA_WGS)),
             ],
             [4, LOAD_WARPS],
             [MMA_REGS, LOAD_REGS],
