@@ -68,7 +68,7 @@ def block_table_kernel(
     counts_ptr,  # [e] int32: pairs per expert (from count_pairs_kernel)
     block_expert_ptr,  # [B] int32 out: expert of each row block, -1 past the last real block
     block_start_ptr,  # [B] int32 out: first padded position of each row block (0 past the end)
-    block_rows_ptr,  # [B] int32 out: padded positions of each block, BLOCK_M or PAD_M (0 past)
+    block_rows_ptr,  # [B] int32 out: padded positions of each block (<= BLOCK_M; 0 past)
     expert_start_ptr,  # [e] int32 out: first padded position of each expert's group
     num_padded_ptr,  # [1] int32 out: total padded positions (a multiple of PAD_M)
     blocks_used_ptr,  # [1] int32 out: row blocks in use (the rest have block_rows 0)
@@ -86,8 +86,9 @@ def block_table_kernel(
     BLOCK_E: tl.constexpr,  # power of two >= e
 ):
     """Each expert's group of ``ceil(count / PAD_M) · PAD_M`` positions is cut into row
-    blocks of ``BLOCK_M`` positions, the last one of ``PAD_M`` when ``PAD_M < BLOCK_M`` and
-    the rows fit (a half-height tile in the GEMMs)."""
+    blocks of ``BLOCK_M`` positions, the last one shorter (a multiple of ``PAD_M``) when
+    ``PAD_M < BLOCK_M`` and the rows fit: a half-height tile, or the warpgroups of the
+    Hopper kernel's 192-row tiles that have rows."""
     pid = tl.program_id(0)
     e_offs = tl.arange(0, BLOCK_E)
     e_mask = e_offs < num_experts

@@ -67,7 +67,8 @@ class MoEConfig:
     layout, shared by both GEMMs), then each GEMM's own tiling.
 
     ``half_tail``: an expert's last block of at most ``block_m / 2`` rows runs a half-height
-    tile (the Standard layout pads each group to ``block_m / 2`` only). At about one block
+    tile (the Standard layout pads each group to ``pad_m``: ``block_m / 2``, or 64 rows on
+    ``wgmma_ws``, whose warpgroups skip rows past a block's end). At about one block
     of rows per expert it cuts the rows the tiles compute from ≈ 1.5× to ≈ 1.25× the useful
     ones while the other blocks keep the full-height MMA.
 
@@ -75,8 +76,8 @@ class MoEConfig:
     ``"wgmma"``, the Hopper (sm_90) Gluon kernels of the Standard layout (``wgmma``), with
     explicitly asynchronous warpgroup MMAs on two accumulator tiles, or ``"wgmma_ws"``, their
     warp-specialised, persistent form (a loader partition; each MMA warpgroup a partition
-    that waits on mbarriers only; ``num_warps`` 8: two MMA warpgroups), which also runs the
-    ExpertBatched layout. A ``wgmma`` config has
+    that waits on mbarriers only; ``num_warps`` 8 or 12: two or three MMA warpgroups), which
+    also runs the ExpertBatched layout. A ``wgmma`` config has
     ``block_m = 16 · num_warps`` in both GEMMs, ``block_k`` of 128 bytes, ``gate_up.block_n``
     128 and an even ``down.block_n`` (two accumulator tiles of ``down.block_n / 2``); with
     ``half_tail`` the two warpgroups of a half-height tile split its columns.
@@ -133,7 +134,8 @@ class MoEConfig:
             problems.append("block_m 128 with half_tail (half-height tiles of 64 rows)")
         for name, c, tile_n in (("gate_up", gu, gu.block_n), ("down", dn, dn.block_n // 2)):
             # each stage: the activation tile and two weight tiles, rows of 128 bytes
-            if c.num_stages * (self.block_m + 2 * tile_n) * 128 > _SMEM_BYTES - 1024:
+            # (2 KiB for mbarriers, the tile queue and wgmma_ws's source rows of a tile)
+            if c.num_stages * (self.block_m + 2 * tile_n) * 128 > _SMEM_BYTES - 2048:
                 problems.append(
                     f"{name}.num_stages within {_SMEM_BYTES // 1024} KiB of shared memory"
                 )

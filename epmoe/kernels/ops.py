@@ -52,14 +52,16 @@ ACTIVATIONS = ("silu", "gelu")
 class AlignedPairs:
     """The (row, k) pairs of a Standard-layout batch, grouped by local expert.
 
-    Each expert's group is padded to a multiple of ``pad_m`` positions (``block_m``, or
-    ``block_m / 2`` with half-height tail blocks) and cut into row blocks of ``block_m``
-    positions, the last one ``pad_m`` long when the rows fit.
+    Each expert's group is padded to a multiple of ``pad_m`` positions (``block_m``;
+    ``block_m / 2`` with half-height tail blocks; 64 for the Hopper kernel's 192-row blocks:
+    ``MoEConfig.pad_m``) and cut into row blocks of ``block_m`` positions, the last one
+    shorter (a multiple of ``pad_m``) when the rows fit.
     ``sorted_pairs [B·block_m]`` int32: the pair ``r·K + k`` at each padded position, the
     sentinel ``P`` at padding (positions past ``num_padded`` are unspecified).
     ``block_expert [B]`` int32: the expert of each row block, ``-1`` past the last real
     block; ``block_start [B]`` / ``block_rows [B]`` int32: its first position and its size
-    (``block_m`` or ``pad_m``; 0 past the last block). ``pair_pos [P]`` int32: the padded
+    (``block_m`` or, for the last, a multiple of ``pad_m``; 0 past the last block).
+    ``pair_pos [P]`` int32: the padded
     position of each pair, ``-1`` when its id is not local. ``expert_counts [e]`` int32:
     pairs per expert. ``num_padded [1]`` int32: padded positions in use;
     ``blocks_used [1]`` int32: row blocks in use (the first ones). Only
@@ -151,6 +153,11 @@ def align_pairs(
         pad_m = block_m // 2 if half_tail else block_m
     elif pad_m < 1 or block_m % pad_m:
         raise ValueError(f"pad_m must divide block_m ({block_m}), got {pad_m}")
+    elif pad_m < block_m and not half_tail:
+        raise ValueError(
+            f"pad_m={pad_m} < block_m={block_m} makes tail blocks: pass half_tail=True "
+            "(align_pairs(ids, e, config.block_m, config.half_tail, config.pad_m))"
+        )
     device = _check_device(topk_ids_RK)
     R, K = topk_ids_RK.shape
     P = R * K
@@ -245,6 +252,11 @@ def sort_scales(x_scale_RG: torch.Tensor, aligned: AlignedPairs) -> torch.Tensor
     """GEMM 1's FP8 row scales ``x_scale [R, G]`` by padded position, group-major:
     ``[G, P_pad]`` with ``x_scale[pair // K]`` at each position in use and 1 at the padding
     (positions past ``num_padded`` unspecified). One launch, no host synchronisation."""
+    if x_scale_RG.dim() != 2 or x_scale_RG.shape[0] != aligned.num_rows:
+        raise ValueError(
+            f"x_scale must be [R={aligned.num_rows}, G], one row per row of the aligned "
+            f"pairs; got {tuple(x_scale_RG.shape)}"
+        )
     return _sort_scales(
         x_scale_RG, aligned.sorted_pairs, aligned.num_padded, aligned.num_pairs, aligned.top_k
     )
@@ -880,7 +892,7 @@ def _launch_wgmma(
         GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages,
     )
-    if config.kernel == "wgmma_ws":  # (short blocks idle the second MMA warpgroup by itself)
+    if config.kernel == "wgmma_ws":  # (a warpgroup past a short block's rows idles by itself)
         w_desc = kernels.weight_descriptor(w, block_n, cfg.block_k)
         a_desc = kernels.rows_descriptor(a, 64, cfg.block_k) if a_tma else w_desc
         if counter is None:  # (AlignedPairs built by hand carry none)

@@ -33,12 +33,12 @@ SASS). bf16 has no rescale: its loop keeps acc_1's MMA in flight across the back
 warp-specialised: a loader partition of 4 warps brings each step's two weight tiles by TMA
 (one descriptor over the experts' stacked ``[e·N_w, K]`` weights; their bytes expected on
 the stage's ``ready`` mbarrier) and the gathered activation rows by ``cp.async`` (each
-thread's copies arrive on ``ready`` when they land); each of the two MMA warpgroups is a
-partition of its own (64 rows of the tile) that waits on ``ready``, and releases a stage
-on its ``empty`` mbarrier once its MMAs of that step are done. No CTA barrier remains in
-the K loop, so the warpgroups drift apart and one's rescale can run under the other's
-MMAs; the loader runs up to ``STAGES`` steps ahead. A block of at most 64 rows leaves the
-second warpgroup idle (it only releases the stages). The grid is persistent, one program
+thread's copies arrive on ``ready`` when they land); each of the two (or three) MMA
+warpgroups is a partition of its own (64 rows of the tile) that waits on ``ready``, and
+releases a stage on its ``empty`` mbarrier once its MMAs of that step are done. No CTA
+barrier remains in the K loop, so the warpgroups drift apart and one's rescale can run
+under the other's MMAs; the loader runs up to ``STAGES`` steps ahead. A warpgroup whose
+rows start past its block's end idles (it only releases the stages). The grid is persistent, one program
 per SM: the loader claims the next tile from a counter in global memory (so SMs take tiles
 in order as they free, and neighbouring tiles share operands in L2) and passes it to the
 MMA partitions through a two-entry queue in shared memory; the stage count carries across
@@ -508,8 +508,8 @@ def _scalar_layout(warps):
 
 @gluon.jit
 def _publish_tile(queue, queue_ready, queue_empty, i, t):
-    """The loader's ``i``-th tile ``t`` into the queue's slot ``i % 2`` once both MMA
-    partitions have read what that slot held before."""
+    """The loader's ``i``-th tile ``t`` into the queue's slot ``i % 2`` once every MMA
+    partition has read what that slot held before."""
     slot = i % 2
     mbarrier.wait(queue_empty.index(slot), ((i // 2) & 1) ^ 1, pred=i >= 2)
     one: gl.constexpr = _scalar_layout(gl.num_warps())

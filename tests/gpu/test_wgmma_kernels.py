@@ -390,3 +390,59 @@ def test_ws_refuses_experts_that_are_not_stacked_and_wgmma_runs_them():
     assert not ops._hopper_fits(WGMMA["bf16", "wgmma_ws"], x, sliced, q2)
     assert ops._hopper_fits(WGMMA["bf16", "wgmma"], x, sliced, q2)
     assert ops._hopper_fits(WGMMA["bf16", "wgmma_ws"], x, q13, q2)
+
+
+@pytest.mark.parametrize("order", ["ws-then-dot", "dot-then-ws"])
+def test_fp8_scales_cross_between_kernels(order):
+    """GEMM 1's FP8 output scales are a group-major view on ``wgmma_ws`` and row-major on
+    ``tl.dot``: either GEMM 2 reads either (both take strides), GEMM by GEMM through
+    ``ops.gate_up`` / ``ops.down`` with configs that share the row alignment."""
+    R, K, e, E, H, I = 300, 8, 16, 32, 1024, 512
+    weights, (w13d, w2d) = _weights("fp8", e, H, I, seed=101)
+    q13, q2, s13, s2 = weights
+    x = torch.randn(R, H, generator=_gen(102), device=DEV).to(BF16)
+    xq, xs = quantize_groups(x)
+    ids, w = _ids(R, K, e, E, seed=103), torch.rand(R, K, generator=_gen(104), device=DEV)
+    ws, dot = WGMMA["fp8", "wgmma_ws"], dataclasses.replace(DOT["fp8"], half_tail=True)
+    assert (ws.block_m, ws.pad_m) == (dot.block_m, dot.pad_m)
+    first, second = (ws, dot) if order == "ws-then-dot" else (dot, ws)
+    aligned = ops.align_pairs(ids, e, ws.block_m, ws.half_tail, ws.pad_m)
+    y, ys = ops.gate_up(xq, q13, aligned, first, "silu", xs, s13)
+    z = ops.down(y, q2, aligned, second, BF16, ys, s2, w)
+    out = ops.sum_topk(z, aligned, BF16)
+    assert_close(out, moe(x.double(), w13d, w2d, w, ids), TOLERANCES[FP8], name=order)
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "wgmma_ws", "wgmma_ws-192"])
+def test_fp8_column_major_input_scales_give_the_same_output(kernel):
+    """The Hopper kernels read the input's FP8 group scales through their strides: scales
+    laid out column-major (as some producers write them) give bit-identical output."""
+    R, K, e, E, H, I = 256, 8, 8, 16, 1024, 512
+    weights, _ = _weights("fp8", e, H, I, seed=111)
+    xq, xs = quantize_groups(torch.randn(R, H, generator=_gen(112), device=DEV).to(BF16))
+    ids, w = _ids(R, K, e, E, seed=113), torch.rand(R, K, generator=_gen(114), device=DEV)
+    column_major = xs.T.contiguous().T
+    assert column_major.stride() == (1, R) and torch.equal(column_major, xs)
+    cfg = WGMMA["fp8", kernel]
+    out = _run(xq, ids, w, weights, cfg, xs)
+    assert torch.equal(_run(xq, ids, w, weights, cfg, column_major), out)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_192_row_tiles_on_slabs_smaller_than_one_box(dtype):
+    """ExpertBatched on 192-row tiles with ``e·C`` = 32 rows in all, fewer than one 64-row
+    TMA box: the box reads past the slabs as zeros, the rows it computes there are never
+    stored, and the valid rows match the oracle."""
+    e, C, H, I = 2, 16, 1024, 512
+    weights, (w13d, w2d) = _weights(dtype, e, H, I, seed=121)
+    x = torch.randn(e, C, H, generator=_gen(122), device=DEV).to(BF16)
+    counts = torch.tensor([16, 5], dtype=torch.int32, device=DEV)
+    xin, xs, xd = x, None, x.double()
+    if dtype == "fp8":
+        xin, xs = quantize_groups(x)
+        xd = xin.double() * xs.double().repeat_interleave(128, dim=-1)
+    out = _batched(xin, counts, weights, WGMMA[dtype, "wgmma_ws-192"], xs)
+    rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
+    for i, n in enumerate(counts.tolist()):
+        ref = expert_mlp(xd[i, :n], w13d[i], w2d[i])
+        assert_close(out[i, :n], ref, rtol, name=f"{dtype} expert {i}")

@@ -350,7 +350,7 @@ def test_align_pairs(R, K, e, block_m, ids_case, pad):
         got = sp[start : start + c]
         assert sorted(got.tolist()) == (flat == i).nonzero().squeeze(1).tolist(), f"expert {i}"
         assert (sp[start + c : start + p] == P).all(), f"padding of expert {i}"
-        # Blocks of block_m positions, the last of pad_m when the group's rows fit in it.
+        # Blocks of block_m positions, the last shorter (a multiple of pad_m) when it can be.
         sizes = [block_m] * (p // block_m) + ([p % block_m] if p % block_m else [])
         for j, size in enumerate(sizes):
             assert (be[b], bs[b], br[b]) == (i, start + j * block_m, size), f"block {b}"
@@ -865,3 +865,15 @@ def test_sort_scales_lays_gemm1_fp8_scales_out_by_position():
     assert out.shape == (G, aligned.sorted_pairs.shape[0])
     assert torch.equal(out[:, :n][:, valid], xs.cpu()[pairs[valid] // K].T)
     assert bool((out[:, :n][:, ~valid] == 1).all())
+    with pytest.raises(ValueError, match=r"x_scale must be \[R=50, G\]"):
+        ops.sort_scales(xs[:40], aligned)
+
+
+def test_align_pairs_refuses_a_padding_that_no_kernel_runs():
+    """``pad_m`` must divide ``block_m``, and a padding below it means tail blocks."""
+    ids = torch.zeros(4, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="pad_m must divide block_m"):
+        ops.align_pairs(ids, 2, 192, True, 50)
+    with pytest.raises(ValueError, match="pass half_tail=True"):
+        ops.align_pairs(ids, 2, 192, False, 64)
+    assert ops.align_pairs(ids, 2, 192, False, 192).pad_m == 192
