@@ -581,6 +581,20 @@ def _ws_loader(
 
 
 @gluon.jit
+def _ws_stage_weights(w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1,
+                      BYTES: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
+    """Step ``c``'s stage once every MMA partition released it: ``BYTES`` expected on its
+    ``ready`` (the weight tiles' and any other TMA copies'), and the two weight tiles of K
+    step ``k`` loaded by TMA. Returns the stage."""
+    s = c % STAGES
+    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
+    mbarrier.expect(ready.index(s), BYTES)
+    _tma_load(w_desc, [row0, k * BLOCK_K], ready.index(s), b0_smem.index(s))
+    _tma_load(w_desc, [row1, k * BLOCK_K], ready.index(s), b1_smem.index(s))
+    return s
+
+
+@gluon.jit
 def _ws_load_tile(
     a_ptr, a_desc, w_desc, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty,
     K, num_pairs, stride_am, c, rows, expert, first, n0, nb1, n_w,
@@ -600,15 +614,13 @@ def _ws_load_tile(
     if A_TMA:
         a_row = first.to(gl.int32)
         for k in range(num_k):
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
-            k_off = k * BLOCK_K
-            mbarrier.expect(ready.index(s), W_BYTES + A_BYTES)
-            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
-            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
+            s = _ws_stage_weights(
+                w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1, W_BYTES + A_BYTES,
+                BLOCK_K, STAGES,
+            )  # fmt: skip
             for j in gl.static_range(MMA_WGS):  # each warpgroup's 64 rows
                 a_j = a_smem.index(s * MMA_WGS + j)
-                _tma_load(a_desc, [a_row + 64 * j, k_off], ready.index(s), a_j)
+                _tma_load(a_desc, [a_row + 64 * j, k * BLOCK_K], ready.index(s), a_j)
             c += 1
     elif MMA_WGS == 3:
         # Gathered rows, 64 per warpgroup: too many addresses for the loader's registers,
@@ -624,18 +636,16 @@ def _ws_load_tile(
             src_smem.index(j).store(gl.where(valid_j, src_j, -1).to(gl.int32))
         _cta_barrier()
         for k in range(num_k):
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
-            k_off = k * BLOCK_K
-            mbarrier.expect(ready.index(s), W_BYTES)
-            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
-            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
+            s = _ws_stage_weights(
+                w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1, W_BYTES, BLOCK_K,
+                STAGES,
+            )  # fmt: skip
             for j in gl.static_range(MMA_WGS):
                 from_j = src_smem.index(j).load(rows_l)
                 a_ptrs, a_mask = _activation_ptrs(
                     a_ptr, from_j.to(gl.int64), from_j >= 0, stride_am, BLOCK_K, load_layout
                 )
-                _cp_async(a_smem.index(s * MMA_WGS + j), a_ptrs + k_off, mask=a_mask)
+                _cp_async(a_smem.index(s * MMA_WGS + j), a_ptrs + k * BLOCK_K, mask=a_mask)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             c += 1
     else:
@@ -645,13 +655,11 @@ def _ws_load_tile(
         )  # fmt: skip
         a_ptrs, a_mask = _activation_ptrs(a_ptr, src, valid, stride_am, BLOCK_K, load_layout)
         for k in range(num_k):
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1, pred=c >= STAGES)
-            k_off = k * BLOCK_K
-            mbarrier.expect(ready.index(s), W_BYTES)
-            _tma_load(w_desc, [row0, k_off], ready.index(s), b0_smem.index(s))
-            _tma_load(w_desc, [row1, k_off], ready.index(s), b1_smem.index(s))
-            _cp_async(a_smem.index(s), a_ptrs + k_off, mask=a_mask)
+            s = _ws_stage_weights(
+                w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1, W_BYTES, BLOCK_K,
+                STAGES,
+            )  # fmt: skip
+            _cp_async(a_smem.index(s), a_ptrs + k * BLOCK_K, mask=a_mask)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             c += 1
     return c
