@@ -2,9 +2,10 @@
 (4096 tokens, top-8 of 256, 128 local experts) on one Hopper GPU: the portable ``tl.dot``
 kernels, the Hopper ``wgmma`` kernel, and ``wgmma_ws`` with one program per SM claiming
 tiles, with one program per tile, and with 192-row tiles (three MMA warpgroups; the H200
-table's). Interleaved rounds in one process, medians of each GEMM, and each output's
-relative error against ``tl.dot``'s. For kernel work, not for records: the layer's record
-is ``python -m epmoe.bench experts``.
+table's), also with the top-k sum in GEMM 2's epilogue (``atomic_reduce``; the others pay
+a separate sum pass, timed beside them). Interleaved rounds in one process, medians of each
+step, and each output's relative error against ``tl.dot``'s. For kernel work, not for
+records: the layer's record is ``python -m epmoe.bench experts``.
 
 Usage (repository root, GPU): ``python launch/kernel_ab.py [--dtype bf16|fp8] [--rounds 3]
 [--tokens 4096]``
@@ -76,6 +77,7 @@ def main() -> None:
         "wgmma_ws one/tile": (wgmma_config(args.dtype, "wgmma_ws"), one_per_tile),
         "wgmma_ws one/SM": (wgmma_config(args.dtype, "wgmma_ws"), shipped),
         "wgmma_ws 192 rows": (ws192, shipped),
+        "wgmma_ws 192 atomic sum": (dataclasses.replace(ws192, atomic_reduce=True), shipped),
     }
     for block_m in (128, 192):
         ws = wgmma_config(args.dtype, "wgmma_ws", block_m)
@@ -97,19 +99,20 @@ def main() -> None:
                     x, xs, ids, weights, w13, w2, s13, s2, "silu", torch.bfloat16, cfg
                 )
             gu = _ms(functools.partial(ops.gate_up, x, w13, aligned, cfg, "silu", xs, s13))
-            dn = _ms(
-                functools.partial(ops.down, y, w2, aligned, cfg, torch.bfloat16, ys, s2, weights)
-            )
-            times.setdefault(name, []).append((gu, dn))
+            down = functools.partial(ops.down, y, w2, aligned, cfg, torch.bfloat16, ys, s2, weights)
+            dn = _ms(down)
+            sm = 0.0  # the top-k sum: in GEMM 2 with atomic_reduce, else its own pass
+            if not cfg.atomic_reduce:
+                sm = _ms(functools.partial(ops.sum_topk, down(), aligned, torch.bfloat16))
+            times.setdefault(name, []).append((gu, dn, sm))
     ops._ws_programs = shipped
     ref = outs["tl.dot"]
     for name, ts in times.items():
-        gu = statistics.median(a for a, _ in ts)
-        dn = statistics.median(b for _, b in ts)
+        gu, dn, sm = (statistics.median(t[i] for t in ts) for i in range(3))
         err = relative_error(outs[name], ref)
         print(
-            f"{args.dtype} {name:22s} gate_up {gu:.3f}  down {dn:.3f}  GEMMs {gu + dn:.3f} ms"
-            f"  vs tl.dot {err:.1e}"
+            f"{args.dtype} {name:24s} gate_up {gu:.3f}  down {dn:.3f}  sum {sm:.3f}  "
+            f"GEMMs {gu + dn:.3f}  with the sum {gu + dn + sm:.3f} ms  vs tl.dot {err:.1e}"
         )
 
 

@@ -21,7 +21,7 @@ import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -84,6 +84,13 @@ class MoEConfig:
     ``wgmma_ws`` also runs ``block_m`` 192 (``num_warps`` 12: three MMA warpgroups), so that
     an expert of up to 192 rows reads each weight tile once, and its ``half_tail`` pads each
     group to one warpgroup's 64 rows only (``pad_m``).
+
+    ``atomic_reduce`` (Standard layout): GEMM 2's epilogue adds each pair's router-weighted
+    row into its token's output row with atomics, so the ``[P, H]`` rows by position are
+    never written nor read back and the top-k sum needs no launch of its own. The adds run
+    in the output dtype and in arrival order: the rounding of a row's sum (bf16: about
+    ``sqrt(K)`` times one rounding) can differ from run to run. Off, the sum is a separate
+    pass in fp32 and the layer is bitwise reproducible.
     """
 
     block_m: int
@@ -91,6 +98,7 @@ class MoEConfig:
     down: GemmConfig
     half_tail: bool = False
     kernel: str = "dot"
+    atomic_reduce: bool = False
 
     def __post_init__(self) -> None:
         three_warpgroups = self.kernel == "wgmma_ws" and self.block_m == 192
@@ -164,17 +172,20 @@ class MoEConfig:
             down=GemmConfig(**d["down"]),
             half_tail=_bool_field(d, "half_tail"),
             kernel=str(d.get("kernel", "dot")),
+            atomic_reduce=_bool_field(d, "atomic_reduce"),
         )
 
     def short(self) -> str:
-        """A compact label, e.g. ``m128h gu128x64w8s4g8 dn256x64w8s3g8`` (``h``: half tails)."""
+        """A compact label, e.g. ``m128h gu128x64w8s4g8 dn256x64w8s3g8`` (``h``: half tails;
+        ``+`` at the end: ``atomic_reduce``)."""
 
         def g(c: GemmConfig) -> str:
             return f"{c.block_n}x{c.block_k}w{c.num_warps}s{c.num_stages}g{c.group_m}"
 
         half = "h" if self.half_tail else ""
         kernel = "" if self.kernel == "dot" else f" {self.kernel}"
-        return f"m{self.block_m}{half} gu{g(self.gate_up)} dn{g(self.down)}{kernel}"
+        summed = "+" if self.atomic_reduce else ""
+        return f"m{self.block_m}{half} gu{g(self.gate_up)} dn{g(self.down)}{summed}{kernel}"
 
 
 def _bool_field(d: dict[str, Any], key: str) -> bool:
@@ -424,7 +435,8 @@ def candidate_configs(
     if dtype != "fp32" and tiles:  # sm_90 only: select_config drops them elsewhere
         if layout == "standard" and base.block_m >= 64:
             out.extend(wgmma_config(dtype, kernel) for kernel in WGMMA_KERNELS)
-            out.append(wgmma_config(dtype, "wgmma_ws", 192))  # (three MMA warpgroups)
+            ws192 = wgmma_config(dtype, "wgmma_ws", 192)  # (three MMA warpgroups)
+            out += [ws192, replace(ws192, atomic_reduce=True)]
         elif layout == "batched":  # slabs walked by the persistent kernel (C >= 512 on H200)
             out.append(wgmma_config(dtype, "wgmma_ws"))
     return out

@@ -501,6 +501,7 @@ def _down_tile(
     stride_om,
     stride_on,
     BATCHED: tl.constexpr,
+    SUM_TOP_K: tl.constexpr,
     FP8: tl.constexpr,
     W_BLOCK_SCALE: tl.constexpr,
     W_SCALE_PER_TILE: tl.constexpr,
@@ -559,8 +560,14 @@ def _down_tile(
         router_w = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)
         acc *= router_w[:, None]
 
-    out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+    out_mask = row_mask[:, None] & n_mask[None, :]
+    if SUM_TOP_K > 0:  # into the token's row of out [R, N], in arrival order
+        token = tl.where(row_mask, pair // SUM_TOP_K, 0).to(tl.int64)
+        out_ptrs = out_ptr + token[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + out_rows[:, None] + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -569,10 +576,10 @@ def _down_block(
     expert, first, rows, pid_n, N, K, num_pairs,
     stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
     stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
-    BATCHED: tl.constexpr, FP8: tl.constexpr, W_BLOCK_SCALE: tl.constexpr,
-    W_SCALE_PER_TILE: tl.constexpr, GROUP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    EVEN_K: tl.constexpr, HALF_TAIL: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BATCHED: tl.constexpr, SUM_TOP_K: tl.constexpr, FP8: tl.constexpr,
+    W_BLOCK_SCALE: tl.constexpr, W_SCALE_PER_TILE: tl.constexpr, GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HALF_TAIL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[first, first + rows)`` (``rows <= BLOCK_M``) as one tile. Two tile heights,
     one inlined body each: a block of at most ``BLOCK_M / 2`` rows (an expert's last)
@@ -584,8 +591,8 @@ def _down_block(
                 expert, first, rows, pid_n, N, K, num_pairs,
                 stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
                 stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
-                BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
-                BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                BATCHED, SUM_TOP_K, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION,
+                EVEN_K, BLOCK_M // 2, BLOCK_N, BLOCK_K,
             )  # fmt: skip
             return
     _down_tile(
@@ -593,8 +600,8 @@ def _down_block(
         expert, first, rows, pid_n, N, K, num_pairs,
         stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
         stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
-        BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
-        BLOCK_M, BLOCK_N, BLOCK_K,
+        BATCHED, SUM_TOP_K, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION,
+        EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
 
 
@@ -605,7 +612,8 @@ def down_kernel(
     h_scale_ptr,  # FP8: [P_pad, ceil(I/G)] / [e, C, ceil(I/G)] float32 group scales
     w_ptr,  # [e, H, I]
     w_scale_ptr,  # FP8: [e, ceil(H/G), ceil(I/G)] float32 block scales, or [e] per expert
-    out_ptr,  # out, Standard: [P_pad, H] router-weighted, by position; Batched: [e, C, H]
+    out_ptr,  # out, Standard: [P_pad, H] router-weighted, by position (SUM_TOP_K: [R, H],
+    # zero at launch, each pair's row added into row pair // SUM_TOP_K); Batched: [e, C, H]
     topk_weights_ptr,  # Standard: [P] float32 router weight of pair r·K + k
     sorted_pairs_ptr,  # Standard: [P_pad] int32 pair per position, P at padding
     block_expert_ptr,  # Standard: [B] int32 expert of each row block, -1 past the last one
@@ -642,6 +650,7 @@ def down_kernel(
     stride_on,
     # meta-parameters
     BATCHED: tl.constexpr,
+    SUM_TOP_K: tl.constexpr,  # Standard: K to sum each row's pairs into out (0: by position)
     FP8: tl.constexpr,
     W_BLOCK_SCALE: tl.constexpr,
     W_SCALE_PER_TILE: tl.constexpr,
@@ -667,8 +676,8 @@ def down_kernel(
                 expert, start, tl.minimum(end - start, BLOCK_M), pid_n, N, K, num_pairs,
                 stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
                 stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
-                BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
-                HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
+                BATCHED, SUM_TOP_K, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION,
+                EVEN_K, HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
     elif end > first:
         _down_block(
@@ -676,6 +685,6 @@ def down_kernel(
             expert, first, end - first, pid_n, N, K, num_pairs,
             stride_he, stride_hm, stride_hk, stride_hse, stride_hsm, stride_hsk,
             stride_wn, stride_wk, stride_wsn, stride_wsk, stride_oe, stride_om, stride_on,
-            BATCHED, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION, EVEN_K,
-            HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
+            BATCHED, SUM_TOP_K, FP8, W_BLOCK_SCALE, W_SCALE_PER_TILE, GROUP, DOT_PRECISION,
+            EVEN_K, HALF_TAIL, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip

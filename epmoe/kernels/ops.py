@@ -17,9 +17,11 @@ layer; ``align_pairs``, ``gate_up``, ``down``, ``sum_topk`` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import struct
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -622,7 +624,9 @@ def down(
 
     ``h`` and ``rows`` as returned by / given to ``gate_up``; ``w2 [e, H, I]``. Standard:
     returns ``[B·block_m, H]`` by padded position, each row scaled by its router weight
-    (``topk_weights_RK [R, K]`` float32, required). ExpertBatched: ``[e, C, H]`` unweighted.
+    (``topk_weights_RK [R, K]`` float32, required), or with ``config.atomic_reduce`` the
+    layer's output ``[R, H]``: each row the sum of its pairs' weighted rows (zero without a
+    local pair; ``sum_topk`` is then not needed). ExpertBatched: ``[e, C, H]`` unweighted.
     Rows that hold no pair are unspecified. ``m_splits`` as for ``gate_up``.
     """
     fp8 = _check_operands(h, w2, h_scale, w2_scale)
@@ -636,7 +640,10 @@ def down(
     else:
         if topk_weights_RK is None:
             raise ValueError("the Standard layout needs topk_weights_RK for down()")
-        out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
+        if config.atomic_reduce:  # the adds start from zero rows
+            out = torch.zeros((r.num_pairs // r.top_k, H), dtype=out_dtype, device=h.device)
+        else:
+            out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
     if config.kernel in WGMMA_KERNELS:
         _down_wgmma(h, w2, r, config, h_scale, w2_scale, fp8, weights, out)
@@ -673,6 +680,7 @@ def down(
         *ws_strides,
         *_row_strides(out, r.batched),
         BATCHED=r.batched,
+        SUM_TOP_K=r.top_k if config.atomic_reduce and not r.batched else 0,
         FP8=fp8,
         W_BLOCK_SCALE=w_block,
         W_SCALE_PER_TILE=fp8 and w_block and _tile_in_block(cfg.block_n, 0),
@@ -878,9 +886,10 @@ def _launch_wgmma(
         out_scale.stride(1) if out_scale is not None else 0,
     )
     kernels = _wgmma_module()
+    sum_rows = not gate_up and not r.batched and config.atomic_reduce
     meta = dict(
         GATE_UP=gate_up,
-        TOP_K=r.top_k if gate_up else 1,
+        TOP_K=r.top_k if gate_up or sum_rows else 1,
         ACTIVATION=activation,
         FP8=fp8,
         W_BLOCK_SCALE=w_block,
@@ -891,6 +900,7 @@ def _launch_wgmma(
         BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         STAGES=cfg.num_stages,
+        SUM_ROWS=sum_rows,
     )
     if config.kernel == "wgmma_ws":  # (a warpgroup past a short block's rows idles by itself)
         w_desc = kernels.weight_descriptor(w, block_n, cfg.block_k)
@@ -1089,11 +1099,12 @@ def standard_with_config(
     out_dtype: torch.dtype,
     config: MoEConfig,
 ) -> torch.Tensor:
-    """The Standard pipeline on prepared inputs (no checks): align, GEMM 1, GEMM 2, sum."""
+    """The Standard pipeline on prepared inputs (no checks): align, GEMM 1, GEMM 2, sum
+    (in GEMM 2 with ``config.atomic_reduce``)."""
     aligned = align_pairs(topk_ids_RK, w13.shape[0], config.block_m, config.half_tail, config.pad_m)
     y, y_scale = gate_up(x, w13, aligned, config, activation, x_scale, w13_scale)
     z = down(y, w2, aligned, config, out_dtype, y_scale, w2_scale, topk_weights_RK)
-    return sum_topk(z, aligned, out_dtype)
+    return z if config.atomic_reduce else sum_topk(z, aligned, out_dtype)
 
 
 def batched_with_config(
@@ -1181,6 +1192,17 @@ def fused_moe_standard(
         config = select_config("standard", w13.dtype, R, H, I, e, K, device, run, autotune)
         if not _hopper_fits(config, x, w13, w2):
             config = heuristic_config("standard", dtype_name(w13.dtype), R, H, I, e, K, device.type)
+        if config.atomic_reduce and torch.are_deterministic_algorithms_enabled():
+            config = dataclasses.replace(config, atomic_reduce=False)  # the fp32 sum pass
+    elif config.atomic_reduce and torch.are_deterministic_algorithms_enabled():
+        message = (
+            "config.atomic_reduce sums each row's pairs with atomics in arrival order, which "
+            "torch.use_deterministic_algorithms(True) forbids; pass "
+            "dataclasses.replace(config, atomic_reduce=False) (or config=None)"
+        )
+        if not torch.is_deterministic_algorithms_warn_only_enabled():
+            raise RuntimeError(message)
+        warnings.warn(message, stacklevel=2)
     check_config(config, w13.dtype == FP8_DTYPE)
     return run(config)
 

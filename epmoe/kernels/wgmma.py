@@ -221,10 +221,12 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
               ACTIVATION: gl.constexpr,
               FP8: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
               BLOCK_N: gl.constexpr, cols_layout: gl.constexpr,
-              WEIGHTED: gl.constexpr):  # fmt: skip
+              WEIGHTED: gl.constexpr, SUM_TOP_K: gl.constexpr):  # fmt: skip
     """GEMM 1: ``act(acc0) · acc1`` (FP8: quantized per row, one group per tile); GEMM 2:
     both halves, scaled by the pair's router weight when ``WEIGHTED`` (the Standard
-    layout). Rows by position; valid rows only."""
+    layout). Rows by position; valid rows only. ``SUM_TOP_K`` > 0 (GEMM 2 of the Standard
+    layout): each pair's row is added into output row ``pair // SUM_TOP_K`` by atomics
+    instead (the top-k sum of the layer, in arrival order)."""
     offs_c = gl.arange(0, BLOCK_N, layout=cols_layout)
     out_rows = out_ptr + pos[:, None] * stride_om
     store_mask = valid[:, None] & (offs_c[None, :] < BLOCK_N)
@@ -249,8 +251,16 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
             acc1 = acc1 * router_w[:, None]
         out0 = acc0.to(out_ptr.dtype.element_ty)
         out1 = acc1.to(out_ptr.dtype.element_ty)
-        gl.store(out_rows + (n0 + offs_c)[None, :], out0, mask=store_mask)
-        gl.store(out_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
+        if SUM_TOP_K > 0:
+            token = gl.where(valid, pair // SUM_TOP_K, 0).to(gl.int64)
+            sum_rows = out_ptr + token[:, None] * stride_om
+            gl.atomic_add(sum_rows + (n0 + offs_c)[None, :], out0, mask=store_mask, sem="relaxed")
+            gl.atomic_add(
+                sum_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask, sem="relaxed"
+            )
+        else:
+            gl.store(out_rows + (n0 + offs_c)[None, :], out0, mask=store_mask)
+            gl.store(out_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
 
 
 @gluon.jit
@@ -297,7 +307,7 @@ def _pair_tile(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     TILE_M: gl.constexpr, WARPS_N: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+    STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, SUM_ROWS: gl.constexpr,
 ):  # fmt: skip
     """One ``[TILE_M, 2 · BLOCK_N]`` output tile (see pair_gemm_kernel): the K loop and the
     epilogue, with the warpgroups along M (``WARPS_N = 1``) or, for a half-height tile,
@@ -387,7 +397,7 @@ def _pair_tile(
     _epilogue(
         acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
         pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
-        INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), True,
+        INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), True, TOP_K if SUM_ROWS else 0,
     )  # fmt: skip
 
 
@@ -435,6 +445,7 @@ def pair_gemm_kernel(
     GROUP_M: gl.constexpr,
     STAGES: gl.constexpr,
     HALF_TAIL: gl.constexpr,  # blocks of <= BLOCK_M / 2 rows run a half-height tile
+    SUM_ROWS: gl.constexpr,  # GEMM 2: add each pair's row into out [R, N] row pair // TOP_K
     num_warps: gl.constexpr,
 ):
     # this program's tile: row block pid_m of the align table, column block pid_n
@@ -461,7 +472,7 @@ def pair_gemm_kernel(
                 num_pairs, stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse,
                 stride_wsn, stride_om, stride_osm, stride_osk, GATE_UP, TOP_K, ACTIVATION, FP8,
                 W_BLOCK_SCALE, FP8_MAX,
-                INV_FP8_MAX, BLOCK_M // 2, 2, BLOCK_N, BLOCK_K, STAGES, num_warps,
+                INV_FP8_MAX, BLOCK_M // 2, 2, BLOCK_N, BLOCK_K, STAGES, num_warps, SUM_ROWS,
             )  # fmt: skip
             return
     _pair_tile(
@@ -470,7 +481,7 @@ def pair_gemm_kernel(
         num_pairs, stride_am, stride_asm, stride_ask, stride_we, stride_wn, stride_wse,
         stride_wsn, stride_om, stride_osm, stride_osk, GATE_UP, TOP_K, ACTIVATION, FP8,
         W_BLOCK_SCALE, FP8_MAX,
-        INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps,
+        INV_FP8_MAX, BLOCK_M, 1, BLOCK_N, BLOCK_K, STAGES, num_warps, SUM_ROWS,
     )  # fmt: skip
 
 
@@ -681,7 +692,8 @@ def _ws_mma(
     GATE_UP: gl.constexpr, TOP_K: gl.constexpr, ACTIVATION: gl.constexpr, FP8: gl.constexpr,
     W_BLOCK_SCALE: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    ROWS: gl.constexpr, MMA_WGS: gl.constexpr, SCALES_BY_POS: gl.constexpr, ROW0: gl.constexpr,
+    ROWS: gl.constexpr, MMA_WGS: gl.constexpr, SCALES_BY_POS: gl.constexpr, SUM_ROWS: gl.constexpr,
+    ROW0: gl.constexpr,
 ):  # fmt: skip
     """One MMA warpgroup: rows ``[ROW0, ROW0 + 64)`` of each tile the loader queues, both
     accumulators, the K loop of ``_pair_tile`` on mbarriers, and the epilogue of its rows.
@@ -766,6 +778,7 @@ def _ws_mma(
                 acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m,
                 n0, pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
                 INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), ROWS == "pairs",
+                TOP_K if SUM_ROWS else 0,
             )  # fmt: skip
         else:  # idle: release the stages the other warpgroup reads
             for k in range(num_k):
@@ -790,6 +803,7 @@ def pair_gemm_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, A_TMA: gl.constexpr,
     SCALES_BY_POS: gl.constexpr,  # FP8: a_scale's rows are positions (else source rows)
+    SUM_ROWS: gl.constexpr,  # GEMM 2, "pairs": add each pair's row into out row pair // TOP_K
     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, MMA_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -860,13 +874,13 @@ def pair_gemm_ws_kernel(
             [
                 (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                            INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
-                           SCALES_BY_POS, 0)),
+                           SCALES_BY_POS, SUM_ROWS, 0)),
                 (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                            INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
-                           SCALES_BY_POS, 64)),
+                           SCALES_BY_POS, SUM_ROWS, 64)),
                 (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                            INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
-                           SCALES_BY_POS, 128)),
+                           SCALES_BY_POS, SUM_ROWS, 128)),
                 (_ws_loader, (load, GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               STAGES, ROWS, A_TMA, MMA_WGS)),
             ],
@@ -878,10 +892,10 @@ def pair_gemm_ws_kernel(
             [
                 (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                            INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
-                           SCALES_BY_POS, 0)),
+                           SCALES_BY_POS, SUM_ROWS, 0)),
                 (_ws_mma, (mma, GATE_UP, TOP_K, ACTIVATION, FP8, W_BLOCK_SCALE, FP8_MAX,
                            INV_FP8_MAX, BLOCK_N, BLOCK_K, GROUP_M, STAGES, ROWS, MMA_WGS,
-                           SCALES_BY_POS, 64)),
+                           SCALES_BY_POS, SUM_ROWS, 64)),
                 (_ws_loader, (load, GATE_UP, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               STAGES, ROWS, A_TMA, MMA_WGS)),
             ],

@@ -13,6 +13,7 @@ C rows of capacity per expert · P = R·K pairs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -53,6 +54,8 @@ SMALL_FP8_UNFUSED = MoEConfig(16, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 64
 # Half-height tail tiles: 32-row blocks, an expert's last block of <= 16 rows runs 16-row tiles.
 HALF = MoEConfig(32, GemmConfig(32, 32, 2, 4, 1), GemmConfig(32, 32, 2, 4, 1), half_tail=True)
 HALF_FP8 = MoEConfig(32, GemmConfig(128, 32, 2, 4, 1), GemmConfig(32, 64, 2, 4, 1), half_tail=True)
+# GEMM 2 adds each pair's row into its token's output row (no separate top-k sum).
+SMALL_ATOMIC = dataclasses.replace(SMALL, atomic_reduce=True)
 # Rows per expert around the tile boundaries of HALF: none, one, a half tile exactly, just
 # over it, a full block, a full block and a half tile, two full blocks.
 HALF_TAIL_COUNTS = [0, 1, 16, 17, 32, 33, 48, 49, 64]
@@ -114,9 +117,10 @@ STANDARD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("config", [SMALL, SMALL_ATOMIC], ids=["sum-pass", "atomic-reduce"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("R,K,e,H,I,ids_case,activation", STANDARD_CASES)
-def test_standard_matches_oracle(R, K, e, H, I, ids_case, activation, dtype):
+def test_standard_matches_oracle(R, K, e, H, I, ids_case, activation, dtype, config):
     g = _gen(R + 7 * e + H)
     x = torch.randn(R, H, generator=g, dtype=torch.float64)
     w13, w2 = _weights(e, H, I, seed=R + e)
@@ -131,7 +135,7 @@ def test_standard_matches_oracle(R, K, e, H, I, ids_case, activation, dtype):
         w13.to(dtype).to(DEVICE),
         w2.to(dtype).to(DEVICE),
         activation=activation,
-        config=SMALL,
+        config=config,
     )
     assert out.shape == (R, H) and out.dtype == dtype
     assert_close(out.cpu(), ref, TOLERANCES[dtype], name=f"standard {ids_case}")
@@ -492,8 +496,8 @@ def test_fp8_gate_up_scales(per_tensor):
 
 @pytest.mark.parametrize(
     "config",
-    [SMALL_FP8, HALF_FP8, SMALL_FP8_UNFUSED],
-    ids=["full", "half-tail", "narrow-gate-up"],
+    [SMALL_FP8, HALF_FP8, SMALL_FP8_UNFUSED, dataclasses.replace(HALF_FP8, atomic_reduce=True)],
+    ids=["full", "half-tail", "narrow-gate-up", "half-tail-atomic-reduce"],
 )
 def test_fp8_pipeline_smoke(config):
     """Whole FP8 layers (bf16 in, FP8 weights) in both layouts against the oracle with the
@@ -514,6 +518,8 @@ def test_fp8_pipeline_smoke(config):
     )  # fmt: skip
     assert out.dtype == torch.float32
     assert_close(out.cpu(), ref, rtol, name="fp8 standard")
+    if config.atomic_reduce and DEVICE == "cpu":
+        return  # (the interpreter has no bf16 atomics: the GPU tier runs the rest)
 
     # FP8 hidden states as an FP8 dispatch delivers them: bf16 output by default.
     xq, xs = quantize_groups(x.float())
@@ -751,8 +757,8 @@ def test_wgmma_refusals_name_each_reason(monkeypatch):
 
 def test_a_selected_hopper_config_gives_way_where_it_cannot_run(monkeypatch):
     """A table or autotuner pick is by shape: where the operands do not suit the Hopper
-    kernels (here: the interpreter) the layer runs the shape heuristics' config instead of
-    failing; an explicit Hopper config is still refused."""
+    kernels (on CPU: the interpreter) the layer runs the shape heuristics' config instead of
+    failing; an explicit Hopper config is still refused there."""
     picked = []
     hopper = configs.wgmma_config("fp16")
     monkeypatch.setattr(ops, "select_config", lambda *a, **k: picked.append(1) or hopper)
@@ -766,8 +772,45 @@ def test_a_selected_hopper_config_gives_way_where_it_cannot_run(monkeypatch):
     assert picked == [1]
     ref = moe(x.double(), w13.double(), w2.double(), w, ids)
     assert_close(out, ref, TOLERANCES[torch.float16], name="fallback")
-    with pytest.raises(ValueError, match="cannot run here"):
-        ops.fused_moe_standard(x, ids, w, w13, w2, config=hopper)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="cannot run here"):
+            ops.fused_moe_standard(x, ids, w, w13, w2, config=hopper)
+    else:  # (an sm_90 GPU with Gluon runs it, explicit or picked)
+        explicit = ops.fused_moe_standard(x, ids, w, w13, w2, config=hopper)
+        assert_close(explicit, ref, TOLERANCES[torch.float16], name="explicit Hopper config")
+
+
+def test_deterministic_algorithms_turn_the_atomic_sum_off(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms(True)`` a selected config with
+    ``atomic_reduce`` runs the fp32 sum pass instead (bitwise equal to the config without
+    it); an explicit one is refused with the fix, or warned about with ``warn_only``."""
+    R, K, e, H, I = 7, 2, 3, 64, 32
+    g = _gen(141)
+    x = torch.randn(R, H, generator=g).to(DEVICE)
+    w13, w2 = (t.float().to(DEVICE) for t in _weights(e, H, I, seed=142))
+    ids = _ids_for("random", R, K, e, seed=143).to(DEVICE)
+    w = torch.rand(R, K, generator=g).to(DEVICE)
+    ran = []
+    real = ops.standard_with_config
+    monkeypatch.setattr(ops, "standard_with_config", lambda *a: ran.append(a[-1]) or real(*a))
+    monkeypatch.setattr(ops, "select_config", lambda *a, **k: SMALL_ATOMIC)
+    try:
+        torch.use_deterministic_algorithms(True)
+        out = ops.fused_moe_standard(x, ids, w, w13, w2)
+        assert ran == [SMALL] and torch.equal(
+            out, ops.fused_moe_standard(x, ids, w, w13, w2, config=SMALL)
+        )
+        with pytest.raises(RuntimeError, match="atomic_reduce=False"):
+            ops.fused_moe_standard(x, ids, w, w13, w2, config=SMALL_ATOMIC)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="use_deterministic_algorithms"):
+            summed = ops.fused_moe_standard(x, ids, w, w13, w2, config=SMALL_ATOMIC)
+        assert_close(summed, out, 1e-5, name="atomic sum, warned")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    ran.clear()
+    ops.fused_moe_standard(x, ids, w, w13, w2)
+    assert ran == [SMALL_ATOMIC]
 
 
 def test_config_tables_and_heuristics(monkeypatch, tmp_path):
