@@ -174,7 +174,7 @@ def align_pairs(
     # whatever B is (Triton specialises kernels on 16-byte pointer alignment)
     block_table = [torch.empty(num_blocks, **i32) for _ in range(3)]
     expert_start = torch.empty(num_experts, **i32)
-    num_padded, blocks_used = torch.zeros(1, **i32), torch.zeros(1, **i32)
+    num_padded, blocks_used = torch.empty(1, **i32), torch.empty(1, **i32)  # (written below)
     pair_pos = torch.empty(P, **i32)
     rank = torch.empty(P, **i32)
     tile_counters = torch.empty(2, **i32)  # (zeroed by block_table_kernel)
@@ -182,8 +182,9 @@ def align_pairs(
         sorted_pairs, *block_table, pair_pos, counts, num_padded, blocks_used, block_m, pad_m,
         R, K, tile_counters,
     )  # fmt: skip
-    if P == 0:
-        tile_counters.zero_()  # (no kernel runs: nothing else would zero them)
+    if P == 0:  # no kernel runs: nothing else would write these
+        for t in (tile_counters, num_padded, blocks_used):
+            t.zero_()
         return aligned
     block = 1024
     align.count_pairs_kernel[(_cdiv(P, block),)](
