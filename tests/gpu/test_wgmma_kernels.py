@@ -82,6 +82,17 @@ def _run(x, ids, w, weights, cfg, x_scale=None):
     )
 
 
+def _capture(fn):
+    """``fn()`` captured in a CUDA graph on a side stream: ``(graph, its output)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, out
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("half_tail", [False, True], ids=["one-height", "half-tails"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
@@ -261,12 +272,7 @@ def test_expert_batched_ws_replays_in_a_graph_with_new_counts(kernel):
     counts = torch.randint(0, C + 1, (e,), generator=_gen(43), device=DEV, dtype=torch.int32)
     _batched(xq, counts, weights, cfg, xs)  # compile outside the capture
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out_graph = _batched(xq, counts, weights, cfg, xs)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out_graph = _capture(lambda: _batched(xq, counts, weights, cfg, xs))
     for step in range(3):
         q, s = quantize_groups(torch.randn(e, C, H, generator=_gen(50 + step), device=DEV).to(BF16))
         xq.copy_(q)
@@ -332,12 +338,7 @@ def test_bf16_top_k_and_graph_replay(kernel):
     out = _run(x, ids, w, weights, WGMMA["bf16", kernel])
     assert_close(out, moe(x.double(), w13d, w2d, w, ids), TOLERANCES[BF16], name="bf16")
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out_graph = _run(x, ids, w, weights, WGMMA["bf16", kernel])
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out_graph = _capture(lambda: _run(x, ids, w, weights, WGMMA["bf16", kernel]))
     for step in range(2):
         x.copy_(torch.randn(R, H, generator=_gen(10 + step), device=DEV).to(BF16))
         ids.copy_(_ids(R, K, e, E, seed=20 + step))
@@ -469,12 +470,7 @@ def test_atomic_reduce_sums_the_pairs_in_gemm2(dtype, kernel):
     assert_close(out, _run(x, ids, w, weights, summed), 1e-2, name="atomic vs fp32 sum")
     assert not out[::3].any(), "rows without a local pair must be zero"
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        out_graph = _run(x, ids, w, weights, cfg)
-    torch.cuda.current_stream().wait_stream(stream)
+    graph, out_graph = _capture(lambda: _run(x, ids, w, weights, cfg))
     ids.copy_(_ids(R, K, e, E, seed=135))
     graph.replay()
     ref = moe(x.double(), w13d, w2d, w, ids)
