@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the Triton MoE kernels on one GPU (H100/H200), in one call of about 9 minutes:
+# GPU check of the Triton MoE kernels on one GPU (H100/H200), in one call of about 10 minutes:
 #   1. tests/gpu/test_triton_experts_gpu.py, test_wgmma_kernels.py (against the oracle, graphs)
 #   2. python -m epmoe.bench experts --configs (default tiling, a tiling sweep, baselines,
 #      per-step times, compiler resource report)

@@ -219,7 +219,10 @@ def report(
             raise SystemExit(f"--rows {row_mode} needs a wgmma_ws config, got {config.short()}")
         if row_mode != "pairs":  # (the same arguments; the kernel reads them per layout)
             for _, meta in launches.values():
-                meta["ROWS"] = row_mode
+                # ExpertBatched has no router weights nor top-k sum (the table's Standard
+                # config may sum in GEMM 2)
+                meta.update(ROWS=row_mode, SUM_ROWS=False)
+                meta["TOP_K"] = meta["TOP_K"] if meta["GATE_UP"] else 1
         fn = hopper.pair_gemm_ws_kernel if config.kernel == "wgmma_ws" else hopper.pair_gemm_kernel
         kernels = [("gate_up", launches[True], fn), ("down", launches[False], fn)]
     else:

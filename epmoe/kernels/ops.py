@@ -628,7 +628,8 @@ def down(
     (``topk_weights_RK [R, K]`` float32, required), or with ``config.atomic_reduce`` the
     layer's output ``[R, H]``: each row the sum of its pairs' weighted rows (zero without a
     local pair; ``sum_topk`` is then not needed). ExpertBatched: ``[e, C, H]`` unweighted.
-    Rows that hold no pair are unspecified. ``m_splits`` as for ``gate_up``.
+    Positions or slab rows that hold no pair are unspecified. ``m_splits`` as for
+    ``gate_up``.
     """
     fp8 = _check_operands(h, w2, h_scale, w2_scale)
     check_config(config, fp8)
@@ -642,7 +643,8 @@ def down(
         if topk_weights_RK is None:
             raise ValueError("the Standard layout needs topk_weights_RK for down()")
         if config.atomic_reduce:  # the adds start from zero rows
-            out = torch.zeros((r.num_pairs // r.top_k, H), dtype=out_dtype, device=h.device)
+            R = rows.num_rows if isinstance(rows, AlignedPairs) else r.num_pairs // r.top_k
+            out = torch.zeros((R, H), dtype=out_dtype, device=h.device)
         else:
             out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
@@ -984,6 +986,12 @@ def _down_wgmma(
 def sum_topk(y_pos: torch.Tensor, aligned: AlignedPairs, out_dtype: torch.dtype) -> torch.Tensor:
     """``out[r] = Σ_k y_pos[pair_pos[r·K + k]]`` over local pairs (fp32 sums): ``[R, H]``."""
     R, K = aligned.num_rows, aligned.top_k
+    if y_pos.dim() != 2 or y_pos.shape[0] < aligned.sorted_pairs.shape[0]:
+        raise ValueError(
+            f"sum_topk needs down()'s rows by padded position [P_pad={aligned.sorted_pairs.shape[0]}"
+            f", H], got {tuple(y_pos.shape)}; a config with atomic_reduce sums them in down() "
+            "already (its output is the layer's [R, H])"
+        )
     H = y_pos.shape[1]
     out = torch.empty((R, H), dtype=out_dtype, device=y_pos.device)
     if R == 0 or H == 0:

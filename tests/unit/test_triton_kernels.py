@@ -772,7 +772,7 @@ def test_a_selected_hopper_config_gives_way_where_it_cannot_run(monkeypatch):
     assert picked == [1]
     ref = moe(x.double(), w13.double(), w2.double(), w, ids)
     assert_close(out, ref, TOLERANCES[torch.float16], name="fallback")
-    if DEVICE == "cpu":
+    if ops.wgmma_unsupported(hopper, x, w13, I, hopper.gate_up.block_n, False) is not None:
         with pytest.raises(ValueError, match="cannot run here"):
             ops.fused_moe_standard(x, ids, w, w13, w2, config=hopper)
     else:  # (an sm_90 GPU with Gluon runs it, explicit or picked)
@@ -794,6 +794,8 @@ def test_deterministic_algorithms_turn_the_atomic_sum_off(monkeypatch):
     real = ops.standard_with_config
     monkeypatch.setattr(ops, "standard_with_config", lambda *a: ran.append(a[-1]) or real(*a))
     monkeypatch.setattr(ops, "select_config", lambda *a, **k: SMALL_ATOMIC)
+    before = torch.are_deterministic_algorithms_enabled()
+    before_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     try:
         torch.use_deterministic_algorithms(True)
         out = ops.fused_moe_standard(x, ids, w, w13, w2)
@@ -807,10 +809,30 @@ def test_deterministic_algorithms_turn_the_atomic_sum_off(monkeypatch):
             summed = ops.fused_moe_standard(x, ids, w, w13, w2, config=SMALL_ATOMIC)
         assert_close(summed, out, 1e-5, name="atomic sum, warned")
     finally:
-        torch.use_deterministic_algorithms(False)
-    ran.clear()
-    ops.fused_moe_standard(x, ids, w, w13, w2)
-    assert ran == [SMALL_ATOMIC]
+        torch.use_deterministic_algorithms(before, warn_only=before_warn_only)
+    if not before:
+        ran.clear()
+        ops.fused_moe_standard(x, ids, w, w13, w2)
+        assert ran == [SMALL_ATOMIC]
+
+
+def test_atomic_reduce_round_trips_and_is_a_candidate():
+    """``atomic_reduce`` survives ``to_dict`` / ``from_dict`` (the tables), shows in
+    ``short()``, is among the autotuner's Hopper candidates of the Standard layout, and a
+    sum pass over GEMM 2's summed output is refused rather than read out of bounds."""
+    cfg = dataclasses.replace(configs.wgmma_config("bf16", "wgmma_ws", 192), atomic_reduce=True)
+    assert MoEConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.short().endswith("+ wgmma_ws") and "+" not in SMALL.short()
+    for dtype in ("bf16", "fp8"):
+        cands = configs.candidate_configs("standard", dtype, 4096, 7168, 2048, 128, 8)
+        assert any(c.atomic_reduce for c in cands)
+        batched = configs.candidate_configs("batched", dtype, 256, 7168, 2048, 128, 8)
+        assert not any(c.atomic_reduce for c in batched)
+    ids = torch.tensor([[0, 1], [1, -1], [0, 0]], device=DEVICE)
+    aligned = ops.align_pairs(ids, 2, 16)
+    R, H = ids.shape[0], 32
+    with pytest.raises(ValueError, match="atomic_reduce"):
+        ops.sum_topk(torch.zeros(R, H, device=DEVICE), aligned, torch.float32)
 
 
 def test_config_tables_and_heuristics(monkeypatch, tmp_path):
