@@ -642,9 +642,8 @@ def down(
     else:
         if topk_weights_RK is None:
             raise ValueError("the Standard layout needs topk_weights_RK for down()")
-        if config.atomic_reduce:  # the adds start from zero rows
-            R = rows.num_rows if isinstance(rows, AlignedPairs) else r.num_pairs // r.top_k
-            out = torch.zeros((R, H), dtype=out_dtype, device=h.device)
+        if config.atomic_reduce:  # the adds start from zero rows (Standard: AlignedPairs)
+            out = torch.zeros((rows.num_rows, H), dtype=out_dtype, device=h.device)
         else:
             out = torch.empty((h.shape[0], H), dtype=out_dtype, device=h.device)
         weights = topk_weights_RK.reshape(-1).to(torch.float32)
