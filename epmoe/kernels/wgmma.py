@@ -106,6 +106,24 @@ _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
+@gluon.constexpr_function
+def _store_layout(block_n):
+    """One MMA warpgroup's ``[64, block_n]`` accumulator tile as the epilogue stores it: each
+    thread 4 consecutive columns (8 bytes of bf16), a quad of threads 16 columns of a row
+    (one 32-byte sector). The wgmma layout gives a thread 2 columns: its stores and atomics
+    write 4 bytes each, half of each sector a quad touches. This layout differs from it in
+    one bit (a thread's columns +2 and +8 swap between registers and lanes), so the
+    conversion is shuffles within each quad, with no shared memory: stores become
+    ``st.global.v2.b32``, atomic adds ``red...v4.bf16``, half as many."""
+    reg = [[0, 1], [0, 2], [8, 0]]
+    c = 16
+    while c < block_n:
+        reg.append([0, c])
+        c *= 2
+    lane = [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(reg, lane, [[16, 0], [32, 0]], [], [64, block_n])
+
+
 @gluon.jit
 def _issue_loads(
     a_smem, b0_smem, b1_smem, stage, a_ptrs, a_mask, b_ptrs, b1_off, k_off, STEPS_AHEAD_OK
@@ -220,47 +238,54 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
               pid_n, stride_om, stride_osm, stride_osk, GATE_UP: gl.constexpr,
               ACTIVATION: gl.constexpr,
               FP8: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
-              BLOCK_N: gl.constexpr, cols_layout: gl.constexpr,
+              BLOCK_N: gl.constexpr, store_layout: gl.constexpr,
               WEIGHTED: gl.constexpr, SUM_TOP_K: gl.constexpr):  # fmt: skip
     """GEMM 1: ``act(acc0) · acc1`` (FP8: quantized per row, one group per tile); GEMM 2:
     both halves, scaled by the pair's router weight when ``WEIGHTED`` (the Standard
     layout). Rows by position; valid rows only. ``SUM_TOP_K`` > 0 (GEMM 2 of the Standard
     layout): each pair's row is added into output row ``pair // SUM_TOP_K`` by atomics
-    instead (the top-k sum of the layer, in arrival order)."""
-    offs_c = gl.arange(0, BLOCK_N, layout=cols_layout)
-    out_rows = out_ptr + pos[:, None] * stride_om
-    store_mask = valid[:, None] & (offs_c[None, :] < BLOCK_N)
+    instead (the top-k sum of the layer, in arrival order). The stores run in
+    ``store_layout`` (the accumulators' own, or ``_store_layout``'s)."""
+    dtype = out_ptr.dtype.element_ty
     if GATE_UP:
         if ACTIVATION == "silu":
             act = acc0 / (1.0 + gl.exp(-acc0))
         else:
             act = 0.5 * acc0 * (1.0 + gl.erf(acc0 * 0.7071067811865476))
         h = act * acc1
-        y_ptrs = out_rows + (n0 + offs_c)[None, :]
         if FP8:  # one group of G columns per tile: quantize it for GEMM 2 (as quant.py)
             scale = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-10) * INV_FP8_MAX
-            q = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
-            gl.store(y_ptrs, q.to(out_ptr.dtype.element_ty), mask=store_mask)
+            h = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
             gl.store(out_scale_ptr + pos * stride_osm + pid_n * stride_osk, scale, mask=valid)
-        else:
-            gl.store(y_ptrs, h.to(out_ptr.dtype.element_ty), mask=store_mask)
+        # (converted in the output dtype: half the registers of fp32 or less)
+        out0 = gl.convert_layout(h.to(dtype), store_layout)
     else:
         if WEIGHTED:
             router_w = gl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
             acc0 = acc0 * router_w[:, None]
             acc1 = acc1 * router_w[:, None]
-        out0 = acc0.to(out_ptr.dtype.element_ty)
-        out1 = acc1.to(out_ptr.dtype.element_ty)
-        if SUM_TOP_K > 0:
-            token = gl.where(valid, pair // SUM_TOP_K, 0).to(gl.int64)
-            sum_rows = out_ptr + token[:, None] * stride_om
-            gl.atomic_add(sum_rows + (n0 + offs_c)[None, :], out0, mask=store_mask, sem="relaxed")
-            gl.atomic_add(
-                sum_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask, sem="relaxed"
-            )
-        else:
-            gl.store(out_rows + (n0 + offs_c)[None, :], out0, mask=store_mask)
-            gl.store(out_rows + (n0 + BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
+        out0 = acc0.to(dtype)
+        out1 = acc1.to(dtype)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, store_layout)
+    valid = gl.convert_layout(valid, rows_layout)
+    offs_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+    store_mask = valid[:, None] & (offs_c[None, :] < BLOCK_N)
+    if SUM_TOP_K > 0:  # GEMM 2 of the Standard layout: into the pair's token row
+        token = gl.where(valid, gl.convert_layout(pair, rows_layout) // SUM_TOP_K, 0)
+        rows = out_ptr + token.to(gl.int64)[:, None] * stride_om + n0
+    else:
+        rows = out_ptr + gl.convert_layout(pos, rows_layout)[:, None] * stride_om + n0
+    if GATE_UP:
+        gl.store(rows + offs_c[None, :], out0, mask=store_mask)
+    elif SUM_TOP_K > 0:
+        out0 = gl.convert_layout(out0, store_layout)
+        gl.atomic_add(rows + offs_c[None, :], out0, mask=store_mask, sem="relaxed")
+        out1 = gl.convert_layout(out1, store_layout)
+        gl.atomic_add(rows + (BLOCK_N + offs_c)[None, :], out1, mask=store_mask, sem="relaxed")
+    else:
+        gl.store(rows + offs_c[None, :], gl.convert_layout(out0, store_layout), mask=store_mask)
+        out1 = gl.convert_layout(out1, store_layout)
+        gl.store(rows + (BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
 
 
 @gluon.jit
@@ -397,7 +422,7 @@ def _pair_tile(
     _epilogue(
         acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
         pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
-        INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), True, TOP_K if SUM_ROWS else 0,
+        INV_FP8_MAX, BLOCK_N, mma_layout, True, TOP_K if SUM_ROWS else 0,
     )  # fmt: skip
 
 
@@ -712,6 +737,7 @@ def _ws_mma(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
     )
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    store_layout: gl.constexpr = _store_layout(BLOCK_N) if BLOCK_N >= 16 else mma_layout
     WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
     num_k = K // BLOCK_K
     num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
@@ -777,7 +803,7 @@ def _ws_mma(
             _epilogue(
                 acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m,
                 n0, pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
-                INV_FP8_MAX, BLOCK_N, gl.SliceLayout(0, mma_layout), ROWS == "pairs",
+                INV_FP8_MAX, BLOCK_N, store_layout, ROWS == "pairs",
                 TOP_K if SUM_ROWS else 0,
             )  # fmt: skip
         else:  # idle: release the stages the other warpgroup reads
