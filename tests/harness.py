@@ -60,7 +60,7 @@ import tempfile
 import textwrap
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -98,6 +98,30 @@ def test_device() -> str:
 
 
 test_device.__test__ = False  # a helper, not a test, in modules that import it
+
+
+def world_sizes(default: Sequence[int], minimum: int = 1) -> list[int]:
+    """The world sizes a multi-rank test runs at: env ``EPMOE_TEST_WORLDS`` (comma-separated,
+    e.g. ``"8"`` or ``"4,8"`` on a machine with that many GPUs, or on gloo) when set, else
+    ``default``; sizes below ``minimum`` (what the test needs) are left out."""
+    env = os.environ.get("EPMOE_TEST_WORLDS", "").strip()
+    if not env:
+        return [w for w in default if w >= minimum]
+    try:
+        worlds = [int(w) for w in env.split(",") if w.strip()]
+    except ValueError:
+        worlds = []
+    if not worlds or min(worlds) < 1:
+        raise ValueError(
+            f"EPMOE_TEST_WORLDS must list world sizes >= 1 separated by commas, e.g. '2,4,8'; "
+            f"got {env!r}"
+        )
+    return [w for w in worlds if w >= minimum]
+
+
+def world_ids(worlds: Sequence[int]) -> list[str]:
+    """pytest ids for ``world_sizes``: ``W=2``, ..."""
+    return [f"W={w}" for w in worlds]
 
 
 def requires_world(world_size: int) -> None:

@@ -17,7 +17,11 @@ from epmoe.comm.base import CommSpec, Layout
 from epmoe.reference import TOLERANCES, assert_close
 from tests.harness import Sweep
 
-E_TOP_K = [(6, 2), (8, 3)]  # (E, K): 6 is not a multiple of 4, so linear placement is uneven
+
+def e_top_k(W: int) -> list[tuple[int, int]]:
+    """The (E, K) of the oracle sweep at W ranks: E not a multiple of W (so linear placement
+    is uneven: 6 for W = 4) and at least W + 2 (so every rank holds an expert)."""
+    return [(6, 2), (8, 3)] if W <= 4 else [(W + 2, 2), (W + 4, 3)]
 
 
 def device_for(rank: int, device: str) -> torch.device:
@@ -78,9 +82,9 @@ def check_layer_against_oracle(rank, world, device="cpu", dtype_name="float32", 
     dtype = getattr(torch, dtype_name)
     dev = device_for(rank, device)
     H, I = 32, 24
-    tokens = [5, 0, 9, 3][:world] if world > 1 else [7]
+    tokens = [[5, 0, 9, 3][r % 4] for r in range(world)] if world > 1 else [7]
     sweep = Sweep()
-    for (E, K), (backend, layout) in itertools.product(E_TOP_K, backends_and_layouts()):
+    for (E, K), (backend, layout) in itertools.product(e_top_k(world), backends_and_layouts()):
         for pname, placement in placements(E, world):
             with sweep.case(f"W={world} E={E} K={K} {backend} {layout.value} {pname}"):
                 layer, w13, w2 = loaded_layer(
@@ -191,7 +195,7 @@ def check_exact_dispatch(rank, world, device="cpu"):
     ExpertBatched: each (token, expert) pair once in its expert's rows. And combine of the
     identity expert returns the tokens themselves (weights sum to 1)."""
     dev = device_for(rank, device)
-    E, K, H = 7, 3, 4
+    E, K, H = max(7, world + 3), 3, 4  # (every rank holds an expert)
     T = [5, 0, 3, 6][rank % 4]
     placement = epmoe.ExpertPlacement.linear(E, world)
     spec = CommSpec(

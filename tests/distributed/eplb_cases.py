@@ -52,20 +52,24 @@ def _hand_made_replicas(E: int, W: int) -> tuple[ExpertPlacement, ExpertPlacemen
 def scenarios(W: int) -> list[tuple[str, int, list[ExpertPlacement]]]:
     """``(name, E, [p0, p1, ...])``: a layer starts on ``p0`` and is re-placed onto each
     next placement in turn. The same list on every rank."""
-    skew6 = torch.tensor([1.0, 9.0, 2.0, 30.0, 4.0, 5.0])
-    skew6b = skew6.flip(0) * torch.tensor([1.0, 3.0, 1.0, 1.0, 1.0, 1.0])
-    r6 = redundant_slots(6, W, at_least=1)
-    bal = ExpertPlacement.balanced(skew6, W, num_redundant=r6)
-    bal_b = ExpertPlacement.balanced(skew6b, W, num_redundant=r6, current=bal)
-    replicas = _hand_made_replicas(8, W)
+    # e: linear is uneven (6 for W = 4), so the slot count and rank_offsets change twice;
+    # f: two or more experts per rank, so round-robin and linear differ
+    e, f = (6, 8) if W <= 4 else (W + 2, 2 * W)
+    skew = torch.tensor([1.0, 9.0, 2.0, 30.0, 4.0, 5.0]).repeat(-(-e // 6))[:e]
+    skew = skew * (1 + torch.arange(e) // 6)  # (W <= 4: the six loads as they were)
+    skew_b = skew.flip(0)
+    skew_b[1] *= 3.0  # another skew, for the migration-aware re-plan
+    r = redundant_slots(e, W, at_least=1)
+    bal = ExpertPlacement.balanced(skew, W, num_redundant=r)
+    bal_b = ExpertPlacement.balanced(skew_b, W, num_redundant=r, current=bal)
+    replicas = _hand_made_replicas(f, W)
     return [
-        # E=6: linear is uneven for W=4, so the slot count and rank_offsets change twice
-        ("linear->balanced->aware->linear", 6,
-         [ExpertPlacement.linear(6, W), bal, bal_b, ExpertPlacement.linear(6, W)]),
-        ("round_robin->linear", 8,
-         [ExpertPlacement.round_robin(8, W), ExpertPlacement.linear(8, W)]),
-        ("two_replicas_on_one_rank->back", 8, [*replicas, replicas[0]]),
-        ("unchanged", 8, [ExpertPlacement.linear(8, W), ExpertPlacement.linear(8, W)]),
+        ("linear->balanced->aware->linear", e,
+         [ExpertPlacement.linear(e, W), bal, bal_b, ExpertPlacement.linear(e, W)]),
+        ("round_robin->linear", f,
+         [ExpertPlacement.round_robin(f, W), ExpertPlacement.linear(f, W)]),
+        ("two_replicas_on_one_rank->back", f, [*replicas, replicas[0]]),
+        ("unchanged", f, [ExpertPlacement.linear(f, W), ExpertPlacement.linear(f, W)]),
     ]  # fmt: skip
 
 

@@ -18,20 +18,18 @@ failing one.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 import epmoe
 from epmoe.comm import backend_names
 from epmoe.distributed import normalize_device
 from tests.distributed import comm_cases
-from tests.harness import requires_world, run_on_ranks
+from tests.harness import requires_world, run_on_ranks, world_sizes
 from tests.harness import test_device as device_under_test
 
 # world sizes: 1-4 by default (gloo runs 4 ranks on 2 cores); EPMOE_TEST_WORLDS="8" on larger
 # machines (the same cases; NCCL ranks beyond the GPUs skip)
-WORLDS = [int(w) for w in os.environ.get("EPMOE_TEST_WORLDS", "1,2,3,4").split(",") if w.strip()]
+WORLDS = world_sizes([1, 2, 3, 4])
 BACKENDS = backend_names()  # the registry: a new backend joins the suite by registering
 
 

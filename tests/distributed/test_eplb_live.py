@@ -16,10 +16,10 @@ from epmoe.eplb.migration import MigrationPlan, migrate_slots
 from epmoe.eplb.recorder import logical_load
 from epmoe.placement import ExpertPlacement
 from tests.distributed import eplb_cases
-from tests.harness import run_on_ranks
+from tests.harness import run_on_ranks, world_ids, world_sizes
 from tests.harness import test_device as device_under_test
 
-WORLDS = [2, 3, 4]
+WORLDS = world_sizes([2, 3, 4], minimum=2)  # EPMOE_TEST_WORLDS=8 on an 8-GPU machine
 
 
 def _dtype() -> str:
@@ -183,7 +183,7 @@ def test_measured_balancedness() -> None:
 # ------------------------------------------------------------------ W ranks
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"W={w}" for w in WORLDS])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_rebalance_moves_only_changed_slots(world) -> None:
     run_on_ranks(eplb_cases.check_rebalance, world, device_under_test(), _dtype())
 
@@ -193,7 +193,7 @@ def test_rebalance_errors_raise_on_every_rank(world) -> None:
     run_on_ranks(eplb_cases.check_rebalance_errors, world, device_under_test())
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"W={w}" for w in WORLDS])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_manager_improves_measured_balance(world) -> None:
     results = run_on_ranks(eplb_cases.check_manager, world, device_under_test(), _dtype())
     assert all(r == results[0] for r in results), f"ranks measured differently: {results}"

@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import cases
-from tests.harness import requires_world, run_on_ranks
+from tests.harness import requires_world, run_on_ranks, world_ids, world_sizes
 from tests.harness import test_device as device_under_test
 
-WORLDS = [1, 2, 3, 4]
+WORLDS = world_sizes([1, 2, 3, 4])  # EPMOE_TEST_WORLDS=8 on an 8-GPU machine
 
 
 def _dtype() -> str:
     return "bfloat16" if device_under_test() == "cuda" else "float32"
 
 
-@pytest.mark.parametrize("world", WORLDS, ids=[f"W={w}" for w in WORLDS])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_layer_matches_oracle(world):
     requires_world(world)
     run_on_ranks(cases.check_layer_against_oracle, world, device_under_test(), _dtype())
@@ -37,7 +37,7 @@ def test_routing_and_activation_variants(world):
     run_on_ranks(cases.check_variants, world, device_under_test(), _dtype())
 
 
-@pytest.mark.parametrize("world", [1, 2, 4], ids=["W=1", "W=2", "W=4"])
+@pytest.mark.parametrize("world", world_sizes([1, 2, 4]), ids=world_ids(world_sizes([1, 2, 4])))
 def test_dispatch_delivers_exactly(world):
     requires_world(world)
     run_on_ranks(cases.check_exact_dispatch, world, device_under_test())

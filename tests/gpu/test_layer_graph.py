@@ -38,7 +38,9 @@ import epmoe.comm  # noqa: E402
 from epmoe.reference import TOLERANCES, relative_error  # noqa: E402
 from tests.distributed.cases import full_weights  # noqa: E402
 from tests.distributed.layer_v2_cases import LOOPBACK, physical_counts  # noqa: E402
-from tests.harness import requires_world, run_on_ranks  # noqa: E402
+from tests.harness import requires_world, run_on_ranks, world_ids, world_sizes  # noqa: E402
+
+WORLDS = world_sizes([2, 4], minimum=2)  # EPMOE_TEST_WORLDS=4,8 on larger machines
 from tests.harness import test_device as device_under_test  # noqa: E402
 
 T, E, K, H, I = 48, 16, 4, 256, 128
@@ -166,7 +168,7 @@ def test_graph_replays_match_eager_and_oracle_on_one_gpu(backend, monkeypatch):
     graph_replays(0, 1, backend)
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["W=2", "W=4"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_graph_replays_on_nccl_ranks(world):
     """The same on W NCCL ranks with symm_ll (one replay is one collective step)."""
     if device_under_test() != "cuda":

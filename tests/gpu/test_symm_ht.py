@@ -33,7 +33,9 @@ from tests.gpu.test_symm_ll import (  # noqa: E402  (EPMoE and graph cases share
     graph_replays,
     layer_against_oracle,
 )
-from tests.harness import Sweep, requires_world, run_on_ranks  # noqa: E402
+from tests.harness import Sweep, requires_world, run_on_ranks, world_ids, world_sizes  # noqa: E402
+
+WORLDS = world_sizes([1, 2])  # EPMOE_TEST_WORLDS=4,8 on larger machines
 
 pytestmark = pytest.mark.gpu
 
@@ -164,25 +166,25 @@ def two_in_flight(rank, world):
     return sweep.passed
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_two_results_in_flight_with_flags_counts_and_a_streamed_combine(world):
     requires_world(world)
     run_on_ranks(two_in_flight, world, timeout_s=300)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_exact_dispatch_and_identity_combine(world):
     requires_world(world)
     run_on_ranks(exact_dispatch, world, timeout_s=300)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_layer_against_oracle(world):
     requires_world(world)
     run_on_ranks(layer_against_oracle, world, "symm_ht", timeout_s=300)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_layer_with_few_sms_and_counts_against_oracle(world):
     """EPMoE(backend_options=...): 3 SMs, so every kernel loops, and one count per
     program, so the counted dispatch sends several tokens per step."""
@@ -191,7 +193,7 @@ def test_layer_with_few_sms_and_counts_against_oracle(world):
     run_on_ranks(layer_against_oracle, world, "symm_ht", options, timeout_s=300)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_layer_with_a_streamed_combine_on_few_sms_against_oracle(world):
     """The streamed combine (the default on every SM: ``test_layer_against_oracle``) on 5
     SMs, 2 of them reducing: its senders and reducers loop."""
@@ -200,7 +202,7 @@ def test_layer_with_a_streamed_combine_on_few_sms_against_oracle(world):
     run_on_ranks(layer_against_oracle, world, "symm_ht", options, timeout_s=300)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_graph_replays_with_changing_routing(world):
     requires_world(world)
     run_on_ranks(graph_replays, world, "symm_ht", timeout_s=300)

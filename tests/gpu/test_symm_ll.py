@@ -24,7 +24,9 @@ from epmoe.bench.comm import wire_spec  # noqa: E402
 from epmoe.comm import backend_class, create_backend  # noqa: E402
 from epmoe.comm.base import FP8_DTYPE, Layout  # noqa: E402
 from epmoe.reference import TOLERANCES, assert_close, quantize_groups  # noqa: E402
-from tests.harness import Sweep, requires_world, run_on_ranks  # noqa: E402
+from tests.harness import Sweep, requires_world, run_on_ranks, world_ids, world_sizes  # noqa: E402
+
+WORLDS = world_sizes([1, 2])  # EPMOE_TEST_WORLDS=4,8 on larger machines
 
 pytestmark = pytest.mark.gpu
 
@@ -281,19 +283,19 @@ def skipped_call_times_out(rank, world):
     return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_exact_dispatch_and_identity_combine(world):
     requires_world(world)
     run_on_ranks(exact_dispatch, world)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_layer_against_oracle(world):
     requires_world(world)
     run_on_ranks(layer_against_oracle, world, timeout_s=300)
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["W=1", "W=2"])
+@pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_graph_replays_with_changing_routing(world):
     requires_world(world)
     run_on_ranks(graph_replays, world, timeout_s=300)

@@ -232,10 +232,11 @@ def test_more_ranks_than_the_routes_mask_holds_are_refused(monkeypatch):
 CALLS = {  # tokens per rank in five calls: T = 0 on some rank, T = M, tokens that loop
     2: [(5, 0), (0, 3), (7, 8), (1, 1), (8, 2)],
     3: [(5, 0, 8), (0, 3, 1), (7, 8, 0), (1, 1, 6), (8, 2, 3)],
+    4: [(5, 0, 8, 2), (0, 3, 1, 0), (7, 8, 0, 8), (1, 1, 6, 3), (8, 2, 3, 5)],
 }
 
 
-@pytest.mark.parametrize("W", [2, 3], ids=["W=2", "W=3"])
+@pytest.mark.parametrize("W", [2, 3, 4], ids=["W=2", "W=3", "W=4"])
 @pytest.mark.parametrize(
     "mode", ["counted", "streamed", "flags"],
     ids=["one count per program", "streamed combine", "row flags"],
@@ -257,7 +258,7 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode
 
     sim = Ranks(W, H=300)
     M, H, K = sim.M, sim.H, sim.K
-    sms = [2, 3, 1][:W]
+    sms = [2, 3, 1, 2][:W]
 
     def grid(n, r):
         return max(1, min(n, sms[r]))

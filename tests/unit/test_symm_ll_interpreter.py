@@ -323,8 +323,15 @@ def test_tensors_on_another_device_are_refused_naming_the_argument():
         _on_device(torch.device("cpu"), topk_ids=torch.zeros(1, device="meta"))
 
 
-def test_two_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says():
-    """Two ranks simulated in one process (``symm_sim``), through the split kernels (the
+LL_CALLS = {  # tokens per rank in five calls: T = 0 on some rank, T = M
+    2: [(5, 0), (0, 3), (8, 8), (1, 2), (3, 8)],
+    4: [(5, 0, 8, 2), (0, 3, 1, 0), (8, 8, 0, 8), (1, 2, 6, 3), (3, 8, 2, 5)],
+}
+
+
+@pytest.mark.parametrize("W", [2, 4], ids=["W=2", "W=4"])
+def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W):
+    """W ranks simulated in one process (``symm_sim``), through the split kernels (the
     bodies the fused ones share): five calls alternate the parities, with T = 0 on some
     rank, T = M and a token routed nowhere. Each received row is indexed once per (token,
     local expert), combine returns each token's weighted rows, and every flag, count and
@@ -332,10 +339,10 @@ def test_two_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_say
     import triton.language as tl
 
     from epmoe.comm.symm import kernels as k
-    from tests.unit.symm_sim import TwoRanks
+    from tests.unit.symm_sim import Ranks
 
-    sim = TwoRanks()
-    W, M, H, K = sim.W, sim.M, sim.H, sim.K
+    sim = Ranks(W)
+    M, H, K = sim.M, sim.H, sim.K
     C, e_max = W * M, sim.E // W
     i32 = dict(dtype=torch.int32)
     state = [
@@ -344,7 +351,7 @@ def test_two_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_say
          for _ in range(2)] for _ in range(W)
     ]  # fmt: skip
     wire = dict(FP8=False, WIRE=tl.float32)
-    for n, Ts in enumerate([(5, 0), (0, 3), (8, 8), (1, 2), (3, 8)]):
+    for n, Ts in enumerate(LL_CALLS[W]):
         parity = n % 2
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
