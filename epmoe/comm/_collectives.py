@@ -221,7 +221,10 @@ def fp8_wire_rows(x_TH: torch.Tensor) -> torch.Tensor:
     rows are permuted. uint8 because gloo moves no float8.
     """
     q_TH, scale_TG = quantize_groups(x_TH, FP8_GROUP)
-    return torch.cat([q_TH.view(torch.uint8), scale_TG.view(torch.uint8)], dim=1)
+    # (reshape: a rank without tokens gets scales [0, 1] with stride 0, which view refuses)
+    T, G = scale_TG.shape
+    scale_TB = scale_TG.reshape(-1).view(torch.uint8).reshape(T, 4 * G)
+    return torch.cat([q_TH.view(torch.uint8), scale_TB], dim=1)
 
 
 def fp8_from_wire(rows_NB: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:

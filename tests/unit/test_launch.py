@@ -65,6 +65,13 @@ def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model():
     assert "time to first token (from the start, queueing included): p50" in out, out
     assert "inter-token latency: p50" in out, out
     assert "EPLB step 8:" in out, out  # re-planned while serving
+    # live: each rank's expert load (layer 0's rows since the last re-plan) and its balance
+    live = re.search(
+        r"\[step 8\] .* expert load per rank \[(\d+), (\d+)\] .* balancedness ([\d.]+)", out
+    )
+    assert live, out
+    loads, balance = [int(live.group(i)) for i in (1, 2)], float(live.group(3))
+    assert sum(loads) > 0 and balance == pytest.approx(sum(loads) / 2 / max(loads), abs=0.006)
     assert "outputs of 4 requests against the unconverted model" in out, out
     assert "4 identical, 0 differ" in out, out
 
