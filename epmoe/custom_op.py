@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-__all__ = ["lookup", "moe_forward", "register"]
+__all__ = ["lookup", "moe_forward", "no_backward", "register"]
 
 _layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -80,3 +80,31 @@ def moe_forward(
 @moe_forward.register_fake
 def _(hidden_states, router_logits, layer_id, max_tokens, num_valid_tokens=None):
     return hidden_states.new_empty(hidden_states.shape)  # contiguous, like the real op
+
+
+_NO_BACKWARD = (
+    "epmoe::moe_forward has no backward: EPMoE is an inference layer (its dispatch and combine "
+    "are not differentiable across ranks). Run the model under torch.no_grad() or "
+    "torch.inference_mode()"
+)
+
+
+@torch.library.custom_op("epmoe::no_backward", mutates_args=())
+def no_backward(grad_output: torch.Tensor) -> torch.Tensor:
+    """The gradient ``moe_forward`` would pass back: raises with the fix when a backward
+    runs. (An op, so that tracing the backward at compile time does not raise.)"""
+    raise RuntimeError(_NO_BACKWARD)
+
+
+@no_backward.register_fake
+def _(grad_output):
+    return grad_output.new_empty(grad_output.shape)
+
+
+def _backward(ctx, grad_output):
+    return no_backward(grad_output), None, None, None, None
+
+
+# A formula that refuses when it runs: a model compiled outside no_grad (parameters that
+# require grad, as after from_pretrained) compiles and runs forward; a backward fails.
+moe_forward.register_autograd(_backward)

@@ -124,3 +124,31 @@ def test_decode_graphs_on_nccl_ranks():
         pytest.skip("NCCL ranks need EPMOE_TEST_DEVICE=cuda")
     requires_world(2)
     run_on_ranks(decode_graph_replays, 2, isolated=True)
+
+
+def test_compiled_forward_captured_by_decode_graphs_on_one_gpu():
+    """What a serving engine does: ``torch.compile(fullgraph=True)`` of the decode forward
+    (router and ``EPMoE``, the layer one opaque custom op), then its own CUDA graphs of the
+    compiled code (``DecodeGraphs``; the warm-up compiles each bucket before its capture).
+    Replays equal the eager forward and the oracle. (Inductor's own graphs,
+    ``mode="reduce-overhead"``, leave the op outside: it is tagged ``cudagraph_unsafe``.)"""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    reason = epmoe.available_backends(dev)["symm_ll"]
+    if reason is not None:
+        pytest.skip(f"symm_ll cannot run here: {reason}")
+    torch._dynamo.reset()
+    layer, forward, oracle = _layer(dev, 2)
+    compiled = torch.compile(forward, fullgraph=True)
+    graphs = epmoe.DecodeGraphs(
+        compiled, SIZES, layers=[layer], hidden_size=H, dtype=BF16, device=dev
+    )
+    g = torch.Generator(device=dev).manual_seed(5)
+    for T in (3, 16, 1):
+        x = torch.randn(T, H, generator=g, device=dev).to(BF16)
+        with epmoe.step(num_tokens=T, decode=True, graph_max_tokens=graphs.max_tokens):
+            got = graphs(x)
+            eager = forward(x)
+        assert_close(got, eager, 5e-3, name=f"T={T}: compiled graph vs eager")
+        assert_close(got, oracle(x), TOLERANCES[BF16], name=f"T={T}: compiled graph vs oracle")
+    assert graphs.replays == 3
+    layer.comm.close()

@@ -64,6 +64,19 @@ def test_fullgraph_compile_equals_eager(backend):
             assert_close(hinted, model.moe(x, model.router(x)), name="hint")
 
 
+def test_compiled_outside_no_grad_runs_forward_and_refuses_backward():
+    """Parameters that require grad (a model as loaded) compile with ``fullgraph=True`` and
+    run forward like eager; a backward through the layer's op fails with the fix."""
+    model = Tiny()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, H)
+    out = compiled(x)
+    with torch.no_grad():
+        assert_close(out, model(x), name="outside no_grad")
+    with pytest.raises(RuntimeError, match=r"no backward.*torch\.no_grad\(\)"):
+        out.sum().backward()
+
+
 def test_layer_with_explicit_hint_compiles():
     model = Tiny()
 
