@@ -40,7 +40,7 @@ naming the ranks and where each one is. Two forwards of one layer look alike, so
 that skipped a forward and then calls the same layer again goes on unnoticed (each rank's
 output depends only on its own tokens, so the results stay right) until a call that
 differs, or until the others wait for a call it never makes: the collective's timeout
-then names it (see ``epmoe.comm._collectives.all_gather_rows``).
+then names it (see ``epmoe.comm.collectives.all_gather_rows``).
 
 Shape legend: W ranks of the EP group · L = ``RECORD_LEN``.
 """
@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from epmoe.comm._collectives import all_gather_rows, world_of
+from epmoe.comm.collectives import all_gather_rows, world_of
 
 __all__ = ["RECORD_LEN", "LayerAgreement", "StepAgreement", "describe_placement"]
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from epmoe.comm._collectives import all_gather_into
+from epmoe.comm.collectives import all_gather_into
 from epmoe.placement import ExpertPlacement
 
 if TYPE_CHECKING:  # pragma: no cover

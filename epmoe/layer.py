@@ -33,8 +33,8 @@ from epmoe.comm import (
     graph_capturing,
     resolve_backend,
 )
-from epmoe.comm._collectives import world_of
 from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, AllToAll, CommSpec, DispatchResult, Layout
+from epmoe.comm.collectives import world_of
 from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb.recorder import LoadRecorder
 from epmoe.experts import ExpertWeights, create_experts

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from epmoe.distributed import normalize_device
+
 __all__ = ["ExpertPlacement", "PlacementMaps"]
 
 
@@ -333,7 +335,7 @@ class ExpertPlacement:
 
         Call it once before capturing a CUDA graph so that capture does no host→device copy.
         """
-        device = _normalize_device(device)
+        device = normalize_device(device)
         maps = self._maps.get(device)
         if maps is None:
             W, E, P = self.ep_size, self.num_experts, self.num_physical
@@ -548,13 +550,6 @@ def _check_enough_experts(E: int, W: int, kind: str) -> None:
             f"ExpertPlacement.balanced(..., num_redundant={math.ceil(E / W) * W - E}) to "
             "replicate experts onto every rank"
         )
-
-
-def _normalize_device(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def _short(t: tuple[int, ...]) -> str:

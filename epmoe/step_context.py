@@ -46,7 +46,7 @@ from collections.abc import Iterator, Sequence
 import torch.distributed as dist
 
 from epmoe.agreement import StepAgreement
-from epmoe.comm._collectives import world_of
+from epmoe.comm.collectives import world_of
 from epmoe.distributed import default_device
 
 __all__ = ["StepContext", "current_step", "group_ranks", "step"]

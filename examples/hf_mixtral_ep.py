@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
+from epmoe.distributed import default_device
 from epmoe.integrations.huggingface import EPMoEBlock, replace_moe_blocks
 
 
@@ -67,11 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     group = epmoe.init_distributed()  # None without torchrun: a single process
     rank = dist.get_rank() if group is not None else 0
     world = dist.get_world_size() if group is not None else 1
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = default_device(group)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     model = build_mixtral(args, device, dtype)

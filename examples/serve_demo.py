@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import epmoe
+from epmoe.distributed import default_device
 from epmoe.reference import relative_error
 
 
@@ -162,11 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     group = epmoe.init_distributed()
     rank = dist.get_rank() if group is not None else 0
     world = dist.get_world_size() if group is not None else 1
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = default_device(group)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def make_moe(layer: int) -> epmoe.EPMoE:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe.distributed import default_device
+from epmoe.distributed import default_device, normalize_device
 from epmoe.integrations.huggingface import EPMoEBlock, replace_moe_blocks
 
 
@@ -414,9 +414,7 @@ def main(argv: list[str] | None = None) -> None:
 
     group = epmoe.init_distributed()
     rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
-    device = torch.device(args.device) if args.device else default_device(group)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = normalize_device(args.device) if args.device else default_device(group)
     global _CACHE_ARG
     _CACHE_ARG = _cache_argument()
     if args.checkpoint:

@@ -89,10 +89,7 @@ def distributed_setup() -> tuple[Any, int, int, torch.device]:
 
     group = epmoe.init_distributed()
     rank, world = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
-    device = _default_device()
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    return group, rank, world, device
+    return group, rank, world, _default_device()
 
 
 def over_ranks(value: float, device: torch.device, op: str = "max") -> float:

@@ -29,14 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from epmoe.comm._collectives import (
-    all_to_all,
-    all_to_all_async,
-    exchange_counts,
-    fp8_from_wire,
-    fp8_wire_rows,
-    wait_all,
-)
 from epmoe.comm.base import (
     AllToAll,
     Capabilities,
@@ -47,6 +39,14 @@ from epmoe.comm.base import (
     check_dispatch_args,
     ids_error,
     ids_out_of_range,
+)
+from epmoe.comm.collectives import (
+    all_to_all,
+    all_to_all_async,
+    exchange_counts,
+    fp8_from_wire,
+    fp8_wire_rows,
+    wait_all,
 )
 
 

@@ -25,14 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epmoe.comm._collectives import (
-    all_gather_into,
-    all_gather_into_async,
-    fp8_from_wire,
-    fp8_wire_rows,
-    reduce_scatter_into_async,
-    wait_all,
-)
 from epmoe.comm.base import (
     AllToAll,
     Capabilities,
@@ -43,6 +35,14 @@ from epmoe.comm.base import (
     check_dispatch_args,
     ids_error,
     ids_out_of_range,
+)
+from epmoe.comm.collectives import (
+    all_gather_into,
+    all_gather_into_async,
+    fp8_from_wire,
+    fp8_wire_rows,
+    reduce_scatter_into_async,
+    wait_all,
 )
 
 

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm import _deepep, transport
-from epmoe.comm._collectives import world_of
 from epmoe.comm.base import (
     FP8_GROUP,
     AllToAll,
@@ -44,6 +43,7 @@ from epmoe.comm.base import (
     expert_batched_memory_reason,
     one_nvlink_node_reason,
 )
+from epmoe.comm.collectives import world_of
 from epmoe.distributed import num_sms
 
 INSTALL_HINT = (

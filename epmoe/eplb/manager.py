@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from epmoe.comm._collectives import world_of
+from epmoe.comm.collectives import world_of
 from epmoe.eplb.migration import MigrationStats
 from epmoe.eplb.recorder import logical_load
 from epmoe.placement import ExpertPlacement

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from epmoe.comm._collectives import world_of
+from epmoe.comm.collectives import world_of
 from epmoe.placement import ExpertPlacement
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from epmoe.distributed import normalize_device
+
 AUTOTUNE_ENV = "EPMOE_TRITON_AUTOTUNE"
 FP8_GROUP = 128
 LAYOUTS = ("standard", "batched")
@@ -248,8 +250,7 @@ def _runnable(config: MoEConfig, device: torch.device) -> bool:
         return True
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return wgmma_unavailable(index) is None
+    return wgmma_unavailable(normalize_device(device).index) is None
 
 
 def dtype_name(weight_dtype: torch.dtype) -> str:
@@ -496,8 +497,7 @@ def select_config(
     """
     dtype = dtype_name(weight_dtype)
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        table = load_table(_device_name(index))
+        table = load_table(_device_name(normalize_device(device).index))
         key = problem_key(layout, dtype, hidden_size, intermediate_size, num_experts)
         hit = lookup(table, key, m)
         if hit is not None and _runnable(hit, device):

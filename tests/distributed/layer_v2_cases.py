@@ -38,7 +38,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import epmoe
 from epmoe.comm import backend_class
-from epmoe.comm._collectives import world_of
 from epmoe.comm.base import (
     FP8_DTYPE,
     FP8_GROUP,
@@ -49,6 +48,7 @@ from epmoe.comm.base import (
     Pending,
     check_dispatch_args,
 )
+from epmoe.comm.collectives import world_of
 from epmoe.reference import TOLERANCES, assert_close, quantize_groups
 from tests.distributed.cases import (
     backends_and_layouts,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe.comm._collectives import ARRIVAL_GRACE_S
+from epmoe.comm.collectives import ARRIVAL_GRACE_S
 from epmoe.reference import assert_close
 from tests.distributed.cases import full_weights, rank_tokens
 from tests.harness import Sweep

@@ -1,4 +1,7 @@
-"""What the portable backends share: torch.distributed collectives and the FP8 row format.
+"""The collectives epmoe runs on torch.distributed, and the FP8 row format of the wire.
+
+The one home of these helpers: the portable backends (``all_to_all``, ``naive``), the
+layer's and the step's agreements, checkpoint loading and EPLB's migration use them.
 
 The collective wrappers hide the single-process case (no process group, or one rank: the
 identity, done at once) and names that moved between torch releases, so the backends read
