@@ -291,6 +291,13 @@ class AllToAll(ABC):
             raise err(f"backend {self.name!r} cannot serve this layer: {reason}")
 
     @classmethod
+    def capabilities_with(cls, **options: Any) -> Capabilities:
+        """The capabilities of an instance built with constructor ``options`` (the class's
+        ``capabilities`` answer for the defaults; e.g. ``deepep_ht`` with
+        ``worst_case_rows=True`` is graph safe). Pure."""
+        return cls.capabilities
+
+    @classmethod
     def supports(cls, spec: CommSpec) -> str | None:
         """Why this backend cannot serve ``spec`` (with the fix), or ``None``. Pure."""
         caps = cls.capabilities

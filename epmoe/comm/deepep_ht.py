@@ -74,6 +74,15 @@ class DeepEPHTBackend(AllToAll):
         return super().unavailable_reason(device, group) or _deepep.unavailable_reason(group)
 
     @classmethod
+    def capabilities_with(cls, *, worst_case_rows: bool = False, **options) -> Capabilities:
+        """``worst_case_rows=True``: graph safe (no count reaches the host)."""
+        return (
+            dataclasses.replace(cls.capabilities, graph_safe=True)
+            if worst_case_rows
+            else cls.capabilities
+        )
+
+    @classmethod
     def supports(cls, spec: CommSpec) -> str | None:
         reason = super().supports(spec)
         if reason is not None:
@@ -115,8 +124,7 @@ class DeepEPHTBackend(AllToAll):
                 raise ValueError(f"num_sms={num_sms} exceeds the {have} SMs of {spec.device}")
         super().__init__(spec, group, layout)
         self._worst = self.world_size * spec.max_num_tokens if worst_case_rows else 0
-        if worst_case_rows:  # (this instance: the class answers for the default)
-            self.capabilities = dataclasses.replace(type(self).capabilities, graph_safe=True)
+        self.capabilities = type(self).capabilities_with(worst_case_rows=worst_case_rows)
         self._deep_ep = _deepep.import_deep_ep()
         # a buffer of its own: a host-counted dispatch polls a count in the buffer that a
         # worst-case dispatch queued before it may still write

@@ -17,6 +17,7 @@ G = ceil(H / 128) FP8 scale groups.
 
 from __future__ import annotations
 
+import ast
 import functools
 import itertools
 import math
@@ -39,9 +40,58 @@ H_TORCH_EXPERTS = 256  # whole FP8 groups (test_reference covers a partial last 
 DROP = 0.2  # share of (token, k) entries routed to no expert (-1)
 
 
+# Option variants the suite runs besides each backend's defaults: the options that take
+# another code path (symm_ll's rows copied into slabs; symm_ht's row flags and its combine
+# summed at wait(); deepep_ht's worst-case rows, which make it graph safe). A variant is
+# named "backend(key=value, ...)" wherever the suite takes a backend name.
+OPTION_VARIANTS: dict[str, list[dict]] = {
+    "symm_ll": [{"rows_in_place": False}],
+    "symm_ht": [{"tokens_per_flag": 4}, {"reducers": 0}],
+    "deepep_ht": [{"worst_case_rows": True}],
+}
+
+
+def variants(names: list[str]) -> list[str]:
+    """The option variants of the backends in ``names``, as the suite names them."""
+    out = []
+    for name in names:
+        for options in OPTION_VARIANTS.get(name, []):
+            out.append(f"{name}({', '.join(f'{k}={v!r}' for k, v in options.items())})")
+    return out
+
+
+def split_variant(backend: str) -> tuple[str, dict]:
+    """``"symm_ll(rows_in_place=False)"`` → ``("symm_ll", {"rows_in_place": False})``; a
+    plain name → ``(name, {})``."""
+    if "(" not in backend:
+        return backend, {}
+    name, _, rest = backend.partition("(")
+    options = {}
+    for item in rest.rstrip(")").split(", "):
+        key, _, value = item.partition("=")
+        options[key] = ast.literal_eval(value)
+    return name, options
+
+
+def caps_of(backend: str):
+    """The capabilities of ``backend`` (a name or an option variant)."""
+    name, options = split_variant(backend)
+    return backend_class(name).capabilities_with(**options)
+
+
+def supports(backend: str, spec: CommSpec) -> str | None:
+    return backend_class(split_variant(backend)[0]).supports(spec)
+
+
+def make(backend: str, spec: CommSpec, layout: Layout):
+    """``backend`` (a name or an option variant) for ``spec`` on the default group."""
+    name, options = split_variant(backend)
+    return create_backend(name, spec, None, layout, **options)
+
+
 def layouts_of(backend: str) -> list[Layout]:
     """Every layout ``backend`` offers (from its declared capabilities), in a fixed order."""
-    caps = backend_class(backend).capabilities
+    caps = caps_of(backend)
     return [layout for layout in Layout if layout in caps.layouts]
 
 
@@ -198,7 +248,7 @@ def expected_delivery(phys: Physical, rank: int, backend: str, layout: Layout, i
             ids.append(torch.where(here_TK, ids_TK - lo, -1)[keep])
             weights.append(w[keep])
         return torch.cat(rows), torch.cat(ids), torch.cat(weights)
-    stand_in = backend_class(backend).capabilities.empty_entries_to_expert_0
+    stand_in = caps_of(backend).empty_entries_to_expert_0
 
     def rows_of(p: int) -> torch.Tensor:
         rows = [x[(ids_TK == p).any(1)] for x, ids_TK, _ in inputs]
@@ -335,7 +385,7 @@ def hidden_for(backend: str, dtype, dev, world: int, sizes=(H, H_TORCH_EXPERTS, 
     phys = physical_layouts(world)[0]
     for hidden in sizes:  # one that every wire the backend offers serves (pplx: FP8 scales)
         specs = [make_spec(phys, dtype, dev, fp8, hidden) for fp8 in _wires(backend)]
-        if all(backend_class(backend).supports(spec) is None for spec in specs):
+        if all(supports(backend, spec) is None for spec in specs):
             return hidden
     return sizes[0]  # none: the cases skip with the backend's reason
 
@@ -344,14 +394,14 @@ def skip_unless_supported(backend: str, spec: CommSpec) -> None:
     """Skip a case whose spec the backend refuses (placement, hidden, dtype), with why."""
     import pytest
 
-    reason = backend_class(backend).supports(spec)
+    reason = supports(backend, spec)
     if reason is not None:
         pytest.skip(f"{backend}: {reason}")
 
 
 def _wires(backend: str) -> tuple[bool, ...]:
     """FP8 on the wire too where the backend offers it."""
-    return (False, True) if backend_class(backend).capabilities.fp8_dispatch else (False,)
+    return (False, True) if caps_of(backend).fp8_dispatch else (False,)
 
 
 def usable_here(fn):
@@ -363,7 +413,7 @@ def usable_here(fn):
     def body(rank, world, backend, device="cpu", dtype_name="float32"):
         import pytest
 
-        reason = epmoe.available_backends(device_for(rank, device))[backend]
+        reason = epmoe.available_backends(device_for(rank, device))[split_variant(backend)[0]]
         if reason is not None:
             pytest.skip(f"{backend} at W={world}: {reason}")
         return fn(rank, world, backend, device, dtype_name)
@@ -388,7 +438,7 @@ def check_oracle_and_fp8(rank, world, backend, device="cpu", dtype_name="float32
         with sweep.case(case):
             spec = make_spec(phys, dtype, dev, fp8, hidden)
             skip_unless_supported(backend, spec)
-            comm = create_backend(backend, spec, None, layout)
+            comm = make(backend, spec, layout)
             P = phys.num_physical
             inputs = [
                 rank_inputs(s, T_W[s], P, dtype, dev, seed, hidden=hidden) for s in range(world)
@@ -407,7 +457,7 @@ def check_oracle_and_fp8(rank, world, backend, device="cpu", dtype_name="float32
             if fp8:  # (collective: before any check can raise on one rank only)
                 ref = epmoe.reference.moe(x, w13, w2, w, lids)
                 pooled = pooled_relative_error(out, ref)
-            exact = backend_class(backend).capabilities.fp8_reference_quantizer
+            exact = caps_of(backend).fp8_reference_quantizer
             due = expected_delivery(phys, rank, backend, layout, inputs)
             check_delivery(delivered, due, spec, exact_fp8=exact)
             assert out.shape == x.shape and out.dtype == dtype, (out.shape, out.dtype)
@@ -438,7 +488,7 @@ def check_fp8_with_torch_experts(rank, world, backend, device="cpu", dtype_name=
         with sweep.case(f"W={world} {_label(backend, layout)} {phys.name} torch experts fp8"):
             spec = make_spec(phys, dtype, dev, fp8=True, hidden=hidden)
             skip_unless_supported(backend, spec)
-            comm = create_backend(backend, spec, None, layout)
+            comm = make(backend, spec, layout)
             x, ids, w = rank_inputs(
                 rank, T_W[rank], phys.num_physical, dtype, dev, seed=11, hidden=hidden
             )
@@ -484,7 +534,7 @@ def check_in_flight(rank, world, backend, device="cpu", dtype_name="float32"):
         with sweep.case(f"W={world} {_label(backend, layout)} {sname}{' fp8' if fp8 else ''}"):
             spec = make_spec(phys, dtype, dev, fp8, hidden)
             skip_unless_supported(backend, spec)
-            comm = create_backend(backend, spec, None, layout)
+            comm = make(backend, spec, layout)
             in_flight = comm.capabilities.max_in_flight
             assert in_flight is None or in_flight >= 2, f"holds {in_flight}"
             w13_e, w2_e = local_weights(phys, rank, w13, w2)
@@ -530,9 +580,9 @@ def check_rebind(rank, world, backend, device="cpu", dtype_name="float32"):
         with sweep.case(f"W={world} {_label(backend, layout)} rebind"):
             spec = make_spec(phys_all[0], dtype, dev, False, hidden)
             skip_unless_supported(backend, spec)
-            comm = create_backend(backend, spec, None, layout)
+            comm = make(backend, spec, layout)
             for step, phys in enumerate([*phys_all[1:], phys_all[0]]):
-                if backend_class(backend).supports(spec.with_offsets(phys.rank_offsets)):
+                if supports(backend, spec.with_offsets(phys.rank_offsets)):
                     continue  # a placement this backend cannot serve (DeepEP: uneven)
                 why = comm.rebind_reason(spec.with_offsets(phys.rank_offsets))
                 if why is not None:  # declared (buffers sized for another P): refused as said
@@ -592,7 +642,7 @@ def check_skewed_and_full(rank, world, backend, device="cpu", dtype_name="float3
             x, ids, w = rank_inputs(rank, T, phys.num_physical, dtype, dev, seed=40, hidden=hidden)
             if case != "T = M_max":
                 ids = _skewed_ids(case, rank, T, phys, dev)
-            with closing(create_backend(backend, spec, None, layout)) as comm:
+            with closing(make(backend, spec, layout)) as comm:
                 res = comm.dispatch(x, ids, w)
                 y = float64_experts(res, *local_weights(phys, rank, w13, w2), dtype)
                 out = comm.combine(y, res)
@@ -619,7 +669,7 @@ def check_graph_replay(rank, world, backend, device="cpu", dtype_name="float32")
     import pytest
 
     dtype, dev = getattr(torch, dtype_name), device_for(rank, device)
-    if dev.type != "cuda" or not backend_class(backend).capabilities.graph_safe:
+    if dev.type != "cuda" or not caps_of(backend).graph_safe:
         pytest.skip(f"{backend}: graph replay needs a graph-safe backend on CUDA")
     hidden = hidden_for(backend, dtype, dev, world)
     phys = physical_layouts(world)[0]
@@ -630,7 +680,7 @@ def check_graph_replay(rank, world, backend, device="cpu", dtype_name="float32")
             skip_unless_supported(backend, spec)
             T = [9, 0, 5, 3][rank % 4]
             x, ids, w = rank_inputs(rank, T, phys.num_physical, dtype, dev, seed=50, hidden=hidden)
-            with closing(create_backend(backend, spec, None, layout)) as comm:
+            with closing(make(backend, spec, layout)) as comm:
 
                 def step(comm=comm, x=x, ids=ids, w=w):
                     res = comm.dispatch(x, ids, w)
@@ -672,8 +722,10 @@ def check_layer_end_to_end(rank, world, backend, device="cpu", dtype_name="float
             spec = make_spec(physical_layouts(world)[0], dtype, dev, False, hidden)
             skip_unless_supported(backend, spec)
             layer = epmoe.EPMoE(
-                num_experts(world), K, hidden, I, backend=backend, layout=layout, experts=experts,
-                max_num_tokens=spec.max_num_tokens, params_dtype=dtype, device=dev,
+                num_experts(world), K, hidden, I, backend=split_variant(backend)[0],
+                backend_options=split_variant(backend)[1] or None, layout=layout,
+                experts=experts, max_num_tokens=spec.max_num_tokens, params_dtype=dtype,
+                device=dev,
             )  # fmt: skip
             layer.load_experts(w13, w2)
             T = [2 * spec.max_num_tokens + 3, 0, 9, 5][rank % 4]  # chunks above M_max

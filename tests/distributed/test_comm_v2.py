@@ -30,7 +30,8 @@ from tests.harness import test_device as device_under_test
 # world sizes: 1-4 by default (gloo runs 4 ranks on 2 cores); EPMOE_TEST_WORLDS="8" on larger
 # machines (the same cases; NCCL ranks beyond the GPUs skip)
 WORLDS = world_sizes([1, 2, 3, 4])
-BACKENDS = backend_names()  # the registry: a new backend joins the suite by registering
+# the registry (a new backend joins the suite by registering), then option variants
+BACKENDS = backend_names() + comm_cases.variants(backend_names())
 
 
 def _dtype() -> str:
@@ -41,7 +42,7 @@ def _usable(backend: str, world: int) -> None:
     """Skip (with its reason) a backend that cannot run on the device under test."""
     requires_world(world)
     device = "cuda:0" if device_under_test() == "cuda" else "cpu"
-    why = epmoe.available_backends(normalize_device(device))[backend]
+    why = epmoe.available_backends(normalize_device(device))[comm_cases.split_variant(backend)[0]]
     if why is not None:
         pytest.skip(f"{backend}: {why}")
 
@@ -66,14 +67,14 @@ def test_delivery_and_oracle_with_and_without_fp8(backend, world):
 
 @parametrize
 def test_fp8_dispatch_into_torch_experts(backend, world):
-    if not epmoe.comm.backend_class(backend).capabilities.fp8_dispatch:
+    if not comm_cases.caps_of(backend).fp8_dispatch:
         pytest.skip(f"{backend} offers no FP8 dispatch")
     _run(comm_cases.check_fp8_with_torch_experts, backend, world)
 
 
 @parametrize
 def test_two_micro_batches_in_flight(backend, world):
-    in_flight = epmoe.comm.backend_class(backend).capabilities.max_in_flight
+    in_flight = comm_cases.caps_of(backend).max_in_flight
     if in_flight is not None and in_flight < 2:
         pytest.skip(f"{backend} holds {in_flight} dispatch result at a time")
     _run(comm_cases.check_in_flight, backend, world)
@@ -91,7 +92,7 @@ def test_skewed_routing_and_full_buffers(backend, world):
 
 @parametrize
 def test_graph_replay_where_claimed(backend, world):
-    if not epmoe.comm.backend_class(backend).capabilities.graph_safe:
+    if not comm_cases.caps_of(backend).graph_safe:
         pytest.skip(f"{backend} does not claim graph safety")
     _run(comm_cases.check_graph_replay, backend, world)
 

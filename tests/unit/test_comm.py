@@ -431,3 +431,28 @@ def test_symm_ll_refuses_copies_too_large_when_the_environment_asks_for_them(mon
     assert "84.0 GiB of the GPU's 140 GiB" in ll.supports(spec)
     monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "bogus")
     assert "EPMOE_SYMM_LL_ROWS must be in_place or copy" in ll.supports(spec)
+
+
+def test_capabilities_with_options():
+    """An instance's capabilities can depend on its options (deepep_ht's worst-case rows make
+    it graph safe); the class answers for the defaults, and so do backends without such."""
+    deepep_ht = backend_class("deepep_ht")
+    assert not deepep_ht.capabilities.graph_safe
+    assert deepep_ht.capabilities_with(worst_case_rows=True).graph_safe
+    assert deepep_ht.capabilities_with(worst_case_rows=False) == deepep_ht.capabilities
+    symm_ll = backend_class("symm_ll")
+    assert symm_ll.capabilities_with(rows_in_place=False) == symm_ll.capabilities
+
+
+def test_conformance_suite_names_option_variants():
+    from tests.distributed.comm_cases import OPTION_VARIANTS, caps_of, split_variant, variants
+
+    names = variants(registry.backend_names())
+    assert len(names) == sum(len(v) for v in OPTION_VARIANTS.values())
+    assert "deepep_ht(worst_case_rows=True)" in names
+    for name in names:
+        base, options = split_variant(name)
+        assert options in OPTION_VARIANTS[base]
+        registry.check_backend_options(backend_class(base), options)  # real options only
+    assert caps_of("deepep_ht(worst_case_rows=True)").graph_safe
+    assert split_variant("all_to_all") == ("all_to_all", {})
