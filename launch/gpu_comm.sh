@@ -24,7 +24,8 @@
 #     serving            examples/serving.py on every GPU (symm_ll), eager and with CUDA-graph
 #                        decode buckets (--cuda-graphs): tokens/s, TTFT, ITL
 #     crossover          the layer on symm_ll and symm_ht from 128 to 2048 tokens per rank
-#     ep                 every backend at EP = all GPUs (comm, layer, live EPLB under skew)
+#     ep                 the EP4/EP8 issue's matrix at EP = all GPUs: tests at W = NGPU, comm, layer
+#                        (bf16 with live EPLB under skew; FP8 weights and wire), experts
 #     dsv3               the serving example on a DeepSeek-V3-shaped FP8 checkpoint written on
 #                        the machine: decode batch 128 and prefill 4096 tokens per rank, FP8
 #                        experts eager / CUDA graphs / on one GPU, and bf16 experts
@@ -181,16 +182,30 @@ for s in "${STEPS[@]}"; do
             --iters 10 --out "$OUT/layer_crossover_ht.json" >>"$OUT/crossover.log" 2>&1
         ;;
     ep)
-        # every backend of ours at EP = every GPU of the machine (the EP4/EP8 issue): comm at
-        # 128, 512 and 4096 tokens per rank, the layer, and a live EPLB re-plan under skew
+        # the EP4/EP8 issue's matrix at EP = every GPU of the machine: the end-to-end tests at
+        # W = NGPU, comm at 128, 512 and 4096 tokens per rank (bf16 and FP8 wire), the layer
+        # (bf16 weights with a live EPLB re-plan under skew; FP8 weights and wire), and the
+        # experts at this EP's shapes on one GPU (256 / NGPU local experts)
+        EPMOE_TEST_WORLDS="$NGPU" EPMOE_TEST_DEVICE=cuda timeout "${EP_TESTS_LIMIT_S:-300}" \
+            python3 -m pytest -q -p no:cacheprovider tests/distributed/test_layer.py \
+            tests/distributed/test_eplb_live.py tests/gpu/test_layer_graph.py \
+            tests/gpu/test_symm_ll.py tests/gpu/test_symm_ht.py >"$OUT/ep_tests.log" 2>&1
+        failed=$?
         timeout "${EP_COMM_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 128 512 4096 --backends symm_ll:expert_batched symm_ht:standard \
             all_to_all:standard --iters 10 --warmup 3 --out "$OUT/comm_ep$NGPU.json" \
-            >"$OUT/ep.log" 2>&1 &&
+            >"$OUT/ep.log" 2>&1 || failed=1
         timeout "${EP_LAYER_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
-            --tokens 128 4096 --experts triton --backends all_to_all symm_ll symm_ht \
-            --hot contiguous --out "$OUT/layer_ep$NGPU.json" \
-            >>"$OUT/ep.log" 2>&1
+            --tokens 128 512 4096 --experts triton --backends all_to_all symm_ll symm_ht \
+            --hot contiguous --out "$OUT/layer_ep$NGPU.json" >>"$OUT/ep.log" 2>&1 || failed=1
+        timeout "${EP_LAYER_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --parts layer --tokens 128 512 4096 --experts triton --backends symm_ll symm_ht \
+            --weight-dtype float8_e4m3fn --dispatch-dtype float8_e4m3fn \
+            --out "$OUT/layer_ep${NGPU}_fp8.json" >>"$OUT/ep.log" 2>&1 || failed=1
+        timeout "${EP_EXPERTS_LIMIT_S:-300}" python3 -m epmoe.bench experts --dtypes bf16,fp8 \
+            --local-experts $((256 / NGPU)) --decode-ranks "$NGPU" \
+            --out "$OUT/experts_ep$NGPU.json" >>"$OUT/ep.log" 2>&1 || failed=1
+        [ "$failed" -eq 0 ]
         ;;
     info)
         python3 -m epmoe.info >"$OUT/info.log" 2>&1 && python3 -m epmoe.info --json >"$OUT/info.json"
