@@ -115,8 +115,12 @@ def main() -> None:
     )
     p.add_argument("--configs", type=lambda s: s.split(","), default=["192", "192+"])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dense", action="store_true", help="one expert of 4032 rows against cuBLAS")
+    p.add_argument(
+        "--dense", action="store_true", help="one expert of 4032 rows against cuBLAS (bf16)"
+    )
     args = p.parse_args()
+    if args.dense and args.dtype != "bf16":
+        p.error("--dense compares with cuBLAS in bf16 only; drop --dtype")
     torch.manual_seed(0)
     if args.dense:
         dense(args)

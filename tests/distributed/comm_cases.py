@@ -65,12 +65,8 @@ def split_variant(backend: str) -> tuple[str, dict]:
     plain name → ``(name, {})``."""
     if "(" not in backend:
         return backend, {}
-    name, _, rest = backend.partition("(")
-    options = {}
-    for item in rest.rstrip(")").split(", "):
-        key, _, value = item.partition("=")
-        options[key] = ast.literal_eval(value)
-    return name, options
+    call = ast.parse(backend, mode="eval").body  # name(key=literal, ...)
+    return call.func.id, {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
 
 
 def caps_of(backend: str):
