@@ -14,12 +14,13 @@ Usage (repository root, GPU): ``python launch/weight_stream.py [--shape 4096,716
 
 import argparse
 import functools
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from epmoe.bench.common import median, time_fn
 
 E = 128
 
@@ -40,18 +41,9 @@ def _stream(desc, out, n_items, K, BN: tl.constexpr, BK: tl.constexpr, TILED: tl
     tl.store(out + pid * BN * BK + rows + tl.arange(0, BK)[None, :], acc)
 
 
-def _ms(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def _ms(fn) -> float:
+    """Median of 10 timed runs after 3 warm-up runs (CUDA events, each run waited for)."""
+    return median(time_fn(fn, warmup=3, iters=10, device="cuda"))
 
 
 def main() -> None:
