@@ -92,7 +92,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, (cfg, programs) in variants.items():
             ops._ws_programs = programs
-            aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail, cfg.pad_m)
+            aligned = ops.align_for(ids, e, cfg)
             y, ys = ops.gate_up(x, w13, aligned, cfg, "silu", xs, s13)
             if name not in outs:
                 outs[name] = ops.standard_with_config(

@@ -45,7 +45,7 @@ def _weights(n_experts: int, fp8: bool):
 
 
 def _time(x, xs, ids, weights, w13, s13, w2, s2, n_experts, cfg):
-    aligned = ops.align_pairs(ids, n_experts, cfg.block_m, cfg.half_tail, cfg.pad_m)
+    aligned = ops.align_for(ids, n_experts, cfg)
     y, ys = ops.gate_up(x, w13, aligned, cfg, "silu", xs, s13)
     gu = _ms(functools.partial(ops.gate_up, x, w13, aligned, cfg, "silu", xs, s13))
     down = functools.partial(ops.down, y, w2, aligned, cfg, torch.bfloat16, ys, s2, weights)

@@ -318,7 +318,7 @@ def _measure(
         x, xs = _inputs(problem, dtype)
         out_dtype = torch.bfloat16 if dtype == "fp8" else x.dtype
         ids, tw, e = problem.topk_ids, problem.topk_weights, args.local_experts
-        aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail, cfg.pad_m)
+        aligned = ops.align_for(ids, e, cfg)
 
         def gemms():
             y, ys = ops.gate_up(x, w13, aligned, cfg, args.activation, xs, s13)
@@ -328,9 +328,7 @@ def _measure(
         rec.update(R=problem.R, pairs=problem.N, tflops=flops / ms / 1e9)
         rec["weight_bytes"] = sum(t.numel() * t.element_size() for t in weights if t is not None)
         rec.update(gemm_ms=gemm_ms, gemm_tflops=flops / gemm_ms / 1e9)
-        rec["align_ms"] = _ms(
-            lambda: ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail, cfg.pad_m), args
-        )
+        rec["align_ms"] = _ms(lambda: ops.align_for(ids, e, cfg), args)
         # Per-step times and the padding of the aligned rows: where the layer's time goes.
         y, ys = ops.gate_up(x, w13, aligned, cfg, args.activation, xs, s13)
         z = ops.down(y, w2, aligned, cfg, out_dtype, ys, s2, tw)

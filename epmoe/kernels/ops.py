@@ -11,7 +11,7 @@ shapes only, so there is no host synchronisation and the ExpertBatched path can 
 captured in a CUDA graph (with a fixed config: pass ``config`` or ship a tuned table).
 
 Entry points: ``fused_moe_standard`` and ``fused_moe_batched`` run a whole expert MLP
-layer; ``align_pairs``, ``gate_up``, ``down``, ``sum_topk`` and
+layer; ``align_pairs`` (``align_for``: for a config), ``gate_up``, ``down``, ``sum_topk`` and
 ``per_token_group_quant_fp8`` are its steps (the benchmark times them one by one).
 """
 
@@ -125,6 +125,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
+def align_for(topk_ids_RK: torch.Tensor, num_experts: int, config: MoEConfig) -> AlignedPairs:
+    """``align_pairs`` as ``config``'s kernels read the pairs: its ``block_m``, ``half_tail``
+    and ``pad_m``."""
+    return align_pairs(topk_ids_RK, num_experts, config.block_m, config.half_tail, config.pad_m)
+
+
 def align_pairs(
     topk_ids_RK: torch.Tensor,
     num_experts: int,
@@ -158,7 +164,7 @@ def align_pairs(
     elif pad_m < block_m and not half_tail:
         raise ValueError(
             f"pad_m={pad_m} < block_m={block_m} makes tail blocks: pass half_tail=True "
-            "(align_pairs(ids, e, config.block_m, config.half_tail, config.pad_m))"
+            "(or align_for(ids, e, config))"
         )
     device = _check_device(topk_ids_RK)
     R, K = topk_ids_RK.shape
@@ -396,8 +402,8 @@ def _rows(
         if (rows.block_m, rows.pad_m) != (config.block_m, config.pad_m):
             raise ValueError(
                 f"pairs aligned for block_m={rows.block_m}, pad_m={rows.pad_m}; the config "
-                f"needs block_m={config.block_m}, pad_m={config.pad_m} (align_pairs(..., "
-                f"config.block_m, config.half_tail, config.pad_m))"
+                f"needs block_m={config.block_m}, pad_m={config.pad_m} (align the pairs with "
+                f"align_for(ids, e, config))"
             )
         sp = rows.sorted_pairs
         return _Rows(
@@ -1109,7 +1115,7 @@ def standard_with_config(
 ) -> torch.Tensor:
     """The Standard pipeline on prepared inputs (no checks): align, GEMM 1, GEMM 2, sum
     (in GEMM 2 with ``config.atomic_reduce``)."""
-    aligned = align_pairs(topk_ids_RK, w13.shape[0], config.block_m, config.half_tail, config.pad_m)
+    aligned = align_for(topk_ids_RK, w13.shape[0], config)
     y, y_scale = gate_up(x, w13, aligned, config, activation, x_scale, w13_scale)
     z = down(y, w2, aligned, config, out_dtype, y_scale, w2_scale, topk_weights_RK)
     return z if config.atomic_reduce else sum_topk(z, aligned, out_dtype)

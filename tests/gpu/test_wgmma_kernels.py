@@ -162,7 +162,7 @@ def test_ws_leaves_its_tile_counter_at_zero(dtype, programs, kernel, monkeypatch
     cfg = WGMMA[dtype, kernel]
     if programs is not None:
         monkeypatch.setattr(ops, "_ws_programs", lambda tiles, device: min(tiles, programs))
-    aligned = ops.align_pairs(ids, e, cfg.block_m, cfg.half_tail, cfg.pad_m)
+    aligned = ops.align_for(ids, e, cfg)
     outs = []
     for _ in range(3):
         y, ys = ops.gate_up(x, q13, aligned, cfg, "silu", xs, s13)
@@ -407,7 +407,7 @@ def test_fp8_scales_cross_between_kernels(order):
     ws, dot = WGMMA["fp8", "wgmma_ws"], dataclasses.replace(DOT["fp8"], half_tail=True)
     assert (ws.block_m, ws.pad_m) == (dot.block_m, dot.pad_m)
     first, second = (ws, dot) if order == "ws-then-dot" else (dot, ws)
-    aligned = ops.align_pairs(ids, e, ws.block_m, ws.half_tail, ws.pad_m)
+    aligned = ops.align_for(ids, e, ws)
     y, ys = ops.gate_up(xq, q13, aligned, first, "silu", xs, s13)
     z = ops.down(y, q2, aligned, second, BF16, ys, s2, w)
     out = ops.sum_topk(z, aligned, BF16)

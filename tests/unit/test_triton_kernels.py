@@ -634,6 +634,12 @@ def test_half_tail_config_and_alignment_must_match():
     aligned = ops.align_pairs(ids, 2, 64)
     with pytest.raises(ValueError, match="pad_m=64.*pad_m=32"):
         ops.gate_up(x, w13, aligned, half)
+    # align_for: the pairs as a config's kernels read them
+    for cfg in (SMALL, half, configs.wgmma_config("bf16", "wgmma_ws", 192)):
+        got = ops.align_for(ids, 2, cfg)
+        assert (got.block_m, got.pad_m) == (cfg.block_m, cfg.pad_m)
+        want = ops.align_pairs(ids, 2, cfg.block_m, cfg.half_tail, cfg.pad_m)
+        assert torch.equal(got.block_rows, want.block_rows)
 
 
 def test_slab_blocks_cut_each_experts_valid_rows():
