@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 import epmoe
 from epmoe.distributed import default_device, normalize_device
+from epmoe.eplb.manager import measured_balancedness, measured_rank_load
 from epmoe.integrations.huggingface import EPMoEBlock, replace_moe_blocks
 
 
@@ -606,16 +607,14 @@ def _dispatch_dtype(args: argparse.Namespace) -> torch.dtype | None:
 
 def _expert_load(blocks: list[EPMoEBlock], group) -> tuple[float, list[int]]:
     """Layer 0's recorded expert load (rows its experts computed, from every rank's tokens)
-    summed per rank, and its balancedness: mean over max (1.0: perfectly even).
+    summed per rank, and its balancedness: mean over max (1.0: perfectly even, or no load).
     Collective."""
     layer = blocks[0].moe
     load = layer.load_recorder.window_load().to(torch.float64)  # [P] this rank's tokens
     if group is not None:
         dist.all_reduce(load, group=group)
-    offsets = layer.placement.rank_offsets
-    per_rank = torch.stack([load[a:b].sum() for a, b in zip(offsets, offsets[1:])])
-    balance = float(per_rank.mean() / per_rank.max()) if per_rank.max() > 0 else float("nan")
-    return balance, [int(v) for v in per_rank.tolist()]
+    per_rank = measured_rank_load(layer.placement, load)
+    return measured_balancedness(layer.placement, load), [int(v) for v in per_rank.tolist()]
 
 
 if __name__ == "__main__":

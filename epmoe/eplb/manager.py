@@ -33,7 +33,13 @@ from epmoe.placement import ExpertPlacement
 if TYPE_CHECKING:  # pragma: no cover
     from epmoe.layer import EPMoE
 
-__all__ = ["EPLBManager", "LayerRebalance", "RebalanceReport", "measured_balancedness"]
+__all__ = [
+    "EPLBManager",
+    "LayerRebalance",
+    "RebalanceReport",
+    "measured_balancedness",
+    "measured_rank_load",
+]
 
 
 @dataclass(frozen=True)
@@ -283,16 +289,22 @@ class EPLBManager:
         return list(flat.cpu().split([t.numel() for t in local]))
 
 
-def measured_balancedness(placement: ExpertPlacement, physical_load_P: torch.Tensor) -> float:
-    """Mean rank load / max rank load of measured per-slot counts ``[P]`` (each slot's
-    count goes to the rank owning it); 1.0 when there is no load."""
+def measured_rank_load(placement: ExpertPlacement, physical_load_P: torch.Tensor) -> torch.Tensor:
+    """Measured per-slot counts ``[P]`` summed per rank: ``[W]`` float64 on the CPU (each
+    slot's count goes to the rank owning it)."""
     load = torch.as_tensor(physical_load_P).detach().to("cpu", torch.float64)
     if load.shape != (placement.num_physical,):
         raise ValueError(
             f"physical_load_P must be [P={placement.num_physical}], got {tuple(load.shape)}"
         )
-    per_rank = torch.zeros(placement.ep_size, dtype=torch.float64).index_add_(
+    return torch.zeros(placement.ep_size, dtype=torch.float64).index_add_(
         0, placement.owner_rank, load
     )
+
+
+def measured_balancedness(placement: ExpertPlacement, physical_load_P: torch.Tensor) -> float:
+    """Mean rank load / max rank load of measured per-slot counts ``[P]``
+    (``measured_rank_load``); 1.0 when there is no load."""
+    per_rank = measured_rank_load(placement, physical_load_P)
     mx = float(per_rank.max())
     return 1.0 if mx <= 0 else float(per_rank.mean()) / mx

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import epmoe
-from epmoe.eplb.manager import EPLBManager, measured_balancedness
+from epmoe.eplb.manager import EPLBManager, measured_balancedness, measured_rank_load
 from epmoe.eplb.migration import MigrationPlan, migrate_slots
 from epmoe.eplb.recorder import logical_load
 from epmoe.placement import ExpertPlacement
@@ -178,6 +178,10 @@ def test_measured_balancedness() -> None:
     assert measured_balancedness(p, torch.zeros(4)) == 1.0
     with pytest.raises(ValueError, match="P=4"):
         measured_balancedness(p, torch.zeros(5))
+    # the per-rank sums behind it (rank 0 owns slots 0-1, rank 1 slots 2-3)
+    assert measured_rank_load(p, torch.tensor([6, 0, 2, 0])).tolist() == [6.0, 2.0]
+    with pytest.raises(ValueError, match="P=4"):
+        measured_rank_load(p, torch.zeros(3))
 
 
 # ------------------------------------------------------------------ W ranks
