@@ -107,20 +107,27 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.constexpr_function
-def _store_layout(block_n):
-    """One MMA warpgroup's ``[64, block_n]`` accumulator tile as the epilogue stores it: each
-    thread 4 consecutive columns (8 bytes of bf16), a quad of threads 16 columns of a row
-    (one 32-byte sector). The wgmma layout gives a thread 2 columns: its stores and atomics
-    write 4 bytes each, half of each sector a quad touches. This layout differs from it in
-    one bit (a thread's columns +2 and +8 swap between registers and lanes), so the
-    conversion is shuffles within each quad, with no shared memory: stores become
-    ``st.global.v2.b32``, atomic adds ``red...v4.bf16``, half as many."""
-    reg = [[0, 1], [0, 2], [8, 0]]
-    c = 16
+def _store_layout(block_n, step=2):
+    """One MMA warpgroup's ``[64, block_n]`` accumulator tile as the epilogue stores it
+    (``block_n`` >= 32; ``step`` 1 alone, 4 columns per thread, needs 16): each thread 8
+    consecutive columns (16 bytes of bf16), four threads
+    64 bytes of a row (two whole 32-byte sectors). The wgmma layout gives a thread 2
+    columns: its stores and atomic adds write 4 bytes each, half of each sector a quad
+    touches. The conversion runs in two steps of one bit each (``step`` 1, then 2: columns
+    +2 and +8, then +4 and +16, swap between registers and lanes), which Triton makes
+    shuffles within each quad with no shared memory (one step of two bits takes 2 KB of it
+    per warpgroup). Stores become ``st.global.v4.b32``, atomic adds ``…v8.bf16``."""
+    if step == 1:
+        reg = [[0, 1], [0, 2], [8, 0]]
+        lane = [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]
+        c = 16
+    else:
+        reg = [[0, 1], [0, 2], [0, 4], [8, 0]]
+        lane = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+        c = 32
     while c < block_n:
         reg.append([0, c])
         c *= 2
-    lane = [[0, 8], [0, 4], [1, 0], [2, 0], [4, 0]]
     return gl.DistributedLinearLayout(reg, lane, [[16, 0], [32, 0]], [], [64, block_n])
 
 
@@ -234,18 +241,25 @@ def _scales_at(as_ptrs, ws0_ptr, ws1_ptr, valid, k, num_k, stride_ask, WS_STEP: 
 
 
 @gluon.jit
+def _to_store(x, step_layout: gl.constexpr, store_layout: gl.constexpr):
+    """``x`` in ``store_layout`` through ``step_layout`` (see ``_store_layout``)."""
+    return gl.convert_layout(gl.convert_layout(x, step_layout), store_layout)
+
+
+@gluon.jit
 def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, valid, n0,
               pid_n, stride_om, stride_osm, stride_osk, GATE_UP: gl.constexpr,
               ACTIVATION: gl.constexpr,
               FP8: gl.constexpr, FP8_MAX: gl.constexpr, INV_FP8_MAX: gl.constexpr,
-              BLOCK_N: gl.constexpr, store_layout: gl.constexpr,
+              BLOCK_N: gl.constexpr, store_layout: gl.constexpr, step_layout: gl.constexpr,
               WEIGHTED: gl.constexpr, SUM_TOP_K: gl.constexpr):  # fmt: skip
     """GEMM 1: ``act(acc0) · acc1`` (FP8: quantized per row, one group per tile); GEMM 2:
     both halves, scaled by the pair's router weight when ``WEIGHTED`` (the Standard
     layout). Rows by position; valid rows only. ``SUM_TOP_K`` > 0 (GEMM 2 of the Standard
     layout): each pair's row is added into output row ``pair // SUM_TOP_K`` by atomics
     instead (the top-k sum of the layer, in arrival order). The stores run in
-    ``store_layout`` (the accumulators' own, or ``_store_layout``'s)."""
+    ``store_layout`` (the accumulators' own, or ``_store_layout``'s, reached through
+    ``step_layout``)."""
     dtype = out_ptr.dtype.element_ty
     if GATE_UP:
         if ACTIVATION == "silu":
@@ -258,7 +272,7 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
             h = gl.minimum(gl.maximum(h * gl.div_rn(1.0, scale)[:, None], -FP8_MAX), FP8_MAX)
             gl.store(out_scale_ptr + pos * stride_osm + pid_n * stride_osk, scale, mask=valid)
         # (converted in the output dtype: half the registers of fp32 or less)
-        out0 = gl.convert_layout(h.to(dtype), store_layout)
+        out0 = _to_store(h.to(dtype), step_layout, store_layout)
     else:
         if WEIGHTED:
             router_w = gl.load(topk_weights_ptr + pair, mask=valid, other=0.0)
@@ -278,13 +292,15 @@ def _epilogue(acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos, pair, v
     if GATE_UP:
         gl.store(rows + offs_c[None, :], out0, mask=store_mask)
     elif SUM_TOP_K > 0:
-        out0 = gl.convert_layout(out0, store_layout)
+        out0 = _to_store(out0, step_layout, store_layout)
         gl.atomic_add(rows + offs_c[None, :], out0, mask=store_mask, sem="relaxed")
-        out1 = gl.convert_layout(out1, store_layout)
+        out1 = _to_store(out1, step_layout, store_layout)
         gl.atomic_add(rows + (BLOCK_N + offs_c)[None, :], out1, mask=store_mask, sem="relaxed")
     else:
-        gl.store(rows + offs_c[None, :], gl.convert_layout(out0, store_layout), mask=store_mask)
-        out1 = gl.convert_layout(out1, store_layout)
+        gl.store(
+            rows + offs_c[None, :], _to_store(out0, step_layout, store_layout), mask=store_mask
+        )
+        out1 = _to_store(out1, step_layout, store_layout)
         gl.store(rows + (BLOCK_N + offs_c)[None, :], out1, mask=store_mask)
 
 
@@ -422,7 +438,7 @@ def _pair_tile(
     _epilogue(
         acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m, n0,
         pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
-        INV_FP8_MAX, BLOCK_N, mma_layout, True, TOP_K if SUM_ROWS else 0,
+        INV_FP8_MAX, BLOCK_N, mma_layout, mma_layout, True, TOP_K if SUM_ROWS else 0,
     )  # fmt: skip
 
 
@@ -737,7 +753,11 @@ def _ws_mma(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 256 // ELEM_BITS]
     )
     rows_mma: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    store_layout: gl.constexpr = _store_layout(BLOCK_N) if BLOCK_N >= 16 else mma_layout
+    # the epilogue's store layout, and the step between it and the accumulators' (see
+    # _store_layout; the accumulators' own where BLOCK_N is too narrow)
+    # (16 columns: the first step's 8 bytes per thread; converting to it twice is one step)
+    store_step: gl.constexpr = _store_layout(BLOCK_N, 1) if BLOCK_N >= 16 else mma_layout
+    store_layout: gl.constexpr = _store_layout(BLOCK_N) if BLOCK_N >= 32 else store_step
     WS_STEP: gl.constexpr = 1 if W_BLOCK_SCALE else 0
     num_k = K // BLOCK_K
     num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
@@ -803,7 +823,7 @@ def _ws_mma(
             _epilogue(
                 acc0, acc1, out_ptr, out_scale_ptr, topk_weights_ptr, pos_m, pair_m, valid_m,
                 n0, pid_n, stride_om, stride_osm, stride_osk, GATE_UP, ACTIVATION, FP8, FP8_MAX,
-                INV_FP8_MAX, BLOCK_N, store_layout, ROWS == "pairs",
+                INV_FP8_MAX, BLOCK_N, store_layout, store_step, ROWS == "pairs",
                 TOP_K if SUM_ROWS else 0,
             )  # fmt: skip
         else:  # idle: release the stages the other warpgroup reads
