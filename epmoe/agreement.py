@@ -59,12 +59,13 @@ from epmoe.comm.collectives import all_gather_rows, world_of
 __all__ = ["RECORD_LEN", "LayerAgreement", "StepAgreement", "describe_placement"]
 
 MAGIC = 0x45504D6F45  # "EPMoE"
-CONSTRUCTION, FORWARD, REBALANCE, STEP = 1, 2, 3, 4
+CONSTRUCTION, FORWARD, REBALANCE, STEP, DTYPE_CHANGE = 1, 2, 3, 4, 5
 OPERATIONS = {
     CONSTRUCTION: "construction",
     FORWARD: "forward",
     REBALANCE: "rebalance",
     STEP: "step",
+    DTYPE_CHANGE: "dtype change",
 }
 STEP_INDEX = -1  # the layer index field of a step record (a step belongs to no layer)
 OK, REJECTED, IDS_OUT_OF_RANGE = 0, 1, 2
@@ -158,8 +159,18 @@ class LayerAgreement:
             if error is not None:
                 raise error
             return
-        records = self._gather(REBALANCE, 0, error, None, fields, device)
-        self._check(records, REBALANCE, error, fields, None)
+        self._change(REBALANCE, fields, error, device)
+
+    def dtype_change(self, fields: Mapping[str, str], device: torch.device) -> None:
+        """Agree, at the first forward after ``.to(dtype)``, that every rank converted its
+        layer alike (``fields``: the new dtype) and is in the same call, before the
+        communication backends are rebuilt for it."""
+        if self.world_size > 1:
+            self._change(DTYPE_CHANGE, fields, None, device)
+
+    def _change(self, op, fields, error, device) -> None:
+        records = self._gather(op, 0, error, None, fields, device)
+        self._check(records, op, error, fields, None)
         self.calls += 1
 
     # ------------------------------------------------------------------ internals
@@ -253,11 +264,13 @@ class LayerAgreement:
                 start = _first_difference(list(values))
                 shown = {_shorten(v, start): ranks for v, ranks in values.items()}
                 lines.append(f"{name} differs: {_listing(shown, 'have')}")
-        fix = (
-            "build every rank's layer with the same arguments"
-            if op == CONSTRUCTION
-            else "every rank must pass the same placement (plan it from the all-reduced load, "
-            "as EPLBManager does)"
+        fix = {
+            CONSTRUCTION: "build every rank's layer with the same arguments",
+            DTYPE_CHANGE: "convert every rank's model to the same dtype",
+        }.get(
+            op,
+            "every rank must pass the same placement (plan it from the all-reduced load, "
+            "as EPLBManager does)",
         )
         return (
             f"EPMoE.{OPERATIONS[op]} (layer #{self.index}): the EP ranks disagree; "

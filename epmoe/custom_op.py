@@ -82,9 +82,9 @@ def _(hidden_states, router_logits, layer_id, max_tokens, num_valid_tokens=None)
     return hidden_states.new_empty(hidden_states.shape)  # contiguous, like the real op
 
 
-_NO_BACKWARD = (
-    "epmoe::moe_forward has no backward: EPMoE is an inference layer (its dispatch and combine "
-    "are not differentiable across ranks). Run the model under torch.no_grad() or "
+NO_BACKWARD = (
+    "EPMoE has no backward: it is an inference layer (its dispatch and combine are not "
+    "differentiable across ranks). Run the model under torch.no_grad() or "
     "torch.inference_mode()"
 )
 
@@ -93,7 +93,7 @@ _NO_BACKWARD = (
 def no_backward(grad_output: torch.Tensor) -> torch.Tensor:
     """The gradient ``moe_forward`` would pass back: raises with the fix when a backward
     runs. (An op, so that tracing the backward at compile time does not raise.)"""
-    raise RuntimeError(_NO_BACKWARD)
+    raise RuntimeError(NO_BACKWARD)
 
 
 @no_backward.register_fake

@@ -13,6 +13,7 @@ can capture it with a graph-safe backend (``Capabilities.graph_safe``) and exper
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -109,6 +110,14 @@ class EPMoE(nn.Module):
 
     ``params_dtype=torch.float64`` computes in float64 throughout (torch experts; the Triton
     experts refuse it); the router weights are float32 as ``select_experts`` returns them.
+
+    PyTorch idioms: ``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` (also through a model
+    holding the layer) convert the weights and ``params_dtype``, and the communication
+    backends are rebuilt for the new dtype at the next forward, after the ranks agree that
+    each converted alike (FP8 weights and their scales keep their dtype). Another device is
+    refused: build the layer where it runs (``device=``). ``copy.deepcopy`` gives another
+    layer with its own weights on the same process group and backends. There is no backward
+    (an inference layer): a backward through the output raises with the fix.
 
     Keyword-only options:
         layout: ``"standard"`` or ``"expert_batched"`` (``None``: the backend's first).
@@ -397,9 +406,22 @@ class EPMoE(nn.Module):
         # bumped whenever a re-plan replaces the placement, weights or comm binding: what a
         # captured CUDA graph holds the addresses of (epmoe.DecodeGraphs compares it)
         self.generation = 0
+        self._comm_dtype_stale = False  # set by .to(dtype): rebuilt at the next forward
         self._group_ranks = group_ranks(group)  # compared with an epmoe.step's group
         # the key of this layer in epmoe::moe_forward's registry (torch.compile)
         self._op_id = custom_op.register(self)
+
+    def __deepcopy__(self, memo: dict) -> EPMoE:
+        """Another layer with copies of this one's weights, maps and buffers, on the same
+        process group and communication backends (their buffers are the group's, shared by
+        layers; a process group cannot be copied)."""
+        for shared in (self.group, self.comm, self.decode_comm):
+            if shared is not None:
+                memo.setdefault(id(shared), shared)
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return twin
 
     def __setstate__(self, state) -> None:
         """A copy (``copy.deepcopy``, ``pickle``) is another layer: its own id in the
@@ -975,13 +997,17 @@ class EPMoE(nn.Module):
             return torch.ops.epmoe.moe_forward(
                 hidden_states, router_logits, self._op_id, hint, num_valid_tokens
             )
-        return self._eager_forward(
-            hidden_states,
-            router_logits,
+        kwargs = dict(
             max_tokens_across_ranks=max_tokens_across_ranks,
             step=step,
             num_valid_tokens=num_valid_tokens,
         )
+        needs_grad = any(getattr(t, "requires_grad", False) for t in (hidden_states, router_logits))
+        if needs_grad and torch.is_grad_enabled():
+            # as the compiled op: the output requires grad, and a backward raises (the
+            # dispatch and combine are not differentiable; a partial gradient is wrong)
+            return _NoBackward.apply(self, hidden_states, router_logits, kwargs)
+        return self._eager_forward(hidden_states, router_logits, **kwargs)
 
     def _eager_forward(
         self,
@@ -993,6 +1019,8 @@ class EPMoE(nn.Module):
         num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` outside the compiler (and inside ``epmoe::moe_forward``)."""
+        if self._comm_dtype_stale:
+            self._rebuild_comm_for_dtype()
         if step is not None and max_tokens_across_ranks is not None:
             raise TypeError("pass either step= or max_tokens_across_ranks=, not both")
         if step is None and max_tokens_across_ranks is None:
@@ -1219,19 +1247,23 @@ class EPMoE(nn.Module):
         return None
 
     def _apply(self, fn, recurse=True):
-        """``.to()``, ``.cuda()``, ``.half()`` … : the backend, maps and buffers were built
-        for one device and dtype, so moving only the weights would break them silently.
-        A conversion that would change either is refused before anything moves; build the
-        layer where it runs (``device=``, ``params_dtype=``)."""
+        """``.to()``, ``.half()``, ``.bfloat16()`` … : a dtype change converts the weights
+        and sets ``params_dtype``; the communication backends are rebuilt for it at the next
+        forward (collective there: every rank converts alike, which the ranks agree on
+        first). Another device is refused before this layer changes (its process group and
+        communication buffers belong to its device): build the layer where it runs
+        (``device=``)."""
         probe = fn(torch.empty(0, dtype=self.params_dtype, device=self.device))
-        if probe.device != self.device or probe.dtype != self.params_dtype:
+        if probe.device != self.device:
             raise RuntimeError(
-                f"EPMoE lives on {self.device} in {self.params_dtype} and cannot be moved to "
-                f"{probe.device} / {probe.dtype}: build it with device= and params_dtype="
+                f"EPMoE lives on {self.device} and cannot be moved to {probe.device} (its "
+                "process group and communication buffers belong to its device): build it "
+                "with device= where it runs"
             )
-        # the conversion changes neither device nor params_dtype, but model.to(dtype) would
-        # still cast every floating tensor: FP8 weights, their float32 scales and the
-        # float32 router bias keep their dtype
+        dtype = probe.dtype
+        if dtype != self.params_dtype:
+            self._check_new_dtype(dtype)
+        # FP8 weights, their float32 scales and the float32 router bias keep their dtype
         keep = {id(t) for t in (self.w13_scale, self.w2_scale) if t is not None}
         if self.fp8_weights:
             keep |= {id(self.w13), id(self.w2)}
@@ -1242,7 +1274,38 @@ class EPMoE(nn.Module):
             out = fn(t)
             return t if id(t) in keep and out.dtype != t.dtype else out
 
-        return super()._apply(apply, recurse)
+        module = super()._apply(apply, recurse)
+        if dtype != self.params_dtype:
+            self.params_dtype = dtype
+            if not self.fp8_weights:
+                self.weight_dtype = dtype
+            self._comm_dtype_stale = True
+            self.generation += 1  # captured CUDA graphs hold the old buffers
+        return module
+
+    def _check_new_dtype(self, dtype: torch.dtype) -> None:
+        """What ``.to(dtype)`` needs of ``dtype``, before this layer changes."""
+        if not dtype.is_floating_point or dtype == FP8_DTYPE:
+            raise TypeError(
+                f"EPMoE computes in a floating dtype (bfloat16, float16, float32, float64), "
+                f"not {dtype}; FP8 expert weights are chosen at construction (weight_dtype=)"
+            )
+        if self.experts.name == "triton":  # (the torch experts compute in any dtype)
+            create_experts("triton", self.activation, self.device, dtype)
+        for comm in (self.comm, self.decode_comm):
+            why = comm and type(comm).supports(dataclasses.replace(comm.spec, dtype=dtype))
+            if why:
+                raise ValueError(f"EPMoE in {dtype}: backend {comm.name!r} cannot serve it: {why}")
+
+    def _rebuild_comm_for_dtype(self) -> None:
+        """The first forward after a dtype change: the ranks agree that each converted to
+        the same dtype, then the backends are rebuilt for it (the old ones closed once the
+        new ones exist)."""
+        self._agreement.dtype_change({"params_dtype": str(self.params_dtype)}, self.device)
+        self.comm = _retyped(self.comm, self.params_dtype, self.group, self.backend_options)
+        if self.decode_comm is not None:
+            self.decode_comm = _retyped(self.decode_comm, self.params_dtype, self.group)
+        self._comm_dtype_stale = False
 
     def extra_repr(self) -> str:
         return (
@@ -1303,6 +1366,19 @@ def _rebound(
         return fresh
 
 
+def _retyped(
+    comm: AllToAll, dtype: torch.dtype, group, options: Mapping[str, Any] | None = None
+) -> AllToAll:
+    """A backend like ``comm`` (name, layout, ``options``, placement) whose rows travel in
+    ``dtype``; ``comm`` closed once it exists. Collective like a construction."""
+    if comm.spec.dtype == dtype:
+        return comm
+    spec = dataclasses.replace(comm.spec, dtype=dtype)
+    fresh = create_backend(comm.name, spec, group, comm.layout, **(options or {}))
+    comm.close()
+    return fresh
+
+
 def _check_group_device(group: dist.ProcessGroup | None, device: torch.device) -> None:
     """NCCL groups move CUDA tensors and gloo groups CPU tensors: refuse a mismatch now
     rather than at the first collective."""
@@ -1337,3 +1413,16 @@ def _no_fp8_dispatch(backend: str) -> ValueError:
         + f"; backends that offer it: {offering or 'none registered'}. Pass one of them as "
         "backend=, or leave dispatch_dtype=None"
     )
+
+
+class _NoBackward(torch.autograd.Function):
+    """``EPMoE``'s eager forward when an input requires grad: the output requires grad too
+    and a backward raises with the fix, as through the compiled op (``epmoe::moe_forward``)."""
+
+    @staticmethod
+    def forward(ctx, layer, hidden_states, router_logits, kwargs):  # type: ignore[override]
+        return layer._eager_forward(hidden_states, router_logits, **kwargs)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        raise RuntimeError(custom_op.NO_BACKWARD)

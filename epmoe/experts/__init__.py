@@ -37,6 +37,15 @@ def create_experts(
             "experts='torch' (or 'auto'), which computes in any floating dtype, float64 "
             "included"
         )
+    if name == "triton" and device.type != "cuda":
+        from epmoe.kernels import ops  # (imports Triton: only for experts="triton")
+
+        if not ops.interpreted():
+            raise ValueError(
+                f"experts='triton' runs on CUDA devices, not {device}; use experts='torch' "
+                "(or 'auto'), or set TRITON_INTERPRET=1 before epmoe is imported to run the "
+                "Triton kernels in the interpreter"
+            )
     module, cls = _EXPERTS[name].split(":")
     return getattr(importlib.import_module(module), cls)(activation)
 

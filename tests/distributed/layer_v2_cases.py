@@ -429,6 +429,36 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
             assert out.dtype == dtype
             assert_close(out, ref, TOLERANCES[FP8_DTYPE], name="FP8 dispatch vs oracle")
 
+        # .to(dtype): float64 on CPU, float16 on CUDA (what the backends there move)
+        new_dtype = torch.float64 if dev.type == "cpu" else torch.float16
+        with sweep.case(f"{label}: .to(dtype) rebuilds the backend at the next forward"):
+            layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 6, max_num_tokens=M)
+            before = layer.comm
+            layer.to(new_dtype)
+            assert layer.params_dtype == new_dtype == layer.w13.dtype == layer.w2.dtype
+            assert layer.comm is before, "the backend is rebuilt at the forward, not in .to()"
+            x, logits = rank_tokens(rank, T, H, E, new_dtype, dev, seed=6)
+            with counting_agreements() as agreed:
+                out = layer(x, logits, max_tokens_across_ranks=max(tokens))
+            assert world == 1 or len(agreed) == 1, f"one agreement on the dtype, got {agreed}"
+            assert layer.comm is not before and layer.comm.spec.dtype == new_dtype
+            assert type(layer.comm) is type(before) and layer.comm.layout is layout
+            ref = epmoe.reference.moe(
+                x, w13.to(new_dtype), w2.to(new_dtype), *epmoe.select_experts(logits, K)
+            )
+            assert out.dtype == new_dtype
+            assert_close(out, ref, TOLERANCES[new_dtype], name="after .to(dtype) vs oracle")
+
+        with sweep.case(f"{label}: a rank that did not convert is named on every rank"):
+            if world == 1:
+                pytest.skip("needs two ranks")
+            layer, *_ = _layer(E, K, H, I, dtype, dev, backend, layout, 7, max_num_tokens=M)
+            if rank == 0:
+                layer.to(new_dtype)
+            x, logits = rank_tokens(rank, T, H, E, layer.params_dtype, dev, seed=7)
+            with pytest.raises(RuntimeError, match="dtype change of layer"):
+                layer(x, logits)
+
         # E = 6 on W ranks, then balanced with redundant slots: rank_offsets change
         new = epmoe.ExpertPlacement.balanced(
             torch.arange(1, E + 1, dtype=torch.float64) ** 2,

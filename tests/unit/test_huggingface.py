@@ -142,6 +142,20 @@ def test_bfloat16_model_within_bf16_tolerance():
     assert_close(out.float(), ref.float(), TOLERANCES[torch.bfloat16])
 
 
+def test_a_converted_model_changes_dtype_with_to():
+    """``model.to(torch.bfloat16)`` after the conversion, as after ``from_pretrained``: the
+    EPMoE layers follow (weights, params_dtype, backend at the next forward)."""
+    model = hf_cases.tiny_model("mixtral")
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    hf.replace_moe_blocks(model)
+    model.to(torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        out, ref = model(_input_ids()).logits, reference(_input_ids()).logits
+    assert out.dtype == torch.bfloat16
+    assert_close(out.float(), ref.float(), TOLERANCES[torch.bfloat16])
+
+
 def test_per_layer_placement_and_moe_kwargs_pass_through():
     model = hf_cases.tiny_model("qwen3_moe")
     seen = []

@@ -38,14 +38,65 @@ def layer_and_weights(**kwargs):
     return layer, w13, w2
 
 
-def test_moving_the_layer_is_refused_before_anything_moves():
+def test_to_dtype_converts_the_layer_and_its_backend():
+    layer, w13, w2 = layer_and_weights()
+    layer.to("cpu").float()  # no change
+    assert layer.comm.spec.dtype == torch.float32 and layer.generation == 0
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), layer).to(torch.float64)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert layer.params_dtype == torch.float64 and layer.generation == 1
+    x, logits = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 8)
+    ref = epmoe.reference.moe(x, w13.double(), w2.double(), *epmoe.select_experts(logits, 2))
+    out = layer(x, logits)
+    assert out.dtype == torch.float64 and layer.comm.spec.dtype == torch.float64
+    assert_close(out, ref, 1e-12)
+    assert_close(layer.bfloat16()(x, logits).double(), ref, 2e-2)
+
+
+def test_to_another_device_or_dtype_it_cannot_run_is_refused_before_the_layer_changes():
     layer, *_ = layer_and_weights()
-    layer.to("cpu").float()  # no change: allowed
-    with pytest.raises(RuntimeError, match="params_dtype"):
-        layer.half()
-    with pytest.raises(RuntimeError, match="params_dtype"):
-        torch.nn.Sequential(torch.nn.Linear(2, 2), layer).to(torch.bfloat16)
-    assert layer.w13.dtype == torch.float32 and layer.w2.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="cannot be moved to meta"):
+        layer.to("meta")
+    layer.experts = type("Named", (), {"name": "triton"})()  # as Triton experts would say
+    with pytest.raises(ValueError, match="experts='triton' computes in bfloat16"):
+        layer.double()
+    assert layer.w13.dtype == torch.float32 and layer.params_dtype == torch.float32
+
+
+def test_a_backward_through_the_eager_layer_raises_with_the_fix():
+    """Not a partial gradient (the routing and the other ranks' part would be missing)."""
+    layer, *_ = layer_and_weights()
+    x = torch.randn(5, 16, requires_grad=True)
+    logits = torch.randn(5, 8, requires_grad=True)
+    out = layer(x, logits)
+    assert out.requires_grad
+    with torch.no_grad():
+        assert_close(out, layer(x, logits), 0.0)
+    with pytest.raises(RuntimeError, match=r"no backward.*torch\.no_grad\(\)"):
+        out.sum().backward()
+
+
+def test_a_deep_copy_shares_the_process_group_and_backends(monkeypatch):
+    import copy
+
+    layer, *_ = layer_and_weights()
+    group = object()  # a process group cannot be copied: the copy must keep it as is
+    monkeypatch.setattr(layer, "group", group)
+    twin = copy.deepcopy(layer)
+    assert twin.group is group and twin.comm is layer.comm
+    assert twin.w13 is not layer.w13 and torch.equal(twin.w13, layer.w13)
+    assert twin._op_id != layer._op_id
+    x, logits = torch.randn(5, 16), torch.randn(5, 8)
+    monkeypatch.setattr(twin, "group", layer._agreement.group)
+    assert_close(twin(x, logits), layer(x, logits), 0.0)
+
+
+def test_triton_experts_on_cpu_are_refused_at_construction(monkeypatch):
+    from epmoe.kernels import ops
+
+    monkeypatch.setattr(ops, "interpreted", lambda: False)  # as without TRITON_INTERPRET=1
+    with pytest.raises(ValueError, match="experts='triton' runs on CUDA devices, not cpu"):
+        epmoe.EPMoE(8, 2, 16, 8, experts="triton", params_dtype=torch.float32, device="cpu")
 
 
 @pytest.mark.parametrize("T", [0, 5, 13], ids=["T=0", "T=5", "T=13 (chunks)"])
