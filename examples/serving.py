@@ -535,7 +535,8 @@ def main(argv: list[str] | None = None) -> None:
                 # later: the rank that waits least shows the blocks' own time best
                 lo, hi = min(r[2] for r in rows), max(r[2] for r in rows)
                 print(
-                    f"{kind} steps: {n}, step {step_ms:.2f} ms, MoE blocks {moe_ms:.2f} ms "
+                    f"{kind} steps: {n} on the {W} rank(s) together, step {step_ms:.2f} ms, "
+                    f"MoE blocks {moe_ms:.2f} ms "
                     f"({moe_ms / step_ms:.0%} of the step; medians of the ranks' medians; "
                     f"per rank {lo:.2f}-{hi:.2f} ms)",
                     flush=True,
