@@ -47,6 +47,7 @@ Shape legend: W ranks of the EP group · L = ``RECORD_LEN``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import weakref
 from collections.abc import Callable, Mapping
@@ -59,13 +60,13 @@ from epmoe.comm.collectives import all_gather_rows, world_of
 __all__ = ["RECORD_LEN", "LayerAgreement", "StepAgreement", "describe_placement"]
 
 MAGIC = 0x45504D6F45  # "EPMoE"
-CONSTRUCTION, FORWARD, REBALANCE, STEP, DTYPE_CHANGE = 1, 2, 3, 4, 5
+CONSTRUCTION, FORWARD, REBALANCE, STEP, REBUILD = 1, 2, 3, 4, 5
 OPERATIONS = {
     CONSTRUCTION: "construction",
     FORWARD: "forward",
     REBALANCE: "rebalance",
     STEP: "step",
-    DTYPE_CHANGE: "dtype change",
+    REBUILD: "backend rebuild",
 }
 STEP_INDEX = -1  # the layer index field of a step record (a step belongs to no layer)
 OK, REJECTED, IDS_OUT_OF_RANGE = 0, 1, 2
@@ -161,12 +162,22 @@ class LayerAgreement:
             return
         self._change(REBALANCE, fields, error, device)
 
-    def dtype_change(self, fields: Mapping[str, str], device: torch.device) -> None:
-        """Agree, at the first forward after ``.to(dtype)``, that every rank converted its
-        layer alike (``fields``: the new dtype) and is in the same call, before the
-        communication backends are rebuilt for it."""
+    def rebuild(self, fields: Mapping[str, str], device: torch.device) -> None:
+        """Agree, at the first collective call after ``.to(dtype)`` (or of a deep copy),
+        that every rank changed its layer alike (``fields``: its dtype) and is in the same
+        call, before the communication backends are rebuilt."""
         if self.world_size > 1:
-            self._change(DTYPE_CHANGE, fields, None, device)
+            self._change(REBUILD, fields, None, device)
+
+    def fork(self) -> LayerAgreement:
+        """The agreement of a copy of this layer: the group's next layer index (a copy
+        made on every rank alike gets the same one), no calls yet."""
+        twin = copy.copy(self)
+        twin.index = _next_index.get(self.group, 0) if self.world_size > 1 else 0
+        if self.world_size > 1:
+            _next_index[self.group] = twin.index + 1
+        twin.calls = 0
+        return twin
 
     def _change(self, op, fields, error, device) -> None:
         records = self._gather(op, 0, error, None, fields, device)
@@ -221,6 +232,11 @@ class LayerAgreement:
                 else "every rank must build its layers, call each (also with T = 0) and "
                 "rebalance it in the same order"
             )
+            if REBUILD in {r[_OP] for r in records}:
+                rule = (
+                    "a rank changed this layer (model.to(dtype), or a copy.deepcopy) and "
+                    "another did not: change every rank's model alike"
+                )
             raise RuntimeError(
                 f"{where}: the EP ranks are in {what}: {_listing(_by_value(places), 'in')}. "
                 f"A rank skipped a call or made an extra one: {rule}. "
@@ -266,7 +282,7 @@ class LayerAgreement:
                 lines.append(f"{name} differs: {_listing(shown, 'have')}")
         fix = {
             CONSTRUCTION: "build every rank's layer with the same arguments",
-            DTYPE_CHANGE: "convert every rank's model to the same dtype",
+            REBUILD: "convert every rank's model to the same dtype",
         }.get(
             op,
             "every rank must pass the same placement (plan it from the all-reduced load, "
@@ -277,6 +293,19 @@ class LayerAgreement:
             + "; ".join(lines or ["(the fields' digests differ)"])
             + f"; {fix}"
         )
+
+
+def pending_digest(layers) -> int:
+    """A 31-bit digest of the layers among ``layers`` whose backends wait for a rebuild
+    (their index and dtype), 0 when none."""
+    pending = sorted(
+        (layer._agreement.index, str(layer.params_dtype))
+        for layer in layers
+        if getattr(layer, "_comm_pending", False)
+    )
+    if not pending:
+        return 0
+    return (digest({str(i): d for i, d in pending}) & 0x7FFFFFFF) or 1
 
 
 class StepAgreement(LayerAgreement):
@@ -298,13 +327,18 @@ class StepAgreement(LayerAgreement):
         error: Exception | None,
         device: torch.device,
         step_id: int | None = None,
+        pending: int = 0,
     ) -> tuple[list[int], list[bool]]:
         """Agree on a step: every rank's ``T`` (``error``: this rank's reason to refuse,
         e.g. a bad ``num_tokens``) and its ``decode`` wish, and that every rank is in the
         same step: the same ``step_id`` (the caller's step number, e.g. its scheduler's),
         or, without one, the same count of agreed steps. One all-gather read by the host.
         Returns ``T`` and ``decode`` of every rank, in rank order; raises on every rank when
-        a rank refused or the ranks are in different steps (or calls)."""
+        a rank refused or the ranks are in different steps (or calls). ``pending``: a digest
+        of this rank's layers whose backends wait for a rebuild (:func:`pending_digest`);
+        ranks that differ in it (one converted its model's dtype and another did not) are
+        told here, before a forward that would leave one rank in the rebuild's agreement
+        and the other in a dispatch."""
         if self.world_size == 1:
             if error is not None:
                 raise error
@@ -319,7 +353,7 @@ class StepAgreement(LayerAgreement):
                 count,
                 T if error is None else 0,
                 OK if error is None else REJECTED,
-                int(bool(decode)),
+                int(bool(decode)) | (pending << 1),
             ],
             dtype=torch.int64,
             device=device,
@@ -334,8 +368,16 @@ class StepAgreement(LayerAgreement):
                 self.calls = own  # a caller's step id leaves the group's count alone
             elif self.group is not None:  # realigned when the ranks' counts differed
                 _next_step[self.group] = self.calls
+        if len({r[_DIGEST] >> 1 for r in records}) > 1:
+            differ = _by_value(["pending" if r[_DIGEST] >> 1 else "none" for r in records])
+            raise RuntimeError(
+                f"epmoe.step (step {count}): the EP ranks' EPMoE layers differ in a change not "
+                f"yet agreed on (model.to(dtype) or copy.deepcopy): "
+                f"{_listing(differ, 'have')} (or different ones pending). Change every rank's "
+                "model alike; this step is not counted on any rank"
+            )
         self._count()
-        return [r[_T] for r in records], [bool(r[_DIGEST]) for r in records]
+        return [r[_T] for r in records], [bool(r[_DIGEST] & 1) for r in records]
 
     def _count(self) -> None:
         self.calls += 1

@@ -133,8 +133,14 @@ def load_shard(
             return False
     for name, tensor in layer.slot_tensors().items():
         saved = state_dict.get(prefix + name)
-        if isinstance(saved, torch.Tensor) and saved.dtype != tensor.dtype:
-            # copy_ would cast silently: FP8 codes read as values, or values as codes
+        fp8 = torch.float8_e4m3fn
+        if (
+            isinstance(saved, torch.Tensor)
+            and saved.dtype != tensor.dtype
+            and fp8 in (saved.dtype, tensor.dtype)
+        ):
+            # copy_ would cast silently: FP8 codes read as values, or values as codes (other
+            # floating dtypes convert, as for any module: a layer built in one and .to() another)
             error_msgs.append(
                 f"EPMoE at {_where(prefix)}: {prefix + name} was saved as {saved.dtype}, this "
                 f"layer holds {tensor.dtype} (weight_dtype={layer.weight_dtype}); build the "

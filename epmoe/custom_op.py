@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-__all__ = ["lookup", "moe_forward", "no_backward", "register"]
+__all__ = ["live_layers", "lookup", "moe_forward", "no_backward", "register"]
 
 _layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -37,6 +37,11 @@ def register(layer) -> int:
     layer_id = next(_ids)
     _layers[layer_id] = layer
     return layer_id
+
+
+def live_layers() -> list:
+    """Every live registered layer."""
+    return list(_layers.values())
 
 
 def lookup(layer_id: int):

@@ -45,7 +45,9 @@ class DecodeGraphs:
             (an ``EPMoEBlock``, or a function calling ``EPMoE`` layers). Its layers must use
             a graph-safe backend and graph-safe experts for decode-sized steps.
         sizes: the bucket sizes (tokens per rank), e.g. ``(1, 2, 4, 8, 16, 32)``.
-        hidden_size, dtype, device: of the input rows (``device``: a CUDA device).
+        hidden_size: the input rows' H.
+        dtype: the input rows' dtype.
+        device: the input rows' device (a CUDA device).
         layers: the ``EPMoE`` layers ``forward`` runs: checked to be graph safe at every
             bucket, and watched for re-plans (stale graphs are refused).
         group: the EP group of the steps (``None``: WORLD, or one process).
@@ -95,6 +97,7 @@ class DecodeGraphs:
             int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, object]
         ] = {}
         self._state: list | None = None
+        self._layer_dtypes: list | None = None  # the layers' dtypes at the first capture
         self.recapture()
 
     @property
@@ -117,6 +120,14 @@ class DecodeGraphs:
 
     def recapture(self) -> None:
         """(Re)capture every bucket (collective). Call on every rank after a re-plan."""
+        dtypes = [layer.params_dtype for layer in self.layers]
+        if self._layer_dtypes is not None and dtypes != self._layer_dtypes:
+            raise RuntimeError(
+                f"the layers compute in {sorted(set(map(str, dtypes)))} since .to(dtype), "
+                f"these graphs in {sorted(set(map(str, self._layer_dtypes)))} with "
+                f"{self.dtype} rows: build new DecodeGraphs (dtype=...) instead of recapture()"
+            )
+        self._layer_dtypes = dtypes
         for b in self.sizes:
             for layer in self.layers:
                 comm, _ = layer._comm_for(b)
@@ -179,8 +190,9 @@ class DecodeGraphs:
             return None
         if self.stale:
             raise RuntimeError(
-                "the layers' placement or weights changed since the decode graphs were "
-                "captured (a rebalance): call recapture() on every rank after a re-plan"
+                "the layers' placement, weights or dtype changed since the decode graphs "
+                "were captured: call recapture() on every rank after a rebalance; after "
+                ".to(dtype), build new DecodeGraphs for rows of the new dtype"
             )
         T = x_TH.shape[0]
         if b < T:

@@ -116,7 +116,9 @@ class EPMoE(nn.Module):
     backends are rebuilt for the new dtype at the next forward, after the ranks agree that
     each converted alike (FP8 weights and their scales keep their dtype). Another device is
     refused: build the layer where it runs (``device=``). ``copy.deepcopy`` gives another
-    layer with its own weights on the same process group and backends. There is no backward
+    layer with its own weights on the same process group, which builds its own backends at
+    its first collective call (copy on every rank alike). ``epmoe.step`` tells ranks whose
+    layers differ in such a pending change apart before any forward. There is no backward
     (an inference layer): a backward through the output raises with the fix.
 
     Keyword-only options:
@@ -406,21 +408,28 @@ class EPMoE(nn.Module):
         # bumped whenever a re-plan replaces the placement, weights or comm binding: what a
         # captured CUDA graph holds the addresses of (epmoe.DecodeGraphs compares it)
         self.generation = 0
-        self._comm_dtype_stale = False  # set by .to(dtype): rebuilt at the next forward
+        # backends to rebuild at the next collective call (after .to(dtype), in a copy), and
+        # whether they are another layer's too (a copy's until then: never rebound or closed)
+        self._comm_pending = False
+        self._comm_shared = False
         self._group_ranks = group_ranks(group)  # compared with an epmoe.step's group
         # the key of this layer in epmoe::moe_forward's registry (torch.compile)
         self._op_id = custom_op.register(self)
 
     def __deepcopy__(self, memo: dict) -> EPMoE:
         """Another layer with copies of this one's weights, maps and buffers, on the same
-        process group and communication backends (their buffers are the group's, shared by
-        layers; a process group cannot be copied)."""
+        process group (which cannot be copied). It builds backends of its own at its first
+        collective call (collective there, like a construction: copy on every rank alike;
+        its agreements use the group's next layer index); until then it refers to this
+        layer's, without ever rebinding or closing them."""
         for shared in (self.group, self.comm, self.decode_comm):
             if shared is not None:
                 memo.setdefault(id(shared), shared)
         twin = type(self).__new__(type(self))
         memo[id(self)] = twin
         twin.__setstate__(copy.deepcopy(self.__dict__, memo))
+        twin._agreement = self._agreement.fork()
+        twin._comm_pending = twin._comm_shared = True
         return twin
 
     def __setstate__(self, state) -> None:
@@ -894,7 +903,16 @@ class EPMoE(nn.Module):
                 )
         except (TypeError, ValueError, RuntimeError) as exc:
             error = exc
-        fields = None if error else {"placement": describe_placement(placement)}
+        if self._comm_pending:  # (agreed first: a rank that did not change is named)
+            self._rebuild_comm()
+        fields = (
+            None
+            if error
+            else {
+                "placement": describe_placement(placement),
+                "params_dtype": str(self.params_dtype),
+            }
+        )
         self._agreement.rebalance(fields, error, self.device)
         # checked and agreed on every rank: the migration needs no second agreement
         return rebalance_layer(self, placement, agreed=True)
@@ -1002,11 +1020,13 @@ class EPMoE(nn.Module):
             step=step,
             num_valid_tokens=num_valid_tokens,
         )
-        needs_grad = any(getattr(t, "requires_grad", False) for t in (hidden_states, router_logits))
-        if needs_grad and torch.is_grad_enabled():
+        if torch.is_grad_enabled():
             # as the compiled op: the output requires grad, and a backward raises (the
             # dispatch and combine are not differentiable; a partial gradient is wrong)
-            return _NoBackward.apply(self, hidden_states, router_logits, kwargs)
+            inputs = (hidden_states, router_logits)
+            grads = [p for p in self.parameters() if p.requires_grad]  # (shared experts)
+            if grads or any(getattr(t, "requires_grad", False) for t in inputs):
+                return _NoBackward.apply(self, hidden_states, router_logits, kwargs, *grads)
         return self._eager_forward(hidden_states, router_logits, **kwargs)
 
     def _eager_forward(
@@ -1019,8 +1039,8 @@ class EPMoE(nn.Module):
         num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` outside the compiler (and inside ``epmoe::moe_forward``)."""
-        if self._comm_dtype_stale:
-            self._rebuild_comm_for_dtype()
+        if self._comm_pending:
+            self._rebuild_comm()
         if step is not None and max_tokens_across_ranks is not None:
             raise TypeError("pass either step= or max_tokens_across_ranks=, not both")
         if step is None and max_tokens_across_ranks is None:
@@ -1279,8 +1299,11 @@ class EPMoE(nn.Module):
             self.params_dtype = dtype
             if not self.fp8_weights:
                 self.weight_dtype = dtype
-            self._comm_dtype_stale = True
             self.generation += 1  # captured CUDA graphs hold the old buffers
+            # (back to the backends' own dtype: nothing to rebuild, nothing to agree on)
+            self._comm_pending = self._comm_shared or any(
+                c is not None and c.spec.dtype != dtype for c in (self.comm, self.decode_comm)
+            )
         return module
 
     def _check_new_dtype(self, dtype: torch.dtype) -> None:
@@ -1297,15 +1320,32 @@ class EPMoE(nn.Module):
             if why:
                 raise ValueError(f"EPMoE in {dtype}: backend {comm.name!r} cannot serve it: {why}")
 
-    def _rebuild_comm_for_dtype(self) -> None:
-        """The first forward after a dtype change: the ranks agree that each converted to
-        the same dtype, then the backends are rebuilt for it (the old ones closed once the
-        new ones exist)."""
-        self._agreement.dtype_change({"params_dtype": str(self.params_dtype)}, self.device)
-        self.comm = _retyped(self.comm, self.params_dtype, self.group, self.backend_options)
+    def _rebuild_comm(self) -> None:
+        """The first collective call after a dtype change or of a copy: the ranks agree
+        that each changed alike, then the backends are rebuilt for this layer's dtype and
+        placement (an old one closed once the new one exists, unless another layer's)."""
+        self._agreement.rebuild({"params_dtype": str(self.params_dtype)}, self.device)
+        shared = self._comm_shared
+        self.comm = self._rebuilt(self.comm, shared, self.backend_options)
         if self.decode_comm is not None:
-            self.decode_comm = _retyped(self.decode_comm, self.params_dtype, self.group)
-        self._comm_dtype_stale = False
+            self.decode_comm = self._rebuilt(self.decode_comm, shared)
+        self._comm_pending = self._comm_shared = False
+        self.generation += 1
+
+    def _rebuilt(
+        self, comm: AllToAll, shared: bool, options: Mapping[str, Any] | None = None
+    ) -> AllToAll:
+        """A backend like ``comm`` (name, layout, ``options``) for this layer's dtype and
+        placement. Collective like a construction."""
+        spec = dataclasses.replace(
+            comm.spec, dtype=self.params_dtype, rank_offsets=self.placement.rank_offsets
+        )
+        if spec == comm.spec and not shared:
+            return comm
+        fresh = create_backend(comm.name, spec, self.group, comm.layout, **(options or {}))
+        if not shared:
+            comm.close()
+        return fresh
 
     def extra_repr(self) -> str:
         return (
@@ -1366,19 +1406,6 @@ def _rebound(
         return fresh
 
 
-def _retyped(
-    comm: AllToAll, dtype: torch.dtype, group, options: Mapping[str, Any] | None = None
-) -> AllToAll:
-    """A backend like ``comm`` (name, layout, ``options``, placement) whose rows travel in
-    ``dtype``; ``comm`` closed once it exists. Collective like a construction."""
-    if comm.spec.dtype == dtype:
-        return comm
-    spec = dataclasses.replace(comm.spec, dtype=dtype)
-    fresh = create_backend(comm.name, spec, group, comm.layout, **(options or {}))
-    comm.close()
-    return fresh
-
-
 def _check_group_device(group: dist.ProcessGroup | None, device: torch.device) -> None:
     """NCCL groups move CUDA tensors and gloo groups CPU tensors: refuse a mismatch now
     rather than at the first collective."""
@@ -1420,7 +1447,7 @@ class _NoBackward(torch.autograd.Function):
     and a backward raises with the fix, as through the compiled op (``epmoe::moe_forward``)."""
 
     @staticmethod
-    def forward(ctx, layer, hidden_states, router_logits, kwargs):  # type: ignore[override]
+    def forward(ctx, layer, hidden_states, router_logits, kwargs, *params):  # type: ignore[override]
         return layer._eager_forward(hidden_states, router_logits, **kwargs)
 
     @staticmethod

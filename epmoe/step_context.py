@@ -45,7 +45,8 @@ from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
-from epmoe.agreement import StepAgreement
+from epmoe import custom_op
+from epmoe.agreement import StepAgreement, pending_digest
 from epmoe.comm.collectives import world_of
 from epmoe.distributed import default_device
 
@@ -176,7 +177,11 @@ def step(
         )
     agreement = StepAgreement(group)
     T = num_tokens if error is None else 0
-    tokens, decodes = agreement.step(T, decode is True, error, default_device(group), step_id)
+    ranks = group_ranks(group)
+    layers = [layer for layer in custom_op.live_layers() if layer._group_ranks == ranks]
+    tokens, decodes = agreement.step(
+        T, decode is True, error, default_device(group), step_id, pending_digest(layers)
+    )
     # this step's number: the caller's, else the group's count (counted once agreed)
     index = step_id if step_id is not None else agreement.calls - 1
     rank, world_size = world_of(group)
@@ -190,7 +195,7 @@ def step(
         tokens_per_rank=tuple(tokens),
         max_tokens=max_tokens,
         decode=all(decodes) and (graph_max_tokens is None or max_tokens <= graph_max_tokens),
-        ranks=group_ranks(group),
+        ranks=ranks,
     )
     token = _ACTIVE.set(ctx)
     try:

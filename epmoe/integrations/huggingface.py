@@ -423,7 +423,10 @@ class EPMoEBlock(nn.Module):
         block: the Hugging Face MoE block; its expert weights must be materialised (not on
             the meta device) on the device the layer should run on.
         config: the model's (text) config; defaults to ``block.config`` where blocks keep one.
-        group, placement, backend, experts: as for ``EPMoE``.
+        group: as for ``EPMoE``.
+        placement: as for ``EPMoE``.
+        backend: as for ``EPMoE``.
+        experts: as for ``EPMoE``.
         **moe_kwargs: further ``EPMoE`` arguments (``max_num_tokens``, ``layout``,
             ``params_dtype`` (default: the expert weights' dtype), ``device`` (default:
             theirs), ``load_window``, ``prefer_local_replica``). Routing arguments come from
@@ -438,14 +441,14 @@ class EPMoEBlock(nn.Module):
     def __init__(
         self,
         block: nn.Module,
-        config=None,
+        config: Any = None,
         *,
         group: dist.ProcessGroup | None = None,
         placement: str | ExpertPlacement = "linear",
         backend: str = "auto",
         experts: str = "auto",
         defer_expert_loading: bool = False,
-        **moe_kwargs,
+        **moe_kwargs: Any,
     ) -> None:
         super().__init__()
         tf_major = _require_transformers()

@@ -24,6 +24,7 @@ G = H / 128 FP8 scale groups.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 from collections.abc import Iterator
@@ -429,6 +430,12 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
             assert out.dtype == dtype
             assert_close(out, ref, TOLERANCES[FP8_DTYPE], name="FP8 dispatch vs oracle")
 
+        # E = 6 on W ranks, then balanced with redundant slots: rank_offsets change
+        new = epmoe.ExpertPlacement.balanced(
+            torch.arange(1, E + 1, dtype=torch.float64) ** 2,
+            ep_size=world,
+            num_redundant=redundant_slots(E, world, at_least=world),
+        )
         # .to(dtype): float64 on CPU, float16 on CUDA (what the backends there move)
         new_dtype = torch.float64 if dev.type == "cpu" else torch.float16
         with sweep.case(f"{label}: .to(dtype) rebuilds the backend at the next forward"):
@@ -449,22 +456,55 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
             assert out.dtype == new_dtype
             assert_close(out, ref, TOLERANCES[new_dtype], name="after .to(dtype) vs oracle")
 
-        with sweep.case(f"{label}: a rank that did not convert is named on every rank"):
+        with sweep.case(f"{label}: a rank that did not convert is named, then both convert"):
             if world == 1:
                 pytest.skip("needs two ranks")
-            layer, *_ = _layer(E, K, H, I, dtype, dev, backend, layout, 7, max_num_tokens=M)
+            layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 7, max_num_tokens=M)
             if rank == 0:
                 layer.to(new_dtype)
             x, logits = rank_tokens(rank, T, H, E, layer.params_dtype, dev, seed=7)
-            with pytest.raises(RuntimeError, match="dtype change of layer"):
+            change = "changed this layer .*model.to.dtype.* and another did not"
+            with pytest.raises(RuntimeError, match=change):
                 layer(x, logits)
+            with pytest.raises(RuntimeError, match=change):  # before any weight moves
+                layer.rebalance(new)
+            pending = "differ in a change not yet agreed"  # (told at the step, on every rank)
+            with pytest.raises(RuntimeError, match=pending), epmoe.step(layer.group, num_tokens=T):
+                pass
+            layer.to(new_dtype)  # now every rank: the next call agrees and rebuilds
+            x = x.to(new_dtype)
+            with epmoe.step(layer.group, num_tokens=T):
+                out = layer(x, logits)
+            ref = epmoe.reference.moe(
+                x, w13.to(new_dtype), w2.to(new_dtype), *epmoe.select_experts(logits, K)
+            )
+            assert_close(out, ref, TOLERANCES[new_dtype], name="converted on every rank")
 
-        # E = 6 on W ranks, then balanced with redundant slots: rank_offsets change
-        new = epmoe.ExpertPlacement.balanced(
-            torch.arange(1, E + 1, dtype=torch.float64) ** 2,
-            ep_size=world,
-            num_redundant=redundant_slots(E, world, at_least=world),
-        )
+        with sweep.case(f"{label}: .to() and back on one rank changes nothing to agree on"):
+            layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 8, max_num_tokens=M)
+            before = layer.comm
+            if rank == 0:
+                layer.to(new_dtype).to(dtype)
+            x, logits = rank_tokens(rank, T, H, E, dtype, dev, seed=8)
+            out = layer(x, logits, max_tokens_across_ranks=max(tokens))
+            assert layer.comm is before
+            ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+            assert_close(out, ref, TOLERANCES[dtype], name="after a round trip")
+
+        with sweep.case(f"{label}: a deep copy builds its own backend; both serve"):
+            layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 9, max_num_tokens=M)
+            twin = copy.deepcopy(layer)
+            assert twin.group is layer.group and twin.comm is layer.comm
+            x, logits = rank_tokens(rank, T, H, E, dtype, dev, seed=9)
+            twin.rebalance(new)  # the twin's own backend first: the original's stays bound
+            out_twin = twin(x, logits)
+            assert twin.comm is not layer.comm
+            assert layer.comm.spec.rank_offsets == layer.placement.rank_offsets
+            out = layer(x, logits)
+            ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+            assert_close(out_twin, ref, TOLERANCES[dtype], name="the copy, re-planned")
+            assert_close(out, ref, TOLERANCES[dtype], name="the original after its copy's")
+
         for refuse in (False, True):
             what = "a refused rebind builds a fresh backend" if refuse else "rebind keeps it"
             with sweep.case(f"{label}: re-plan, {what}"):

@@ -76,7 +76,7 @@ def test_a_backward_through_the_eager_layer_raises_with_the_fix():
         out.sum().backward()
 
 
-def test_a_deep_copy_shares_the_process_group_and_backends(monkeypatch):
+def test_a_deep_copy_shares_the_process_group_and_builds_its_own_backend(monkeypatch):
     import copy
 
     layer, *_ = layer_and_weights()
@@ -89,6 +89,27 @@ def test_a_deep_copy_shares_the_process_group_and_backends(monkeypatch):
     x, logits = torch.randn(5, 16), torch.randn(5, 8)
     monkeypatch.setattr(twin, "group", layer._agreement.group)
     assert_close(twin(x, logits), layer(x, logits), 0.0)
+    assert twin.comm is not layer.comm  # its own, built at its first forward
+    assert_close(layer(x, logits), twin(x, logits), 0.0)  # the original's still serves
+
+
+def test_a_backward_with_shared_experts_that_require_grad_raises():
+    """Inputs that need no grad, parameters that do: no partial gradient either."""
+    layer, *_ = layer_and_weights(shared_experts=torch.nn.Linear(16, 16))
+    out = layer(torch.randn(5, 16), torch.randn(5, 8))
+    with pytest.raises(RuntimeError, match="no backward"):
+        out.sum().backward()
+    assert layer.shared_experts.weight.grad is None
+
+
+def test_load_state_dict_converts_floating_weights_after_to():
+    """A shard saved in float32 loads into a layer converted to float64, as any module."""
+    layer, w13, w2 = layer_and_weights()
+    state = layer.state_dict()
+    other, *_ = layer_and_weights()
+    other.double()
+    other.load_state_dict(state)
+    assert other.w13.dtype == torch.float64 and torch.equal(other.w13, w13.double())
 
 
 def test_triton_experts_on_cpu_are_refused_at_construction(monkeypatch):
