@@ -162,20 +162,38 @@ class LayerAgreement:
             return
         self._change(REBALANCE, fields, error, device)
 
-    def rebuild(self, fields: Mapping[str, str], device: torch.device) -> None:
+    def rebuild(
+        self, fields: Mapping[str, str] | None, error: Exception | None, device: torch.device
+    ) -> None:
         """Agree, at the first collective call after ``.to(dtype)`` (or of a deep copy),
         that every rank changed its layer alike (``fields``: its dtype) and is in the same
-        call, before the communication backends are rebuilt."""
-        if self.world_size > 1:
-            self._change(REBUILD, fields, None, device)
+        call, before the communication backends are rebuilt; then once more on the build's
+        outcome (``error``: this rank's build failed; every rank raises and keeps its old
+        backends). A copy takes the group's next layer index at its first call, as a
+        construction does (realigned across ranks), not when it was made."""
+        if self.world_size == 1:
+            if error is not None:
+                raise error
+            return
+        if self.index is None:  # a copy's first agreement
+            self.index = _next_index.get(self.group, 0)
+            try:
+                records = self._gather(REBUILD, 0, error, None, fields, device)
+                if all(r[_OP] == REBUILD for r in records):
+                    _next_index[self.group] = max(r[_INDEX] for r in records) + 1
+                self._check(records, REBUILD, error, fields, None)
+            except BaseException:
+                self.index = None  # (the next call takes the group's next index again)
+                raise
+            self.calls += 1
+            return
+        self._change(REBUILD, fields, error, device)
 
     def fork(self) -> LayerAgreement:
-        """The agreement of a copy of this layer: the group's next layer index (a copy
-        made on every rank alike gets the same one), no calls yet."""
+        """The agreement of a copy of this layer: no index yet (its first call takes the
+        group's next one, see :meth:`rebuild`), no calls."""
         twin = copy.copy(self)
-        twin.index = _next_index.get(self.group, 0) if self.world_size > 1 else 0
-        if self.world_size > 1:
-            _next_index[self.group] = twin.index + 1
+        twin.index = None if self.world_size > 1 else 0
         twin.calls = 0
         return twin
 
@@ -296,16 +314,18 @@ class LayerAgreement:
 
 
 def pending_digest(layers) -> int:
-    """A 31-bit digest of the layers among ``layers`` whose backends wait for a rebuild
-    (their index and dtype), 0 when none."""
-    pending = sorted(
-        (layer._agreement.index, str(layer.params_dtype))
+    """A 31-bit digest of the converted layers among ``layers`` whose backends wait for
+    their rebuild (``.to(dtype)`` before their next call: index and dtype), 0 when none.
+    Copies waiting for their first call do not count: one made on some ranks only (a
+    snapshot) is harmless until it is called."""
+    entries = [
+        f"{layer._agreement.index}:{layer.params_dtype}"
         for layer in layers
-        if getattr(layer, "_comm_pending", False)
-    )
-    if not pending:
+        if getattr(layer, "_comm_pending", False) and not getattr(layer, "_comm_shared", False)
+    ]
+    if not entries:
         return 0
-    return (digest({str(i): d for i, d in pending}) & 0x7FFFFFFF) or 1
+    return (digest({str(i): e for i, e in enumerate(sorted(entries))}) & 0x7FFFFFFF) or 1
 
 
 class StepAgreement(LayerAgreement):

@@ -436,6 +436,9 @@ class EPMoE(nn.Module):
         """A copy (``copy.deepcopy``, ``pickle``) is another layer: its own id in the
         compiled op's registry, never the original's."""
         super().__setstate__(state)
+        # (a layer saved before these existed: a pending dtype change carries over)
+        self.__dict__.setdefault("_comm_pending", state.get("_comm_dtype_stale", False))
+        self.__dict__.setdefault("_comm_shared", False)
         self._op_id = custom_op.register(self)
 
     def _fingerprint(
@@ -1322,30 +1325,47 @@ class EPMoE(nn.Module):
 
     def _rebuild_comm(self) -> None:
         """The first collective call after a dtype change or of a copy: the ranks agree
-        that each changed alike, then the backends are rebuilt for this layer's dtype and
-        placement (an old one closed once the new one exists, unless another layer's)."""
-        self._agreement.rebuild({"params_dtype": str(self.params_dtype)}, self.device)
-        shared = self._comm_shared
-        self.comm = self._rebuilt(self.comm, shared, self.backend_options)
+        that each changed alike, build the backends for this layer's dtype and placement,
+        and agree on the outcome: if a rank's build failed, every rank raises and keeps its
+        old backends (still pending: the next call tries again). The old ones are closed
+        once every rank has new ones, unless they are another layer's."""
+        fields = {"params_dtype": str(self.params_dtype)}
+        self._agreement.rebuild(fields, None, self.device)
+        options = getattr(self, "backend_options", {})  # (a layer pickled before them)
+        old = [c for c in (self.comm, self.decode_comm) if c is not None]
+        new: list[AllToAll] = []
+        error = None
+        try:
+            for i, comm in enumerate(old):
+                new.append(self._rebuilt(comm, options if i == 0 else None))
+        except Exception as exc:  # noqa: BLE001 (agreed on, then raised on every rank)
+            error = exc
+        try:
+            self._agreement.rebuild(fields, error, self.device)
+        except BaseException:
+            for fresh, comm in zip(new, old):
+                if fresh is not comm:
+                    fresh.close()
+            raise
+        for fresh, comm in zip(new, old):
+            if fresh is not comm and not self._comm_shared:
+                comm.close()
+        self.comm = new[0]
         if self.decode_comm is not None:
-            self.decode_comm = self._rebuilt(self.decode_comm, shared)
+            self.decode_comm = new[1]
         self._comm_pending = self._comm_shared = False
         self.generation += 1
 
-    def _rebuilt(
-        self, comm: AllToAll, shared: bool, options: Mapping[str, Any] | None = None
-    ) -> AllToAll:
+    def _rebuilt(self, comm: AllToAll, options: Mapping[str, Any] | None) -> AllToAll:
         """A backend like ``comm`` (name, layout, ``options``) for this layer's dtype and
-        placement. Collective like a construction."""
+        placement (``comm`` itself when it fits and is this layer's own). Collective like a
+        construction."""
         spec = dataclasses.replace(
             comm.spec, dtype=self.params_dtype, rank_offsets=self.placement.rank_offsets
         )
-        if spec == comm.spec and not shared:
+        if spec == comm.spec and not self._comm_shared:
             return comm
-        fresh = create_backend(comm.name, spec, self.group, comm.layout, **(options or {}))
-        if not shared:
-            comm.close()
-        return fresh
+        return create_backend(comm.name, spec, self.group, comm.layout, **(options or {}))
 
     def extra_repr(self) -> str:
         return (

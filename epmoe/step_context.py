@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import gc
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
@@ -125,6 +126,16 @@ def current_step() -> StepContext | None:
     return _ACTIVE.get()
 
 
+def _pending(group) -> int:
+    """The digest of this rank's layers on ``group`` (the object: layers of another group
+    on the same ranks are not this step's) with a conversion not yet agreed on."""
+    layers = [layer for layer in custom_op.live_layers() if layer._agreement.group is group]
+    if pending_digest(layers):  # (rare: .to(dtype) until the next call) count live ones only
+        gc.collect()
+        layers = [layer for layer in custom_op.live_layers() if layer._agreement.group is group]
+    return pending_digest(layers)
+
+
 @contextlib.contextmanager
 def step(
     group: dist.ProcessGroup | None = None,
@@ -178,9 +189,8 @@ def step(
     agreement = StepAgreement(group)
     T = num_tokens if error is None else 0
     ranks = group_ranks(group)
-    layers = [layer for layer in custom_op.live_layers() if layer._group_ranks == ranks]
     tokens, decodes = agreement.step(
-        T, decode is True, error, default_device(group), step_id, pending_digest(layers)
+        T, decode is True, error, default_device(group), step_id, _pending(agreement.group)
     )
     # this step's number: the caller's, else the group's count (counted once agreed)
     index = step_id if step_id is not None else agreement.calls - 1

@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import epmoe
+import epmoe.layer
 from epmoe.comm import backend_class
 from epmoe.comm.base import (
     FP8_DTYPE,
@@ -447,7 +448,8 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
             x, logits = rank_tokens(rank, T, H, E, new_dtype, dev, seed=6)
             with counting_agreements() as agreed:
                 out = layer(x, logits, max_tokens_across_ranks=max(tokens))
-            assert world == 1 or len(agreed) == 1, f"one agreement on the dtype, got {agreed}"
+            # two agreements: on the change, then on the build's outcome
+            assert world == 1 or len(agreed) == 2, f"two agreements on the rebuild, got {agreed}"
             assert layer.comm is not before and layer.comm.spec.dtype == new_dtype
             assert type(layer.comm) is type(before) and layer.comm.layout is layout
             ref = epmoe.reference.moe(
@@ -479,6 +481,43 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
                 x, w13.to(new_dtype), w2.to(new_dtype), *epmoe.select_experts(logits, K)
             )
             assert_close(out, ref, TOLERANCES[new_dtype], name="converted on every rank")
+
+        with sweep.case(f"{label}: a rebuild that fails on one rank fails on all, then retries"):
+            layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 10, max_num_tokens=M)
+            before = layer.comm
+            layer.to(new_dtype)
+            x, logits = rank_tokens(rank, T, H, E, new_dtype, dev, seed=10)
+            real = epmoe.layer.create_backend
+
+            def refuse(*args, **kwargs):
+                raise RuntimeError("no buffers today")
+
+            epmoe.layer.create_backend = refuse if rank == 0 else real
+            try:
+                with pytest.raises(RuntimeError, match="no buffers today|refused this call"):
+                    layer(x, logits)
+            finally:
+                epmoe.layer.create_backend = real
+            assert layer.comm is before and layer._comm_pending  # old backends kept, pending
+            out = layer(x, logits)  # every rank retries the rebuild, in step
+            ref = epmoe.reference.moe(
+                x, w13.to(new_dtype), w2.to(new_dtype), *epmoe.select_experts(logits, K)
+            )
+            assert layer.comm is not before and not layer._comm_pending
+            assert_close(out, ref, TOLERANCES[new_dtype], name="after the retried rebuild")
+
+        with sweep.case(f"{label}: a copy on one rank only takes no layer index"):
+            layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 11, max_num_tokens=M)
+            if rank == 0:
+                snapshot = copy.deepcopy(layer)  # never called
+            later, w13b, w2b = _layer(E, K, H, I, dtype, dev, backend, layout, 12)
+            x, logits = rank_tokens(rank, T, H, E, dtype, dev, seed=11)
+            with epmoe.step(layer.group, num_tokens=T):
+                out = later(x, logits)
+            ref = epmoe.reference.moe(x, w13b, w2b, *epmoe.select_experts(logits, K))
+            assert_close(out, ref, TOLERANCES[dtype], name="a layer built after the copy")
+            if rank == 0:
+                del snapshot
 
         with sweep.case(f"{label}: .to() and back on one rank changes nothing to agree on"):
             layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 8, max_num_tokens=M)

@@ -483,3 +483,18 @@ def test_num_valid_tokens_is_checked(value, error, match):
     layer, *_ = layer_and_weights()
     with pytest.raises(error, match=match):
         layer(torch.randn(4, 16), torch.randn(4, 8), num_valid_tokens=value)
+
+
+def test_a_layer_saved_before_the_rebuild_state_still_runs():
+    """``torch.save(layer)`` from before ``_comm_pending`` existed: defaults on load."""
+    layer, w13, w2 = layer_and_weights()
+    state = dict(layer.__dict__)
+    for name in ("_comm_pending", "_comm_shared", "backend_options"):
+        state.pop(name)
+    old = epmoe.EPMoE.__new__(epmoe.EPMoE)
+    old.__setstate__(state)
+    assert old._comm_pending is False and old._comm_shared is False
+    x, logits = torch.randn(5, 16), torch.randn(5, 8)
+    assert_close(old(x, logits), layer(x, logits), 0.0)
+    old.double()
+    assert old(x.double(), logits).dtype == torch.float64  # the rebuild reads no options
