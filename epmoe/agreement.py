@@ -110,6 +110,7 @@ class LayerAgreement:
         self.rank, self.world_size = world_of(group)
         self.index = _next_index.get(group, 0) if self.world_size > 1 else 0
         self.calls = 0
+        self.copies = 0  # deep copies made of this layer (see fork)
 
     # ------------------------------------------------------------------ operations
     def construction(
@@ -169,32 +170,26 @@ class LayerAgreement:
         that every rank changed its layer alike (``fields``: its dtype) and is in the same
         call, before the communication backends are rebuilt; then once more on the build's
         outcome (``error``: this rank's build failed; every rank raises and keeps its old
-        backends). A copy takes the group's next layer index at its first call, as a
-        construction does (realigned across ranks), not when it was made."""
+        backends)."""
         if self.world_size == 1:
             if error is not None:
                 raise error
             return
-        if self.index is None:  # a copy's first agreement
-            self.index = _next_index.get(self.group, 0)
-            try:
-                records = self._gather(REBUILD, 0, error, None, fields, device)
-                if all(r[_OP] == REBUILD for r in records):
-                    _next_index[self.group] = max(r[_INDEX] for r in records) + 1
-                self._check(records, REBUILD, error, fields, None)
-            except BaseException:
-                self.index = None  # (the next call takes the group's next index again)
-                raise
-            self.calls += 1
-            return
         self._change(REBUILD, fields, error, device)
 
     def fork(self) -> LayerAgreement:
-        """The agreement of a copy of this layer: no index yet (its first call takes the
-        group's next one, see :meth:`rebuild`), no calls."""
+        """The agreement of a copy of this layer, no calls yet. Its index is derived from
+        this layer's and the number of copies made of it before (the n-th copy of a layer
+        has the same index on every rank that makes it), apart from the construction
+        indices: a copy made on some ranks only changes no other layer's index, and copies
+        called in different orders on different ranks are told apart."""
         twin = copy.copy(self)
-        twin.index = None if self.world_size > 1 else 0
+        self.copies = getattr(self, "copies", 0) + 1
+        twin.copies = 0
         twin.calls = 0
+        if self.world_size > 1:
+            tag = f"copy {self.copies} of layer {self.index}"
+            twin.index = (digest({"copy": tag}) & 0x3FFFFFFFFFFFFFFF) | (1 << 62)
         return twin
 
     def _change(self, op, fields, error, device) -> None:

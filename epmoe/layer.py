@@ -420,8 +420,9 @@ class EPMoE(nn.Module):
         """Another layer with copies of this one's weights, maps and buffers, on the same
         process group (which cannot be copied). It builds backends of its own at its first
         collective call (collective there, like a construction: copy on every rank alike;
-        its agreements use the group's next layer index); until then it refers to this
-        layer's, without ever rebinding or closing them."""
+        its agreements use an index of its own, from this layer's and the number of copies
+        made of it, see ``LayerAgreement.fork``); until then it refers to this layer's
+        backends, without ever rebinding or closing them."""
         for shared in (self.group, self.comm, self.decode_comm):
             if shared is not None:
                 memo.setdefault(id(shared), shared)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import gc
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
@@ -126,14 +125,13 @@ def current_step() -> StepContext | None:
     return _ACTIVE.get()
 
 
-def _pending(group) -> int:
-    """The digest of this rank's layers on ``group`` (the object: layers of another group
-    on the same ranks are not this step's) with a conversion not yet agreed on."""
-    layers = [layer for layer in custom_op.live_layers() if layer._agreement.group is group]
-    if pending_digest(layers):  # (rare: .to(dtype) until the next call) count live ones only
-        gc.collect()
-        layers = [layer for layer in custom_op.live_layers() if layer._agreement.group is group]
-    return pending_digest(layers)
+def _pending(ranks: tuple[int, ...]) -> int:
+    """The digest of this rank's layers on ``ranks`` (those the step serves) with a
+    conversion not yet agreed on. (A converted layer that is garbage but not yet collected
+    still counts until the collector frees it.)"""
+    return pending_digest(
+        [layer for layer in custom_op.live_layers() if layer._group_ranks == ranks]
+    )
 
 
 @contextlib.contextmanager
@@ -190,7 +188,7 @@ def step(
     T = num_tokens if error is None else 0
     ranks = group_ranks(group)
     tokens, decodes = agreement.step(
-        T, decode is True, error, default_device(group), step_id, _pending(agreement.group)
+        T, decode is True, error, default_device(group), step_id, _pending(ranks)
     )
     # this step's number: the caller's, else the group's count (counted once agreed)
     index = step_id if step_id is not None else agreement.calls - 1

@@ -266,6 +266,8 @@ def rebalance_layer(
     tensors = list(slot_tensors.values())
     rank, group = layer.rank, layer.group
     if not agreed:
+        if layer._comm_pending:  # (a converted layer or a copy: its own backends first)
+            layer._rebuild_comm()
         layer.check_placement(new_placement)  # the same outcome on every rank: no hang
         fingerprint = _fingerprint(old, new_placement, tensors)
         _agree(group, layer.device, fingerprint, ok=layer.weights_loaded)

@@ -519,6 +519,18 @@ def check_layer_v2(rank, world, device="cpu", dtype_name="float32"):
             if rank == 0:
                 del snapshot
 
+        with sweep.case(f"{label}: copies called in another order on one rank are told apart"):
+            if world == 1:
+                pytest.skip("needs two ranks")
+            layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 13, max_num_tokens=M)
+            first, second = copy.deepcopy(layer), copy.deepcopy(layer)
+            x, logits = rank_tokens(rank, T, H, E, dtype, dev, seed=13)
+            with pytest.raises(RuntimeError, match="different layers"):
+                (first if rank == 0 else second)(x, logits)
+            ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+            for twin in (first, second):  # in order on every rank: served
+                assert_close(twin(x, logits), ref, TOLERANCES[dtype], name="a copy in order")
+
         with sweep.case(f"{label}: .to() and back on one rank changes nothing to agree on"):
             layer, w13, w2 = _layer(E, K, H, I, dtype, dev, backend, layout, 8, max_num_tokens=M)
             before = layer.comm
