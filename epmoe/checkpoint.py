@@ -148,6 +148,14 @@ def load_shard(
                 "epmoe.checkpoint.load_full_experts (which converts)"
             )
             return False
+    cast = {
+        prefix + name: state_dict[prefix + name].to(tensor.dtype)
+        for name, tensor in layer.slot_tensors().items()
+        if isinstance(state_dict.get(prefix + name), torch.Tensor)
+        and state_dict[prefix + name].dtype != tensor.dtype
+    }
+    if cast:  # (in the layer's dtype, also for load_state_dict(..., assign=True))
+        state_dict = {**state_dict, **cast}
     errors_before = len(error_msgs)
     load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
     complete = all(prefix + name in state_dict for name in layer.slot_tensors())

@@ -339,6 +339,7 @@ class EPMoE(nn.Module):
                     "micro_batches=1 or another backend"
                 )
             self.experts = create_experts(experts, activation, self.device, params_dtype)
+            self._experts_choice = experts  # ("auto": chosen again after .to(dtype))
 
             if e_score_correction_bias is not None:
                 bias = e_score_correction_bias
@@ -1294,15 +1295,16 @@ class EPMoE(nn.Module):
         if self.e_score_correction_bias is not None:
             keep.add(id(self.e_score_correction_bias))
 
-        def apply(t):
-            out = fn(t)
-            return t if id(t) in keep and out.dtype != t.dtype else out
+        def apply(t):  # (a kept tensor is not converted, not even into a temporary)
+            return t if id(t) in keep else fn(t)
 
         module = super()._apply(apply, recurse)
         if dtype != self.params_dtype:
             self.params_dtype = dtype
             if not self.fp8_weights:
                 self.weight_dtype = dtype
+            if getattr(self, "_experts_choice", None) == "auto":  # (float64 → torch, …)
+                self.experts = create_experts("auto", self.activation, self.device, dtype)
             self.generation += 1  # captured CUDA graphs hold the old buffers
             # (back to the backends' own dtype: nothing to rebuild, nothing to agree on)
             self._comm_pending = self._comm_shared or any(
@@ -1326,23 +1328,26 @@ class EPMoE(nn.Module):
 
     def _rebuild_comm(self) -> None:
         """The first collective call after a dtype change or of a copy: the ranks agree
-        that each changed alike, build the backends for this layer's dtype and placement,
-        and agree on the outcome: if a rank's build failed, every rank raises and keeps its
-        old backends (still pending: the next call tries again). The old ones are closed
-        once every rank has new ones, unless they are another layer's."""
+        that each changed alike, then build the backends for this layer's dtype and
+        placement one at a time, agreeing on each build's outcome: if a rank's build
+        failed, every rank raises and keeps its old backends (still pending: the next call
+        tries again). The old ones are closed once every rank has all new ones, unless they
+        are another layer's. (A backend whose constructor is itself collective, the
+        symmetric-memory ones, and fails on one rank inside its rendezvous leaves the
+        others there until the group's timeout names it.)"""
         fields = {"params_dtype": str(self.params_dtype)}
         self._agreement.rebuild(fields, None, self.device)
         options = getattr(self, "backend_options", {})  # (a layer pickled before them)
         old = [c for c in (self.comm, self.decode_comm) if c is not None]
         new: list[AllToAll] = []
-        error = None
         try:
             for i, comm in enumerate(old):
-                new.append(self._rebuilt(comm, options if i == 0 else None))
-        except Exception as exc:  # noqa: BLE001 (agreed on, then raised on every rank)
-            error = exc
-        try:
-            self._agreement.rebuild(fields, error, self.device)
+                error = None
+                try:
+                    new.append(self._rebuilt(comm, options if i == 0 else None))
+                except Exception as exc:  # noqa: BLE001 (agreed on, then raised everywhere)
+                    error = exc
+                self._agreement.rebuild(fields, error, self.device)
         except BaseException:
             for fresh, comm in zip(new, old):
                 if fresh is not comm:

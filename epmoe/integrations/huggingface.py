@@ -378,10 +378,14 @@ class _HFLayout:
         _, weight, _ = _expert_tensors(block)
         return cls(renamed, frozenset(expert_keys), projections, tuple(lost), weight.dtype)
 
-    def expert_state(self, w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Full experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` under the block's keys, in the
-        checkpoint's dtype (each tensor its own storage: safetensors refuses shared ones)."""
-        w13, w2 = w13.to(self.dtype), w2.to(self.dtype)
+    def expert_state(
+        self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Full experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` under the block's keys, in
+        ``dtype`` (default: the block's when it was wrapped; each tensor its own storage:
+        safetensors refuses shared ones)."""
+        dtype = dtype or self.dtype
+        w13, w2 = w13.to(dtype), w2.to(dtype)
         if self.projections is None:
             return {"experts.gate_up_proj": w13, "experts.down_proj": w2}
         gate, up, down = self.projections
@@ -751,13 +755,15 @@ def _hf_state_dict(
         for key, original in layout.renamed.items():
             out[prefix + original] = state[prefix + key]
         w13, w2 = full[name]["w13"], full[name]["w2"]
-        if "w13_scale" in full[name]:  # FP8 expert weights: written dequantized, in the
-            # block's own dtype (the unconverted model holds no FP8 experts)
+        # in the layer's dtype now (the model's, also after model.to(dtype)); FP8 expert
+        # weights are written dequantized (the unconverted model holds no FP8 experts)
+        dtype = block.moe.params_dtype
+        if "w13_scale" in full[name]:
             from epmoe.reference import dequantize_block
 
-            w13 = dequantize_block(w13, full[name]["w13_scale"]).to(layout.dtype)
-            w2 = dequantize_block(w2, full[name]["w2_scale"]).to(layout.dtype)
-        experts = layout.expert_state(w13, w2)
+            w13 = dequantize_block(w13, full[name]["w13_scale"]).to(dtype)
+            w2 = dequantize_block(w2, full[name]["w2_scale"]).to(dtype)
+        experts = layout.expert_state(w13, w2, dtype)
         if set(experts) != layout.expert_keys:
             raise ValueError(
                 f"{name}: the experts would be written as {sorted(experts)[:4]}... but the "

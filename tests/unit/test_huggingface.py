@@ -156,6 +156,20 @@ def test_a_converted_model_changes_dtype_with_to():
     assert_close(out.float(), ref.float(), TOLERANCES[torch.bfloat16])
 
 
+def test_a_converted_model_saves_its_experts_in_its_dtype_now(tmp_path):
+    from safetensors import safe_open
+
+    model = hf_cases.tiny_model("mixtral")
+    hf.replace_moe_blocks(model)
+    model.half()
+    assert hf.save_pretrained(model, tmp_path) is True
+    dtypes = set()
+    for path in tmp_path.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            dtypes |= {f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 (not a dict)
+    assert dtypes == {torch.float16}, dtypes
+
+
 def test_per_layer_placement_and_moe_kwargs_pass_through():
     model = hf_cases.tiny_model("qwen3_moe")
     seen = []

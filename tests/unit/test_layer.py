@@ -498,3 +498,30 @@ def test_a_layer_saved_before_the_rebuild_state_still_runs():
     assert_close(old(x, logits), layer(x, logits), 0.0)
     old.double()
     assert old(x.double(), logits).dtype == torch.float64  # the rebuild reads no options
+
+
+def test_load_state_dict_with_assign_takes_the_layers_dtype():
+    layer, w13, w2 = layer_and_weights()
+    other, *_ = layer_and_weights()
+    other.double()
+    other.load_state_dict(layer.state_dict(), assign=True)
+    assert other.w13.dtype == other.w2.dtype == torch.float64
+    x, logits = torch.randn(5, 16, dtype=torch.float64), torch.randn(5, 8)
+    ref = epmoe.reference.moe(x, w13.double(), w2.double(), *epmoe.select_experts(logits, 2))
+    assert_close(other(x, logits), ref, 1e-12)
+
+
+def test_fp8_weights_are_never_converted_by_to():
+    """Not into bf16 on a no-op .to(), and not into a temporary on a real change."""
+    layer = epmoe.EPMoE(
+        8, 2, 256, 128, params_dtype=torch.float32, device="cpu",
+        weight_dtype=torch.float8_e4m3fn,
+    )  # fmt: skip
+    seen = []
+    w13 = layer.w13
+    layer.to(torch.float32)
+    layer._apply(lambda t: seen.append(t.dtype) or t)
+    layer.half()
+    assert layer.w13 is w13 and layer.w13.dtype == torch.float8_e4m3fn
+    assert layer.w13_scale.dtype == torch.float32
+    assert torch.float8_e4m3fn not in seen, "an FP8 weight went through the conversion"
