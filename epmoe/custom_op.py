@@ -61,14 +61,15 @@ def lookup(layer_id: int):
 def moe_forward(
     hidden_states: torch.Tensor,
     router_logits: torch.Tensor,
-    layer_id: int,
+    layer_id: torch.Tensor,
     max_tokens: int,
     num_valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[T, H]``, ``[T, E]`` → ``[T, H]``: layer ``layer_id``'s eager forward (``max_tokens
     = -1``: from the active step or the layer's agreement; ``num_valid_tokens``: as the
-    layer's forward takes it)."""
-    layer = lookup(layer_id)
+    layer's forward takes it). ``layer_id``: a CPU int64 scalar tensor, an input of the
+    graph rather than a constant, so one compiled graph serves every layer."""
+    layer = lookup(int(layer_id))
     hint = None if max_tokens < 0 else max_tokens
     out = layer._eager_forward(
         hidden_states,

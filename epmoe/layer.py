@@ -416,6 +416,7 @@ class EPMoE(nn.Module):
         self._group_ranks = group_ranks(group)  # compared with an epmoe.step's group
         # the key of this layer in epmoe::moe_forward's registry (torch.compile)
         self._op_id = custom_op.register(self)
+        self._op_id_t = torch.tensor(self._op_id)  # (see custom_op.moe_forward)
 
     def __deepcopy__(self, memo: dict) -> EPMoE:
         """Another layer with copies of this one's weights, maps and buffers, on the same
@@ -442,6 +443,7 @@ class EPMoE(nn.Module):
         self.__dict__.setdefault("_comm_pending", state.get("_comm_dtype_stale", False))
         self.__dict__.setdefault("_comm_shared", False)
         self._op_id = custom_op.register(self)
+        self._op_id_t = torch.tensor(self._op_id)  # (see custom_op.moe_forward)
 
     def _fingerprint(
         self,
@@ -1018,7 +1020,7 @@ class EPMoE(nn.Module):
                 max_tokens_across_ranks = step.max_tokens_for(self, 0)
             hint = -1 if max_tokens_across_ranks is None else max_tokens_across_ranks
             return torch.ops.epmoe.moe_forward(
-                hidden_states, router_logits, self._op_id, hint, num_valid_tokens
+                hidden_states, router_logits, self._op_id_t, hint, num_valid_tokens
             )
         kwargs = dict(
             max_tokens_across_ranks=max_tokens_across_ranks,

@@ -121,7 +121,7 @@ def test_fake_op_keeps_shape_and_dtype():
 
     with FakeTensorMode():
         x = torch.empty(3, H, dtype=torch.bfloat16)
-        out = torch.ops.epmoe.moe_forward(x, torch.empty(3, E), 0, -1)
+        out = torch.ops.epmoe.moe_forward(x, torch.empty(3, E), torch.tensor(0), -1)
     assert out.shape == (3, H) and out.dtype == torch.bfloat16
 
 
@@ -195,3 +195,19 @@ def test_a_compiled_explicit_step_is_still_checked():
     f = torch.compile(lambda x: model.moe(x, model.router(x), step=s), backend="eager")
     with pytest.raises(Exception, match="ended|not active|closed"), torch.no_grad():
         f(torch.randn(5, H))
+
+
+def test_layers_compiled_one_by_one_share_one_graph():
+    """The layer id is an input of the graph: twelve layers (past Dynamo's recompile limit
+    of 8) compiled one by one with fullgraph=True run on one graph, each its own weights."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layers = [loaded_layer(E, K, H, I, torch.float32, "cpu", seed=s)[0] for s in range(12)]
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    with torch.no_grad():
+        for layer in layers:
+            compiled = torch.compile(layer, fullgraph=True, backend="eager")
+            assert_close(compiled(x, logits), layer(x, logits), 0.0)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
