@@ -131,14 +131,12 @@ def load_shard(
         if error is not None:
             error_msgs.append(error)
             return False
+    cast = {}  # shards in another floating dtype, converted to the layer's
     for name, tensor in layer.slot_tensors().items():
         saved = state_dict.get(prefix + name)
-        fp8 = torch.float8_e4m3fn
-        if (
-            isinstance(saved, torch.Tensor)
-            and saved.dtype != tensor.dtype
-            and fp8 in (saved.dtype, tensor.dtype)
-        ):
+        if not isinstance(saved, torch.Tensor) or saved.dtype == tensor.dtype:
+            continue
+        if torch.float8_e4m3fn in (saved.dtype, tensor.dtype):
             # copy_ would cast silently: FP8 codes read as values, or values as codes (other
             # floating dtypes convert, as for any module: a layer built in one and .to() another)
             error_msgs.append(
@@ -148,12 +146,7 @@ def load_shard(
                 "epmoe.checkpoint.load_full_experts (which converts)"
             )
             return False
-    cast = {
-        prefix + name: state_dict[prefix + name].to(tensor.dtype)
-        for name, tensor in layer.slot_tensors().items()
-        if isinstance(state_dict.get(prefix + name), torch.Tensor)
-        and state_dict[prefix + name].dtype != tensor.dtype
-    }
+        cast[prefix + name] = saved.to(tensor.dtype)
     if cast:  # (in the layer's dtype, also for load_state_dict(..., assign=True))
         state_dict = {**state_dict, **cast}
     errors_before = len(error_msgs)

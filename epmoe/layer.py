@@ -439,8 +439,7 @@ class EPMoE(nn.Module):
         """A copy (``copy.deepcopy``, ``pickle``) is another layer: its own id in the
         compiled op's registry, never the original's."""
         super().__setstate__(state)
-        # (a layer saved before these existed: a pending dtype change carries over)
-        self.__dict__.setdefault("_comm_pending", state.get("_comm_dtype_stale", False))
+        self.__dict__.setdefault("_comm_pending", False)  # (a layer saved before these)
         self.__dict__.setdefault("_comm_shared", False)
         self._op_id = custom_op.register(self)
         self._op_id_t = torch.tensor(self._op_id)  # (see custom_op.moe_forward)
