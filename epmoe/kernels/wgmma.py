@@ -40,9 +40,11 @@ barrier remains in the K loop, so the warpgroups drift apart and one's rescale c
 under the other's MMAs; the loader runs up to ``STAGES`` steps ahead. A warpgroup whose
 rows start past its block's end idles (it only releases the stages). The grid is persistent, one program
 per SM: the loader claims the next tile from a counter in global memory (so SMs take tiles
-in order as they free, and neighbouring tiles share operands in L2) and passes it to the
-MMA partitions through a two-entry queue in shared memory; the stage count carries across
-tiles, so the next tile's operands load during the last one's epilogue.
+in order as they free, and neighbouring tiles share operands in L2), two K steps before
+it issues the current tile's last copies, reads its block's entry of the table, and
+passes both to the MMA partitions through a two-entry queue in shared memory (no global
+load stands between an MMA warpgroup's epilogue and its next tile's MMAs); the stage count
+carries across tiles, so the next tile's operands load during the last one's epilogue.
 
 Measured on one H200 (docs/kernels.md, third round), the two GEMMs of the DeepSeek-V3
 prefill layer in one process: FP8 2.04 ms on ``wgmma_ws`` (2.22 with one program per tile,
@@ -534,50 +536,82 @@ def pair_gemm_kernel(
 
 
 @gluon.jit
-def _ws_tile(t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
-             N, GATE_UP: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):  # fmt: skip
-    """Tile ``t`` of the grouped order: (rows of its block; expert;
-    first position; column block; first column of each accumulator tile in the weights)."""
-    pid_m, pid_n = _tile_ids(t, num_m_blocks, num_n_blocks, GROUP_M)
-    rows = gl.load(block_rows_ptr + pid_m)
-    expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-    first = gl.load(block_start_ptr + pid_m).to(gl.int64)
+def _ws_claim(claim, GROUP_M: gl.constexpr):
+    """The next tile from the launch's counter (each SM takes the next one as it frees, in
+    the grouped order) and what every partition needs of it: (tile, rows of its block, its
+    first position, its expert), int32; rows 0 past the last tile. ``claim``: (counter,
+    row blocks in use, column blocks, the block table's three arrays)."""
+    counter_ptr, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr = (
+        claim
+    )
+    t = gl.atomic_add(counter_ptr, 1)
+    live = t < num_m_blocks * num_n_blocks
+    pid_m, _ = _tile_ids(t, num_m_blocks, num_n_blocks, GROUP_M)
+    rows = gl.load(block_rows_ptr + pid_m, mask=live, other=0)
+    first = gl.load(block_start_ptr + pid_m, mask=live, other=0)
+    expert = gl.load(block_expert_ptr + pid_m, mask=live, other=0)
+    return t, rows, first, expert
+
+
+@gluon.jit
+def _claim_at(k, claim_k, t, rows, first, expert, claim, GROUP_M: gl.constexpr):
+    """``_ws_claim`` at K step ``claim_k`` of the loader's tile, else the arguments: the
+    next tile is claimed, and its block read, while this one's last copies wait for their
+    stages, not after them."""
+    if k == claim_k:
+        t, rows, first, expert = _ws_claim(claim, GROUP_M)
+    return t, rows, first, expert
+
+
+@gluon.jit
+def _ws_cols(t, num_m_blocks, num_n_blocks, N, GATE_UP: gl.constexpr, BLOCK_N: gl.constexpr,
+             GROUP_M: gl.constexpr):  # fmt: skip
+    """Tile ``t``'s first column of each accumulator tile in the weights."""
+    _, pid_n = _tile_ids(t, num_m_blocks, num_n_blocks, GROUP_M)
     if GATE_UP:  # gate rows n0.., up rows N + n0.. of w13
         n0 = pid_n * BLOCK_N
         nb1 = n0 + N
     else:  # the two halves of a 2·BLOCK_N-column tile
         n0 = pid_n * 2 * BLOCK_N
         nb1 = n0 + BLOCK_N
-    return rows, expert, first, pid_n, n0, nb1
+    return pid_n, n0, nb1
 
 
 @gluon.constexpr_function
-def _scalar_layout(warps):
-    """A one-element tensor held by every thread of ``warps`` warps (the tile queue's
-    entries: every thread writes and reads the same value)."""
-    return gl.BlockedLayout([1], [32], [warps], [0])
+def _entry_layout(warps):
+    """A queue entry's four values, all held by every thread of ``warps`` warps (each
+    thread writes and reads the whole entry, so the arriving thread wrote all of it)."""
+    return gl.BlockedLayout([4], [32], [warps], [0])
 
 
 @gluon.jit
-def _publish_tile(queue, queue_ready, queue_empty, i, t):
-    """The loader's ``i``-th tile ``t`` into the queue's slot ``i % 2`` once every MMA
-    partition has read what that slot held before."""
+def _publish_tile(queue, queue_ready, queue_empty, i, t, rows, first, expert):
+    """The loader's ``i``-th tile (``t`` and its block's rows, first position and expert)
+    into the queue's slot ``i % 2`` once every MMA partition has read what it held."""
     slot = i % 2
     mbarrier.wait(queue_empty.index(slot), ((i // 2) & 1) ^ 1, pred=i >= 2)
-    one: gl.constexpr = _scalar_layout(gl.num_warps())
-    queue.index(slot).store(gl.full([1], t, gl.int32, layout=one))
+    entry: gl.constexpr = _entry_layout(gl.num_warps())
+    j = gl.arange(0, 4, layout=entry)
+    v = gl.where(j == 0, t, gl.where(j == 1, rows, gl.where(j == 2, first, expert)))
+    queue.index(slot).store(v)
     mbarrier.arrive(queue_ready.index(slot))
 
 
 @gluon.jit
 def _next_tile(queue, queue_ready, queue_empty, i):
-    """An MMA partition's ``i``-th tile from the queue (the slot is released at once)."""
+    """An MMA partition's ``i``-th tile from the queue: (tile, rows, first position,
+    expert); the slot is released at once."""
     slot = i % 2
     mbarrier.wait(queue_ready.index(slot), (i // 2) & 1)
-    one: gl.constexpr = _scalar_layout(gl.num_warps())
-    t = gl.max(queue.index(slot).load(one), axis=0)
+    entry: gl.constexpr = _entry_layout(gl.num_warps())
+    j = gl.arange(0, 4, layout=entry)
+    v = queue.index(slot).load(entry)
     mbarrier.arrive(queue_empty.index(slot))
-    return t
+    t = gl.sum(gl.where(j == 0, v, 0), axis=0)
+    rows = gl.sum(gl.where(j == 1, v, 0), axis=0)
+    first = gl.sum(gl.where(j == 2, v, 0), axis=0)
+    expert = gl.sum(gl.where(j == 3, v, 0), axis=0)
+    return t, rows, first, expert
 
 
 @gluon.jit
@@ -587,10 +621,11 @@ def _ws_loader(
     BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
     A_TMA: gl.constexpr, MMA_WGS: gl.constexpr,
 ):  # fmt: skip
-    """Claims tiles from the launch's counter (``tile_counter_ptr``, zero at launch: each
-    SM takes the next tile as it frees, in the grouped order), passes each to the MMA
-    partitions through ``queue``, then loads its K steps (``_ws_load_tile``): step ``c``
-    (counted across tiles) into stage ``c % STAGES`` once every MMA partition released it.
+    """Claims tiles from the launch's counter (``tile_counter_ptr``, zero at launch:
+    ``_ws_claim``), passes each with its block to the MMA partitions through ``queue``,
+    then loads its K steps (``_ws_load_tile``, which claims the next tile two steps before
+    its last): step ``c`` (counted across tiles) into stage ``c % STAGES`` once every MMA
+    partition released it.
     The weight tiles come by TMA (``w_desc``: the experts' weights as one ``[e·N_w, K]``
     matrix), their bytes expected on ``ready``; the gathered activation rows by
     ``cp.async``, each thread's copies arriving on ``ready`` when they land — or, with
@@ -608,28 +643,29 @@ def _ws_loader(
     n_w = 2 * N if GATE_UP else N  # weight rows per expert
     num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
     num_tiles = num_m_blocks * num_n_blocks
+    claim = (
+        tile_counter_ptr, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr,
+        block_rows_ptr,
+    )  # fmt: skip
     c = 0  # steps of the earlier tiles
     i = 0  # tiles so far
-    t = gl.atomic_add(tile_counter_ptr, 1)
+    t, rows, first, expert = _ws_claim(claim, GROUP_M)
     while t < num_tiles:
-        _publish_tile(queue, queue_ready, queue_empty, i, t)
-        rows, expert, first, pid_n, n0, nb1 = _ws_tile(
-            t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
-            N, GATE_UP, BLOCK_N, GROUP_M,
-        )  # fmt: skip
-        c = _ws_load_tile(
+        _publish_tile(queue, queue_ready, queue_empty, i, t, rows, first, expert)
+        pid_n, n0, nb1 = _ws_cols(t, num_m_blocks, num_n_blocks, N, GATE_UP, BLOCK_N, GROUP_M)
+        c, t, rows, first, expert = _ws_load_tile(
             a_ptr, a_desc, w_desc, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, src_smem, ready,
-            empty, K, num_pairs, stride_am, c, rows, expert, first, n0, nb1, n_w, load_layout,
-            GATE_UP, TOP_K, TILE_M, BLOCK_N, BLOCK_K, STAGES, ROWS, A_TMA, MMA_WGS,
+            empty, K, num_pairs, stride_am, c, rows, expert.to(gl.int64), first.to(gl.int64),
+            n0, nb1, n_w, claim, load_layout, GATE_UP, TOP_K, TILE_M, BLOCK_N, BLOCK_K,
+            GROUP_M, STAGES, ROWS, A_TMA, MMA_WGS,
         )  # fmt: skip
         i += 1
-        t = gl.atomic_add(tile_counter_ptr, 1)
     # Every program ends with one claim past the last tile: the one that gets the last of
     # those values is the launch's last claim, and leaves the counter at zero for the next
     # launch (a graph replay, or GEMM 1 of the same aligned pairs again).
     if t == num_tiles + gl.num_programs(0) - 1:
         gl.store(tile_counter_ptr, 0)
-    _publish_tile(queue, queue_ready, queue_empty, i, num_tiles)  # the end
+    _publish_tile(queue, queue_ready, queue_empty, i, num_tiles, 0, 0, 0)  # the end
 
 
 @gluon.jit
@@ -649,23 +685,30 @@ def _ws_stage_weights(w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1,
 @gluon.jit
 def _ws_load_tile(
     a_ptr, a_desc, w_desc, sorted_pairs_ptr, a_smem, b0_smem, b1_smem, src_smem, ready, empty,
-    K, num_pairs, stride_am, c, rows, expert, first, n0, nb1, n_w,
+    K, num_pairs, stride_am, c, rows, expert, first, n0, nb1, n_w, claim,
     load_layout: gl.constexpr, GATE_UP: gl.constexpr, TOP_K: gl.constexpr,
-    TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    ROWS: gl.constexpr, A_TMA: gl.constexpr, MMA_WGS: gl.constexpr,
+    TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+    STAGES: gl.constexpr, ROWS: gl.constexpr, A_TMA: gl.constexpr, MMA_WGS: gl.constexpr,
 ):  # fmt: skip
     """The loader's K steps of one tile, step ``c`` (counted across tiles) into stage
-    ``c % STAGES``; returns ``c`` past the tile. The weight tiles come by TMA; activation
-    rows in position order (``A_TMA``) too, 64 per box; gathered rows by ``cp.async``."""
+    ``c % STAGES``; returns ``c`` past the tile and the next tile (``_ws_claim``), claimed
+    two steps before the last. The weight tiles come by TMA; activation rows in position
+    order (``A_TMA``) too, 64 per box; gathered rows by ``cp.async``."""
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     W_BYTES: gl.constexpr = 2 * BLOCK_N * BLOCK_K * ELEM_BITS // 8
     A_BYTES: gl.constexpr = MMA_WGS * 64 * BLOCK_K * ELEM_BITS // 8 if A_TMA else 0
     num_k = K // BLOCK_K
     row0 = (expert * n_w + n0).to(gl.int32)
     row1 = (expert * n_w + nb1).to(gl.int32)
+    claim_k = gl.maximum(num_k - 2, 0)
+    nt = num_k * 0  # the next tile, its block's rows, first position, expert (int32)
+    nr = nt
+    nf = nt
+    ne = nt
     if A_TMA:
         a_row = first.to(gl.int32)
         for k in range(num_k):
+            nt, nr, nf, ne = _claim_at(k, claim_k, nt, nr, nf, ne, claim, GROUP_M)
             s = _ws_stage_weights(
                 w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1, W_BYTES + A_BYTES,
                 BLOCK_K, STAGES,
@@ -688,6 +731,7 @@ def _ws_load_tile(
             src_smem.index(j).store(gl.where(valid_j, src_j, -1).to(gl.int32))
         _cta_barrier()
         for k in range(num_k):
+            nt, nr, nf, ne = _claim_at(k, claim_k, nt, nr, nf, ne, claim, GROUP_M)
             s = _ws_stage_weights(
                 w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1, W_BYTES, BLOCK_K,
                 STAGES,
@@ -707,6 +751,7 @@ def _ws_load_tile(
         )  # fmt: skip
         a_ptrs, a_mask = _activation_ptrs(a_ptr, src, valid, stride_am, BLOCK_K, load_layout)
         for k in range(num_k):
+            nt, nr, nf, ne = _claim_at(k, claim_k, nt, nr, nf, ne, claim, GROUP_M)
             s = _ws_stage_weights(
                 w_desc, b0_smem, b1_smem, ready, empty, c, k, row0, row1, W_BYTES, BLOCK_K,
                 STAGES,
@@ -714,7 +759,7 @@ def _ws_load_tile(
             _cp_async(a_smem.index(s), a_ptrs + k * BLOCK_K, mask=a_mask)
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
             c += 1
-    return c
+    return c, nt, nr, nf, ne
 
 
 @gluon.jit
@@ -742,10 +787,9 @@ def _ws_mma(
     idle: it only releases each stage, and the others have the tensor cores."""
     (
         a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-        sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-        a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K,
-        num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask, stride_wse,
-        stride_wsn, stride_om, stride_osm, stride_osk,
+        sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready,
+        queue_empty, N, K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
+        stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
     ) = args  # fmt: skip
     ELEM_BITS: gl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth
     WG_M: gl.constexpr = 64
@@ -763,12 +807,11 @@ def _ws_mma(
     num_m_blocks = gl.load(blocks_used_ptr)  # (every tile of those has rows)
     c = 0  # steps of the earlier tiles
     i = 0  # tiles so far
-    t = _next_tile(queue, queue_ready, queue_empty, 0)
+    t, rows, first_i, expert_i = _next_tile(queue, queue_ready, queue_empty, 0)
     while t < num_m_blocks * num_n_blocks:
-        rows, expert, first, pid_n, n0, nb1 = _ws_tile(
-            t, num_m_blocks, num_n_blocks, block_expert_ptr, block_start_ptr, block_rows_ptr,
-            N, GATE_UP, BLOCK_N, GROUP_M,
-        )  # fmt: skip
+        pid_n, n0, nb1 = _ws_cols(t, num_m_blocks, num_n_blocks, N, GATE_UP, BLOCK_N, GROUP_M)
+        first = first_i.to(gl.int64)
+        expert = expert_i.to(gl.int64)
         if rows > ROW0:
             pos_m, pair_m, valid_m, src_m = _rows(
                 first + ROW0, rows - ROW0, sorted_pairs_ptr, num_pairs, GATE_UP, TOP_K, WG_M,
@@ -832,7 +875,7 @@ def _ws_mma(
                 mbarrier.arrive(empty.index((c + k) % STAGES))
         c += num_k
         i += 1
-        t = _next_tile(queue, queue_ready, queue_empty, i)
+        t, rows, first_i, expert_i = _next_tile(queue, queue_ready, queue_empty, i)
 
 
 @gluon.jit(do_not_specialize=ROW_COUNT_ARGS)
@@ -893,19 +936,19 @@ def pair_gemm_ws_kernel(
         # the loader's one expect of the TMA bytes (and its threads' cp.async arrivals)
         mbarrier.init(ready.index(i), count=1 if A_TMA else LOAD_WARPS * 32 + 1)
         mbarrier.init(empty.index(i), count=MMA_WGS)
-    # the tiles the loader claimed, two in flight: tile ids, and their mbarriers
-    queue = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    # the tiles the loader claimed, two in flight (tile, rows, first position, expert), and
+    # their mbarriers
+    queue = gl.allocate_shared_memory(gl.int32, [2, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     queue_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     queue_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(queue_ready.index(i), count=1)
         mbarrier.init(queue_empty.index(i), count=MMA_WGS)
-    mma = (
+    mma = (  # (the tiles' blocks come through the queue)
         a_ptr, a_scale_ptr, w_scale_ptr, out_ptr, out_scale_ptr, topk_weights_ptr,
-        sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_rows_ptr,
-        a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready, queue_empty, N, K,
-        num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask, stride_wse,
-        stride_wsn, stride_om, stride_osm, stride_osk,
+        sorted_pairs_ptr, a_smem, b0_smem, b1_smem, ready, empty, queue, queue_ready,
+        queue_empty, N, K, num_pairs, blocks_used_ptr, num_n_blocks, stride_asm, stride_ask,
+        stride_wse, stride_wsn, stride_om, stride_osm, stride_osk,
     )  # fmt: skip
     load = (
         a_ptr, a_desc, w_desc, sorted_pairs_ptr, block_expert_ptr, block_start_ptr,
