@@ -33,7 +33,18 @@ import torch.distributed as dist
 
 from epmoe.step_context import StepContext, current_step, group_ranks, step
 
-__all__ = ["DecodeGraphs"]
+__all__ = ["DecodeGraphs", "graph_state"]
+
+
+def graph_state(layers: Sequence) -> list:
+    """What a CUDA graph that runs ``layers`` (``EPMoE``) depends on: each layer's
+    placement generation and the addresses of its slot tensors (weights, maps). Compare it
+    with its value at capture to know whether a re-plan made the graph stale (a graph of a
+    whole model's decode step, for example; :class:`DecodeGraphs` does this itself)."""
+    return [
+        (layer.generation, tuple(t.data_ptr() for t in layer.slot_tensors().values()))
+        for layer in layers
+    ]
 
 
 class DecodeGraphs:
@@ -112,11 +123,7 @@ class DecodeGraphs:
         return self._layers_state() != self._state
 
     def _layers_state(self) -> list:
-        """What a captured graph depends on: each layer's placement and slot tensors."""
-        return [
-            (layer.generation, tuple(t.data_ptr() for t in layer.slot_tensors().values()))
-            for layer in self.layers
-        ]
+        return graph_state(self.layers)
 
     def recapture(self) -> None:
         """(Re)capture every bucket (collective). Call on every rank after a re-plan."""

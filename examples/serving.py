@@ -18,12 +18,22 @@ Rank 0 prints a line every ``--log-every`` steps (tokens/s of the group, steps, 
 balancedness of the experts' load over the ranks) and, at the end, throughput and
 time-to-first-token / inter-token-latency percentiles of every request of every rank.
 On GPUs the same loop runs with ``--device cuda`` (NCCL). ``--cuda-graphs`` (CUDA, a
-graph-safe decode backend such as ``symm_ll``) captures every MoE block's decode forward
-for batch sizes 1, 2, 4, … up to ``--max-batch`` (``EPMoEBlock.capture_decode_graphs``):
-decode steps, agreed as such on every rank, replay the smallest bucket that holds the
-step's largest batch, padding rows routed to no expert; prefill steps and larger batches
-run eagerly, and a re-plan is followed by a re-capture. The attention stays eager (a
-graph-capturable KV cache is the serving engine's part). Needs ``pip install "epmoe[hf]"``.
+graph-safe decode backend such as ``symm_ll``) replays decode steps, agreed as such on every
+rank, from CUDA graphs:
+
+* ``--cuda-graphs`` / ``--cuda-graphs step``: the whole decode step (embedding, attention,
+  MoE blocks, logits, greedy tokens) in one graph per rank. The batch is padded to
+  ``--max-batch`` rows (padding rows routed to no expert), the KV cache is transformers'
+  ``StaticCache`` and the example builds the attention mask itself, so that a step's inputs
+  live in fixed tensors (``StaticEngine``, which ``--static-cache`` runs eagerly, also on
+  CPU). Every rank's decode step is then the same kernels, with no Python between them,
+  so ranks reach each MoE block's dispatch together.
+* ``--cuda-graphs blocks``: only the MoE blocks, for batch sizes 1, 2, 4, ... up to
+  ``--max-batch`` (``EPMoEBlock.capture_decode_graphs``; the smallest bucket that holds
+  the step's largest batch, padding rows routed to no expert); attention stays eager.
+
+Prefill steps and larger batches run eagerly, and a re-plan is followed by a re-capture.
+Needs ``pip install "epmoe[hf]"``.
 
 Shape legend: B requests in a batch · S positions in a forward · H hidden · E experts.
 """
@@ -31,6 +41,7 @@ Shape legend: B requests in a batch · S positions in a forward · H hidden · E
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import math
@@ -43,9 +54,10 @@ import torch
 import torch.distributed as dist
 
 import epmoe
+from epmoe.decode_graphs import graph_state
 from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb.manager import measured_balancedness, measured_rank_load
-from epmoe.integrations.huggingface import EPMoEBlock, replace_moe_blocks
+from epmoe.integrations.huggingface import EPMoEBlock, padded_batch, replace_moe_blocks
 
 
 @dataclass
@@ -131,29 +143,39 @@ class Engine:
         self.batch: list[Request] = []
         self.plan: list[tuple[int, int]] = []  # prefill chunks (start, end) still to run
         self.cache = None
+        self.graph: StepGraph | None = None  # the whole decode step's (StaticEngine)
 
-    def _start_batch(self) -> None:
-        from transformers import DynamicCache
-
+    def _take_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next requests, their prompts left-padded (every prompt ends at column L):
+        ``ids [B, L]`` and ``seen [B, L]`` (1 where a prompt token is), on the host."""
         self.batch, self.queue = (
             self.queue[: self.args.max_batch],
             self.queue[self.args.max_batch :],
         )
         B, L = len(self.batch), max(len(r.prompt) for r in self.batch)
         ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        for b, r in enumerate(self.batch):  # left padding: every prompt ends at column L
+        seen = torch.zeros(B, L, dtype=torch.long)
+        for b, r in enumerate(self.batch):
             ids[b, L - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[b, L - len(r.prompt) :] = 1
-        self.ids, self.mask = ids.to(self.device), mask.to(self.device)
-        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+            seen[b, L - len(r.prompt) :] = 1
         c = self.args.prefill_chunk
         self.plan = [(s, min(s + c, L)) for s in range(0, L, c)]
+        return ids, seen
+
+    def _start_batch(self) -> None:
+        from transformers import DynamicCache
+
+        ids, mask = self._take_batch()
+        self.ids, self.mask = ids.to(self.device), mask.to(self.device)
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self.cache = DynamicCache()
+
+    def _batch_done(self) -> bool:
+        return not self.batch or all(r.done for r in self.batch)
 
     def next_forward(self) -> dict | None:
         """The inputs of this rank's next forward, or ``None`` when it has nothing to do."""
-        if not self.batch or all(r.done for r in self.batch):
+        if self._batch_done():
             if not self.queue:
                 return None
             self._start_batch()
@@ -175,22 +197,210 @@ class Engine:
             kind="decode",
         )
 
+    def forward(self, inputs: dict) -> torch.Tensor:
+        """The model on ``inputs``: every row's greedy next token ``[B]`` (on the device)."""
+        with torch.no_grad():
+            out = self.model(**inputs, **{_CACHE_ARG: self.cache}, use_cache=True)
+        return out.logits[:, -1].argmax(-1)
+
     def run(self, inputs: dict) -> int:
         """Run one forward (inside the caller's step); returns the tokens it emitted."""
         kind = inputs.pop("kind")
-        with torch.no_grad():
-            out = self.model(**inputs, **{_CACHE_ARG: self.cache}, use_cache=True)
+        next_B = self.forward(inputs) if kind == "prefill" else self.decode(inputs)
         if kind == "prefill" and self.plan:
             return 0  # more prompt to read before the first token
         now = time.perf_counter()
         emitted = 0
-        for b, token in enumerate(out.logits[:, -1].argmax(-1).tolist()):
-            r = self.batch[b]
+        for r, token in zip(self.batch, next_B.tolist()):
             if not r.done:  # finished requests ride along until the batch ends
                 r.output.append(token)
                 r.token_times.append(now)
                 emitted += 1
         return emitted
+
+    def decode(self, inputs: dict) -> torch.Tensor:
+        return self.forward(inputs)
+
+
+class StaticEngine(Engine):
+    """The same scheduler on fixed shapes, so that a decode step can be one CUDA graph.
+
+    Every batch is padded to ``--max-batch`` rows R (the padding rows last, routed to no
+    expert: ``padded_batch``); the KV cache is transformers' ``StaticCache`` of
+    ``--max-prompt + --max-new-tokens`` positions C, reset in place for each batch; this
+    engine builds the attention mask itself (4-D, ``[R, 1, S, C]``, which transformers
+    uses as it is) and keeps a decode step's inputs (token, position, mask, real rows) in
+    fixed tensors that it updates in place. A decode step's forward writes its greedy
+    tokens into the next step's input, on the device. :class:`StepGraph` captures it.
+    Shape legend: R rows · S positions in a forward · C cache positions."""
+
+    def __init__(self, model, queue: list[Request], args: argparse.Namespace, device, dtype):
+        from transformers import StaticCache
+
+        super().__init__(model, queue, args, device)
+        R, C = args.max_batch, args.max_prompt + args.max_new_tokens
+        self.rows, self.length = R, C
+        self.cache = StaticCache(config=model.config, max_cache_len=C)
+        self.low = torch.finfo(dtype).min  # a masked column's score, as transformers does
+        self.step_ids = torch.zeros(R, 1, dtype=torch.long, device=device)
+        self.step_pos = torch.zeros(R, 1, dtype=torch.long, device=device)
+        self.step_mask = torch.full((R, 1, 1, C), self.low, dtype=dtype, device=device)
+        self.num_valid = torch.full((1,), R, dtype=torch.int32, device=device)  # real rows
+
+    def _start_batch(self) -> None:
+        ids, seen = self._take_batch()
+        B, L = ids.shape
+        longest = L + max(r.max_new_tokens for r in self.batch)
+        if longest > self.length:
+            raise ValueError(
+                f"a batch needs {longest} cache positions, the static cache has {self.length} "
+                "(--max-prompt + --max-new-tokens)"
+            )
+        R = self.rows
+        self.ids = torch.zeros(R, L, dtype=torch.long, device=self.device)
+        self.ids[:B] = ids.to(self.device)
+        self.seen = torch.zeros(R, self.length, dtype=torch.bool, device=self.device)
+        self.seen[:B, :L] = seen.to(self.device, torch.bool)
+        self.positions = (self.seen[:, :L].long().cumsum(-1) - 1).clamp(min=0)
+        self.column = L  # the cache position of the next decode step
+        self.cache.reset()  # in place: a captured graph keeps its addresses
+        self.num_valid.fill_(B)
+
+    def _prefill_mask(self, s: int, e: int) -> torch.Tensor:
+        """``[R, 1, e - s, C]``: each query attends the prompt's tokens at or before it,
+        and itself (so that a padding position's row is never fully masked)."""
+        j = torch.arange(self.length, device=self.device)
+        q = torch.arange(s, e, device=self.device)[:, None]
+        allowed = (self.seen[:, None, :] & (j <= q)) | (j == q)
+        mask = torch.zeros(allowed.shape, dtype=self.step_mask.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, self.low)[:, None]
+
+    def next_forward(self) -> dict | None:
+        if self._batch_done():
+            if not self.queue:
+                return None
+            self._start_batch()
+        if self.plan:
+            s, e = self.plan.pop(0)
+            return dict(
+                input_ids=self.ids[:, s:e],
+                attention_mask=self._prefill_mask(s, e),
+                position_ids=self.positions[:, s:e],
+                kind="prefill",
+            )
+        if self.column == self.ids.shape[1]:  # the batch's first decode step
+            self.step_pos.copy_(self.positions[:, -1:])
+            self.step_mask.fill_(self.low)
+            self.step_mask[:, 0, 0].masked_fill_(self.seen, 0.0)
+        self.step_pos += 1
+        self.step_mask[..., self.column] = 0.0  # every row attends the new position
+        self.column += 1
+        return dict(
+            input_ids=self.step_ids,
+            attention_mask=self.step_mask,
+            position_ids=self.step_pos,
+            kind="decode",
+        )
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        S = inputs["input_ids"].shape[1]  # flattened, a forward's real rows come first
+        n = self.num_valid if S == 1 else self.num_valid * S
+        with torch.no_grad(), padded_batch(n):
+            out = self.model(**inputs, **{_CACHE_ARG: self.cache}, use_cache=True)
+            next_R = out.logits[:, -1].argmax(-1)
+            self.step_ids.copy_(next_R[:, None])  # the next decode step's input
+        return next_R
+
+    def decode(self, inputs: dict) -> torch.Tensor:
+        s = epmoe.current_step()
+        if self.graph is not None and s is not None and s.decode:
+            return self.graph.replay()
+        return self.forward(inputs)
+
+    def decode_inputs(self) -> dict:
+        return dict(
+            input_ids=self.step_ids, attention_mask=self.step_mask, position_ids=self.step_pos
+        )
+
+    def counters(self) -> list[torch.Tensor]:
+        """The cache's write positions (one device counter per layer, advanced by every
+        forward; transformers' ``StaticLayer.cumulative_length``)."""
+        return [layer.cumulative_length for layer in self.cache.layers]
+
+
+class StepGraph:
+    """This rank's whole decode step in one CUDA graph: embedding, attention on the static
+    KV cache, every MoE block, the logits and the greedy tokens of ``engine``'s R rows.
+
+    Captured on every rank at once (collective: the MoE blocks' warm-up forwards move
+    tokens), inside a decode step of R tokens per rank and ``padded_batch``. In a decode
+    step every rank replays it: a rank with a batch on its fixed inputs, an idle rank with
+    no real rows (its MoE blocks send nothing; its cache positions are rewound first). The
+    attention then costs the same on every rank, so no rank waits in a dispatch for
+    another's host work. After an EPLB re-plan it is ``stale``: ``capture()`` again.
+    ``timer``'s block events are recorded inside the graph, read after each replay."""
+
+    def __init__(self, engine: StaticEngine, blocks: list[EPMoEBlock], group, timer, pool):
+        self.engine, self.group, self.timer, self.pool = engine, group, timer, pool
+        self.layers = [b.moe for b in blocks]
+        self.replays = 0
+        self.capture()
+
+    @property
+    def stale(self) -> bool:
+        return graph_state(self.layers) != self.state
+
+    def capture(self) -> None:
+        """(Re)capture (collective). Mid-batch too: the warm-up forwards' cache writes go to
+        the position the next step overwrites, and the write counters and inputs are put
+        back before the capture."""
+        e, R = self.engine, self.engine.rows
+        torch.cuda.synchronize()
+        ids, valid = e.step_ids.clone(), e.num_valid.clone()
+        recorders = [layer.load_recorder for layer in self.layers if layer.load_recorder]
+        for r in recorders:  # warm-up forwards are not expert load
+            r.enabled = False
+        e.num_valid.fill_(R)
+        with epmoe.step(self.group, num_tokens=R, decode=True, graph_max_tokens=R):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                ready = all(getattr(layer, "is_initialized", False) for layer in e.cache.layers)
+                written = [int(c) for c in e.counters()] if ready else None
+                for _ in range(2):  # compile the kernels, initialise the cache
+                    e.forward(e.decode_inputs())
+                for c, n in zip(e.counters(), written or [0] * len(e.counters())):
+                    c.fill_(n)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with (
+                self.timer.capturing() as self.block_events,
+                torch.cuda.graph(self.graph, pool=self.pool),
+            ):
+                self.next_R = e.forward(e.decode_inputs())
+        e.step_ids.copy_(ids)
+        e.num_valid.copy_(valid)
+        for r in recorders:
+            r.enabled = True
+        torch.cuda.synchronize()
+        self.state = graph_state(self.layers)
+
+    def replay(self) -> torch.Tensor:
+        """One decode step of the engine's batch: the next tokens ``[R]`` (the graph's own
+        tensor, valid until the next replay)."""
+        if self.stale:
+            raise RuntimeError("the MoE layers were re-planned: capture() the step again")
+        self.graph.replay()
+        self.replays += 1
+        self.timer.replayed(self.block_events)
+        return self.next_R
+
+    def replay_idle(self) -> None:
+        """This rank's part of a decode step when it has no batch: no real rows."""
+        for c in self.engine.counters():
+            c.zero_()
+        self.engine.num_valid.zero_()
+        self.replay()
 
 
 def _cache_argument() -> str:
@@ -247,12 +457,15 @@ def elapsed_ms(cuda: bool, a, b) -> float:
 class StepTimer:
     """The time of every step and of the MoE blocks inside it, by step kind: CUDA events
     on GPUs (read once at the end, so no step waits for the device), the host clock on
-    CPU. Forward hooks on the blocks mark their start and end, replays included."""
+    CPU. Forward hooks on the blocks mark their start and end, block graphs' replays
+    included; inside a :class:`StepGraph`'s capture they record events into the graph,
+    read after each of its replays."""
 
     def __init__(self, blocks: list[EPMoEBlock], device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.steps: list[tuple[str, object, object, list[list]]] = []
-        self._open: tuple[str, object, list[list]] | None = None
+        self.steps: list[tuple[str, object, object, list]] = []
+        self._open: tuple[str, object, list] | None = None
+        self._captured: list[list] | None = None
         for block in blocks:
             block.register_forward_pre_hook(self._block_start)
             block.register_forward_hook(self._block_end)
@@ -271,12 +484,36 @@ class StepTimer:
         self.steps.append((kind, start, self._mark(), blocks))
         self._open = None
 
+    @contextlib.contextmanager
+    def capturing(self):
+        """Around a CUDA-graph capture: the blocks' events, recorded by each replay."""
+        self._captured = events = []
+        try:
+            yield events
+        finally:
+            self._captured = None
+
+    def replayed(self, events: list[list]) -> None:
+        """A graph holding ``events`` (from :meth:`capturing`) was replayed in this step:
+        read them now, before the next replay records them again."""
+        if self._open is not None and events:
+            events[-1][1].synchronize()
+            self._open[2].extend(a.elapsed_time(b) for a, b in events)
+
     def _block_start(self, module, args) -> None:
-        if self._open is not None:
+        if self._captured is not None:
+            event = torch.cuda.Event(enable_timing=True, external=True)
+            event.record()
+            self._captured.append([event, None])
+        elif self._open is not None:
             self._open[2].append([self._mark(), None])
 
     def _block_end(self, module, args, out) -> None:
-        if self._open is not None:
+        if self._captured is not None:
+            event = torch.cuda.Event(enable_timing=True, external=True)
+            event.record()
+            self._captured[-1][1] = event
+        elif self._open is not None:
             self._open[2][-1][1] = self._mark()
 
     def summary(self) -> dict[str, tuple[int, float, float]]:
@@ -285,7 +522,7 @@ class StepTimer:
             torch.cuda.synchronize()
         by_kind: dict[str, list[tuple[float, float]]] = {}
         for kind, start, end, blocks in self.steps:
-            moe = sum(self._ms(a, b) for a, b in blocks)
+            moe = sum(b if isinstance(b, float) else self._ms(*b) for b in blocks)
             by_kind.setdefault(kind, []).append((self._ms(start, end), moe))
         out = {}
         for kind, rows in by_kind.items():
@@ -400,8 +637,19 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--cuda-graphs",
+        nargs="?",
+        const="step",
+        choices=("step", "blocks"),
+        default=None,
+        help="replay decode steps from CUDA graphs: 'step' (the default) captures the whole "
+        "decode step (attention on a static KV cache, MoE blocks, greedy tokens) for "
+        "--max-batch rows; 'blocks' only the MoE blocks, for batch sizes 1, 2, 4, ...",
+    )
+    p.add_argument(
+        "--static-cache",
         action="store_true",
-        help="replay the MoE blocks' decode steps from CUDA graphs (batch-size buckets)",
+        help="pad batches to --max-batch rows and keep the KV cache in a static cache (what "
+        "--cuda-graphs step runs, here eagerly)",
     )
     p.add_argument(
         "--aligned-moe-steps",
@@ -440,19 +688,29 @@ def main(argv: list[str] | None = None) -> None:
         num_redundant=(-E) % W + (W if E >= W else 0),  # a spare slot per rank
         rebalance_interval=args.rebalance_every,
     )
-    sizes = None
+    sizes = None  # the MoE blocks' own decode graphs
     if args.cuda_graphs:
         if device.type != "cuda":
             p.error(f"--cuda-graphs needs --device cuda (this run is on {device.type})")
         sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i < args.max_batch]
         sizes.append(args.max_batch)
+        if args.cuda_graphs == "step":  # the blocks' graphs only time them aligned, at the end
+            sizes = sizes[-1:]
         pool = torch.cuda.graph_pool_handle()  # one pool: the blocks replay one at a time
         for block in blocks:  # collective: every rank, blocks in the same order
             block.capture_decode_graphs(sizes, dtype=dtype, pool=pool)
         if rank == 0:
             print(f"captured decode graphs for batch sizes {sizes} in {len(blocks)} blocks")
     timer = StepTimer(blocks, device)
-    engine = Engine(model, make_requests(rank, args), args, device)
+    queue = make_requests(rank, args)
+    if args.static_cache or args.cuda_graphs == "step":
+        engine = StaticEngine(model, queue, args, device, dtype)
+    else:
+        engine = Engine(model, queue, args, device)
+    if args.cuda_graphs == "step":  # collective: every rank
+        engine.graph = StepGraph(engine, blocks, group, timer, pool=None)
+        if rank == 0:
+            print(f"captured the whole decode step of {args.max_batch} rows in a CUDA graph")
     requests = list(engine.queue)
     start = time.perf_counter()
     steps = tokens = 0
@@ -467,7 +725,9 @@ def main(argv: list[str] | None = None) -> None:
             if s.max_tokens == 0:  # no rank has tokens: every queue is empty
                 break
             timer.begin("idle" if inputs is None else inputs["kind"])
-            if inputs is None:
+            if inputs is None and engine.graph is not None and s.decode:
+                engine.graph.replay_idle()  # as the others: their graphs' MoE blocks
+            elif inputs is None:
                 idle_forward(blocks, args.hidden_size, device, dtype)
             else:
                 tokens += engine.run(inputs)
@@ -492,6 +752,8 @@ def main(argv: list[str] | None = None) -> None:
         for block in blocks if sizes else ():  # a re-plan moved weights: capture again
             if block.decode_graphs.stale:
                 block.decode_graphs.recapture()
+        if engine.graph is not None and engine.graph.stale:
+            engine.graph.capture()
     elapsed = time.perf_counter() - start
     aligned_steps = args.aligned_moe_steps
     if aligned_steps is None:
@@ -546,7 +808,10 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         print(f"inter-token latency: {percentiles(itl)}", flush=True)
-        if sizes:
+        if engine.graph is not None:
+            print(f"decode steps replayed from the step's CUDA graph on rank 0: "
+                  f"{engine.graph.replays}")  # fmt: skip
+        elif sizes:
             replays = sum(b.decode_graphs.replays for b in blocks)
             print(f"MoE block forwards replayed from CUDA graphs on rank 0: {replays}")
         if aligned is not None:

@@ -21,14 +21,15 @@
 #     overlap            prefill (4096 tokens) on symm_ht with one and two micro-batches in one
 #                        run, and decode with FP8 expert weights
 #     eplb               the EPLB placement benchmark and its balancedness plot
-#     serving            examples/serving.py on every GPU (symm_ll), eager and with CUDA-graph
-#                        decode buckets (--cuda-graphs): tokens/s, TTFT, ITL
+#     serving            examples/serving.py on every GPU (symm_ll), eager, with the MoE blocks'
+#                        decode graphs and with the whole decode step's: tokens/s, TTFT, ITL
 #     crossover          the layer on symm_ll and symm_ht from 128 to 2048 tokens per rank
 #     ep                 the EP4/EP8 issue's matrix at EP = all GPUs: tests at W = NGPU, comm, layer
 #                        (bf16 with live EPLB under skew; FP8 weights and wire), experts
 #     dsv3               the serving example on a DeepSeek-V3-shaped FP8 checkpoint written on
 #                        the machine: decode batch 128 and prefill 4096 tokens per rank, FP8
 #                        experts eager / CUDA graphs / on one GPU, and bf16 experts
+#                        (DSV3_RUNS, below)
 #     info               python -m epmoe.info (text and --json) on the GPU machine
 #     decode_ht          the decode step (128 tokens) on symm_ht's Standard layout beside
 #                        symm_ll's ExpertBatched one (rows read in place vs expanded)
@@ -137,7 +138,7 @@ for s in "${STEPS[@]}"; do
         ;;
     serving)
         failed=0
-        for graphs in "" --cuda-graphs; do
+        for graphs in "" "--cuda-graphs blocks" "--cuda-graphs step"; do
             timeout "${SERVING_LIMIT_S:-150}" python3 launch/run.py --nproc "$NGPU" examples/serving.py \
                 --device cuda --backend symm_ll --requests 48 --max-batch 16 --max-new-tokens 32 \
                 --hidden-size 1024 --num-experts 16 --top-k 4 $graphs >>"$OUT/serving.log" 2>&1 || failed=1
@@ -148,8 +149,10 @@ for s in "${STEPS[@]}"; do
         # a DeepSeek-V3-shaped FP8 checkpoint (4 MoE layers, H 7168, 256 experts, top-8;
         # about 46 GB), written once on the machine's disk (kept while it stays warm), then
         # served. DSV3_RUNS picks the runs (one device call holds about two):
-        #   fp8 / graphs: FP8 experts on every GPU, eager / CUDA-graph decode;
-        #   one: FP8 experts on one GPU holding every expert; bf16: dequantised experts
+        #   fp8 / graphs / blocks: FP8 experts on every GPU, eager / the whole decode step in
+        #   a CUDA graph / only the MoE blocks in CUDA graphs;
+        #   one / onegraphs: FP8 experts on one GPU holding every expert, eager / step graph;
+        #   bf16: dequantised experts
         D="${DSV3_DIR:-/tmp/epmoe-dsv3}"
         failed=0
         [ -f "$D/config.json" ] || timeout "${DSV3_WRITE_S:-300}" python3 \
@@ -157,8 +160,10 @@ for s in "${STEPS[@]}"; do
         for run in ${DSV3_RUNS:-fp8 graphs}; do
             case $run in
             fp8) args=("$NGPU" --fp8-experts) ;;
-            graphs) args=("$NGPU" --fp8-experts --cuda-graphs) ;;
+            graphs) args=("$NGPU" --fp8-experts --cuda-graphs step) ;;
+            blocks) args=("$NGPU" --fp8-experts --cuda-graphs blocks) ;;
             one) args=(1 --fp8-experts) ;;
+            onegraphs) args=(1 --fp8-experts --cuda-graphs step) ;;
             bf16) args=("$NGPU") ;;
             *) echo "unknown DSV3 run $run" >>"$OUT/dsv3.log"; failed=1; continue ;;
             esac

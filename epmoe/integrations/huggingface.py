@@ -39,6 +39,11 @@ Saving: ``save_pretrained(model, directory)`` (collective) writes a converted mo
 original Hugging Face layout, full experts under their original names, so that
 ``from_pretrained`` reads it like the unconverted model's own checkpoint (see its docstring).
 
+Padded batches: a serving engine that captures the whole model's decode step in a CUDA
+graph pads each batch to the graph's size. ``with padded_batch(n):`` around the model's
+forward (or its capture) makes the rows from ``n`` on (a device tensor, filled before each
+replay) padding in every ``EPMoEBlock``: routed to no expert, not recorded as expert load.
+
 Only classes defined by ``transformers`` itself match (not ``trust_remote_code`` copies,
 whose code differs). ``transformers`` is imported when a block is wrapped, never when this
 module is imported.
@@ -50,6 +55,7 @@ intermediate size · E routed experts · K top-k.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import os
 import re
@@ -76,11 +82,39 @@ __all__ = [
     "ShardLoadReport",
     "from_pretrained_sharded",
     "load_sharded",
+    "padded_batch",
     "replace_moe_blocks",
     "save_pretrained",
 ]
 
 INSTALL_HINT = 'pip install "epmoe[hf]"'
+
+_VALID_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar(
+    "epmoe_valid_rows", default=None
+)
+
+
+@contextlib.contextmanager
+def padded_batch(num_valid_tokens: torch.Tensor) -> Iterator[None]:
+    """Inside, every ``EPMoEBlock`` forward treats its flattened rows ``[B·S, H]`` from
+    ``num_valid_tokens`` on as padding: routed to no expert, not recorded as expert load
+    (the layers' ``num_valid_tokens``). For a model whose batch is padded to a fixed size,
+    e.g. a whole decode step captured in a CUDA graph: pad the batch at its end, capture the
+    forward inside this context with a one-element integer tensor on the layers' device, and
+    fill that tensor with the step's real row count before each replay::
+
+        n = torch.zeros(1, dtype=torch.int32, device="cuda")
+        with epmoe.step(group, num_tokens=B, decode=True), padded_batch(n):
+            with torch.cuda.graph(graph):
+                logits = model(input_ids_B1, ...).logits
+        n.fill_(real_rows); graph.replay()
+
+    An ``EPMoEBlock`` called with its own ``num_valid_tokens`` uses that instead."""
+    token = _VALID_ROWS.set(num_valid_tokens)
+    try:
+        yield
+    finally:
+        _VALID_ROWS.reset(token)
 
 
 @dataclass(frozen=True)
@@ -543,8 +577,13 @@ class EPMoEBlock(nn.Module):
         return out if isinstance(out, torch.Tensor) else out[0]
 
     def forward(self, hidden_states: torch.Tensor, num_valid_tokens: torch.Tensor | None = None):
+        """The Hugging Face block's forward. ``num_valid_tokens`` (default: the enclosing
+        :func:`padded_batch`'s): rows of ``hidden_states`` flattened to ``[B·S, H]`` from it
+        on are padding, routed to no expert."""
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
+        if num_valid_tokens is None:
+            num_valid_tokens = _VALID_ROWS.get()
         graphs = self.decode_graphs if num_valid_tokens is None else None  # (caller pads)
         graphed = graphs(x_TH) if graphs is not None else None
         out = graphed if graphed is not None else self._rows(x_TH, num_valid_tokens)

@@ -102,6 +102,30 @@ def test_padding_rows_of_a_block_go_to_no_expert():
     assert torch.equal(out[4:], torch.zeros(2, 32))  # Mixtral has no shared experts
 
 
+def test_padded_batch_makes_every_blocks_trailing_rows_padding():
+    """``padded_batch(n)`` around a whole model's forward (what a graph of the whole decode
+    step captures): every EPMoEBlock treats the flattened rows from n on as padding, so
+    the real sequences' logits equal the model's on them alone, and the padding rows are
+    not recorded as expert load; a block's own num_valid_tokens still wins."""
+    model = hf_cases.tiny_model("mixtral")
+    hf.replace_moe_blocks(model, load_window=4)
+    blocks = [m for m in model.modules() if isinstance(m, hf.EPMoEBlock)]
+    ids = _input_ids(batch=3, seq=1)  # a decode step: one row per sequence
+    with torch.no_grad():
+        alone = model(input_ids=ids[:2]).logits
+        with hf.padded_batch(torch.tensor([2])):
+            padded = model(input_ids=ids).logits
+    torch.testing.assert_close(padded[:2], alone, rtol=1e-5, atol=1e-5)
+    K = model.config.num_experts_per_tok
+    for block in blocks:  # two forwards of 2 real rows each, K experts per row
+        assert int(block.moe.load_recorder.window_load().sum()) == 2 * 2 * K
+    x = torch.randn(3, model.config.hidden_size)
+    with torch.no_grad(), hf.padded_batch(torch.tensor([0])):
+        out = blocks[0](x, num_valid_tokens=torch.tensor([3]))
+    out = out[0] if isinstance(out, tuple) else out
+    assert out.abs().sum() > 0  # all 3 rows routed: the explicit count
+
+
 def test_greedy_generate_matches_hf():
     model = hf_cases.tiny_model("mixtral")
     reference = copy.deepcopy(model)

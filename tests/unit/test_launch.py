@@ -43,15 +43,19 @@ def test_demo_serves_on_two_gloo_ranks_and_matches_the_oracle():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
-def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model():
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model(cache):
     """examples/serving.py, shortened: per-rank queues, chunked prefill, batched decode,
     one step context per forward, an EPLB re-plan while serving, and greedy outputs equal
-    to the unconverted model's."""
+    to the unconverted model's; with transformers' dynamic KV cache, and with the static
+    one that ``--cuda-graphs step`` captures (batches padded to --max-batch rows, the mask
+    built by the example, the padding rows routed to no expert)."""
     pytest.importorskip("transformers")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", "2",
            os.path.join(ROOT, "examples", "serving.py"), "--requests", "6", "--max-batch", "4",
            "--max-new-tokens", "6", "--rebalance-every", "8", "--log-every", "8",
            "--check", "2", "--aligned-moe-steps", "2"]  # fmt: skip
+    cmd += ["--static-cache"] if cache == "static" else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
