@@ -134,6 +134,13 @@ def make_requests(rank: int, args: argparse.Namespace) -> list[Request]:
     ]
 
 
+def greedy_tokens(model, inputs: dict, cache) -> torch.Tensor:
+    """``model`` on ``inputs`` with KV ``cache``: every row's greedy next token ``[B]``. Only
+    the last position's logits are computed (a prefill chunk's others are never read)."""
+    out = model(**inputs, **{_CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].argmax(-1)
+
+
 class Engine:
     """One rank's scheduler: static batches of requests, chunked prefill, batched decode.
     ``next_forward()`` gives the next model call of this rank (or ``None`` when idle)."""
@@ -200,8 +207,7 @@ class Engine:
     def forward(self, inputs: dict) -> torch.Tensor:
         """The model on ``inputs``: every row's greedy next token ``[B]`` (on the device)."""
         with torch.no_grad():
-            out = self.model(**inputs, **{_CACHE_ARG: self.cache}, use_cache=True)
-        return out.logits[:, -1].argmax(-1)
+            return greedy_tokens(self.model, inputs, self.cache)
 
     def run(self, inputs: dict) -> int:
         """Run one forward (inside the caller's step); returns the tokens it emitted."""
@@ -241,6 +247,12 @@ class StaticEngine(Engine):
         R, C = args.max_batch, args.max_prompt + args.max_new_tokens
         self.rows, self.length = R, C
         self.cache = StaticCache(config=model.config, max_cache_len=C)
+        kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
+        if kinds != ["StaticLayer"]:  # e.g. sliding windows: their counters live on the host
+            raise ValueError(
+                f"the static engine runs full-attention caches only; this model's StaticCache "
+                f"has {kinds} layers: serve it without --static-cache / --cuda-graphs step"
+            )
         self.low = torch.finfo(dtype).min  # a masked column's score, as transformers does
         self.step_ids = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.step_pos = torch.zeros(R, 1, dtype=torch.long, device=device)
@@ -306,8 +318,7 @@ class StaticEngine(Engine):
         S = inputs["input_ids"].shape[1]  # flattened, a forward's real rows come first
         n = self.num_valid if S == 1 else self.num_valid * S
         with torch.no_grad(), padded_batch(n):
-            out = self.model(**inputs, **{_CACHE_ARG: self.cache}, use_cache=True)
-            next_R = out.logits[:, -1].argmax(-1)
+            next_R = greedy_tokens(self.model, inputs, self.cache)
             self.step_ids.copy_(next_R[:, None])  # the next decode step's input
         return next_R
 
@@ -351,37 +362,42 @@ class StepGraph:
         return graph_state(self.layers) != self.state
 
     def capture(self) -> None:
-        """(Re)capture (collective). Mid-batch too: the warm-up forwards' cache writes go to
-        the position the next step overwrites, and the write counters and inputs are put
-        back before the capture."""
+        """(Re)capture (collective). Mid-batch too: each warm-up forward writes the cache at
+        the position the next step overwrites (its write counters are put back before each
+        one and before the capture), and the step's inputs are restored afterwards. The
+        warm-ups record no expert load; the captured step records it at every replay."""
         e, R = self.engine, self.engine.rows
         torch.cuda.synchronize()
         ids, valid = e.step_ids.clone(), e.num_valid.clone()
+        ready = all(getattr(layer, "is_initialized", False) for layer in e.cache.layers)
+        written = [int(c) for c in e.counters()] if ready else [0] * len(e.cache.layers)
         recorders = [layer.load_recorder for layer in self.layers if layer.load_recorder]
-        for r in recorders:  # warm-up forwards are not expert load
-            r.enabled = False
-        e.num_valid.fill_(R)
-        with epmoe.step(self.group, num_tokens=R, decode=True, graph_max_tokens=R):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                ready = all(getattr(layer, "is_initialized", False) for layer in e.cache.layers)
-                written = [int(c) for c in e.counters()] if ready else None
-                for _ in range(2):  # compile the kernels, initialise the cache
-                    e.forward(e.decode_inputs())
-                for c, n in zip(e.counters(), written or [0] * len(e.counters())):
-                    c.fill_(n)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with (
-                self.timer.capturing() as self.block_events,
-                torch.cuda.graph(self.graph, pool=self.pool),
-            ):
-                self.next_R = e.forward(e.decode_inputs())
-        e.step_ids.copy_(ids)
-        e.num_valid.copy_(valid)
-        for r in recorders:
-            r.enabled = True
+        try:
+            e.num_valid.fill_(R)
+            with epmoe.step(self.group, num_tokens=R, decode=True, graph_max_tokens=R):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                for r in recorders:
+                    r.enabled = False
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # compile the kernels, initialise the cache
+                        e.forward(e.decode_inputs())
+                        for c, n in zip(e.counters(), written):
+                            c.fill_(n)
+                torch.cuda.current_stream().wait_stream(side)
+                for r in recorders:
+                    r.enabled = True
+                self.graph = torch.cuda.CUDAGraph()
+                with (
+                    self.timer.capturing() as self.block_events,
+                    torch.cuda.graph(self.graph, pool=self.pool),
+                ):
+                    self.next_R = e.forward(e.decode_inputs())
+        finally:
+            for r in recorders:
+                r.enabled = True
+            e.step_ids.copy_(ids)
+            e.num_valid.copy_(valid)
         torch.cuda.synchronize()
         self.state = graph_state(self.layers)
 
@@ -459,7 +475,7 @@ class StepTimer:
     on GPUs (read once at the end, so no step waits for the device), the host clock on
     CPU. Forward hooks on the blocks mark their start and end, block graphs' replays
     included; inside a :class:`StepGraph`'s capture they record events into the graph,
-    read after each of its replays."""
+    read after each of its replays (the step's tokens wait for the device anyway)."""
 
     def __init__(self, blocks: list[EPMoEBlock], device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -688,6 +704,11 @@ def main(argv: list[str] | None = None) -> None:
         num_redundant=(-E) % W + (W if E >= W else 0),  # a spare slot per rank
         rebalance_interval=args.rebalance_every,
     )
+    if args.static_cache and args.cuda_graphs == "blocks":
+        p.error(
+            "--cuda-graphs blocks replays the MoE blocks of unpadded batches; with "
+            "--static-cache use --cuda-graphs step (the whole decode step)"
+        )
     sizes = None  # the MoE blocks' own decode graphs
     if args.cuda_graphs:
         if device.type != "cuda":

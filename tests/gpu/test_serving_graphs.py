@@ -1,7 +1,9 @@
 """examples/serving.py on GPUs with CUDA-graph decode: the whole decode step captured
 (``--cuda-graphs step``: static KV cache, MoE blocks, greedy tokens) and the MoE blocks
 alone (``--cuda-graphs blocks``), each serving greedy outputs equal to the unconverted
-model's, with an EPLB re-plan (and its re-capture) while serving.
+model's, with EPLB re-planning while serving (re-placing experts, and re-capturing, from
+W = 2); and the step graph captured again in the middle of a batch, as after a re-plan,
+keeping the eager engine's tokens and expert load.
 
 On every GPU of the machine (``--nproc`` = the GPU count, up to 2; W = 1 on one GPU),
 backend ``symm_ll`` (graph safe), Triton experts.
@@ -9,6 +11,9 @@ backend ``symm_ll`` (graph safe), Triton experts.
 
 from __future__ import annotations
 
+import argparse
+import copy
+import importlib.util
 import os
 import re
 import subprocess
@@ -23,6 +28,9 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
     pytest.skip("needs CUDA", allow_module_level=True)
 
 pytest.importorskip("transformers")
+
+import epmoe  # noqa: E402
+from epmoe.integrations.huggingface import EPMoEBlock, replace_moe_blocks  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,7 +47,7 @@ def test_graph_decode_serves_the_unconverted_models_tokens(scope):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
-    assert re.search(r"EPLB step \d+:", out), out  # re-planned (and re-captured) mid-run
+    assert re.search(r"EPLB step \d+:", out), out  # (at W = 1 nothing is re-placed)
     if scope == "step":
         assert "captured the whole decode step of 4 rows in a CUDA graph" in out, out
         replays = re.search(
@@ -52,3 +60,71 @@ def test_graph_decode_serves_the_unconverted_models_tokens(scope):
     assert m and float(m.group(1)) > 0, out  # timed inside the graphs too
     assert f"outputs of {4 * W} requests against the unconverted model" in out, out
     assert f"{4 * W} identical, 0 differ" in out, out
+
+
+def _example():
+    """examples/serving.py as a module (its engines and the step graph)."""
+    spec = importlib.util.spec_from_file_location(
+        "serving_example", os.path.join(ROOT, "examples", "serving.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    module._CACHE_ARG = module._cache_argument()
+    return module
+
+
+def _serve(sv, engine, R: int, recapture_at: tuple[int, ...] = ()) -> list[list[int]]:
+    """One process (W = 1): every request of ``engine`` served, each forward in its step;
+    the step graph is captured again after each count of decode steps in ``recapture_at``
+    (as after a re-plan)."""
+    requests, decodes = list(engine.queue), 0
+    while (inputs := engine.next_forward()) is not None:
+        decode = inputs["kind"] == "decode"
+        T = inputs["input_ids"].numel()
+        with epmoe.step(None, num_tokens=T, decode=decode, graph_max_tokens=R):
+            engine.run(inputs)
+        decodes += decode
+        if decode and decodes in recapture_at and engine.graph is not None:
+            engine.graph.capture()
+    return [r.output for r in requests]
+
+
+def test_step_graph_recaptured_mid_batch_keeps_the_eager_tokens_and_records_load():
+    """The whole-step graph against the same engine run eagerly, on one GPU: equal greedy
+    tokens, also after a capture in the middle of a batch (its warm-ups write the cache
+    where the next step writes, and at its last position when the batch fills it), and the
+    same expert load recorded (the replays record it; the warm-ups and padding rows do
+    not)."""
+    sv = _example()
+    R = 4
+    args = argparse.Namespace(
+        requests=6, max_batch=R, prefill_chunk=8, max_prompt=12, max_new_tokens=6,
+        num_layers=2, num_experts=8, top_k=2, hidden_size=256, vocab=512,
+    )  # fmt: skip
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = sv.build_model(args, device)
+    replace_moe_blocks(model, backend="symm_ll", experts="auto", load_window=10_000)
+    blocks = [m for m in model.modules() if isinstance(m, EPMoEBlock)]
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(3, args.vocab, (n,), generator=g).tolist() for n in (12, 5, 9, 7, 4, 11)
+    ]
+    # the first batch fills the cache (12 + 6 positions); the second has 2 of 4 rows
+    queue = [sv.Request(f"r{i}", p, n) for i, (p, n) in enumerate(zip(prompts, (6, 3, 2, 5, 4, 6)))]
+    recorders = [b.moe.load_recorder for b in blocks]
+    outputs, loads = [], []
+    for graphed in (False, True):
+        for r in recorders:
+            r.reset()
+        engine = sv.StaticEngine(model, copy.deepcopy(queue), args, device, torch.float32)
+        if graphed:
+            timer = sv.StepTimer(blocks, device)
+            engine.graph = sv.StepGraph(engine, blocks, None, timer, pool=None)
+        # mid-batch, and after the first batch's last decode step (the cache then full)
+        outputs.append(_serve(sv, engine, R, recapture_at=(2, 5)))
+        loads.append([int(r.window_load().sum()) for r in recorders])
+        if graphed:
+            assert engine.graph.replays > 0
+    assert outputs[1] == outputs[0]
+    assert loads[1] == loads[0] and min(loads[0]) > 0
