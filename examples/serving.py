@@ -27,7 +27,8 @@ rank, from CUDA graphs:
   ``StaticCache`` and the example builds the attention mask itself, so that a step's inputs
   live in fixed tensors (``StaticEngine``, which ``--static-cache`` runs eagerly, also on
   CPU). Every rank's decode step is then the same kernels, with no Python between them,
-  so ranks reach each MoE block's dispatch together.
+  so ranks reach each MoE block's dispatch together. On CPU nothing is captured: the
+  step runs eagerly through the same path (idle ranks' replays, re-captures).
 * ``--cuda-graphs blocks``: only the MoE blocks, for batch sizes 1, 2, 4, ... up to
   ``--max-batch`` (``EPMoEBlock.capture_decode_graphs``; the smallest bucket that holds
   the step's largest batch, padding rows routed to no expert); attention stays eager.
@@ -349,12 +350,17 @@ class StepGraph:
     no real rows (its MoE blocks send nothing; its cache positions are rewound first). The
     attention then costs the same on every rank, so no rank waits in a dispatch for
     another's host work. After an EPLB re-plan it is ``stale``: ``capture()`` again.
-    ``timer``'s block events are recorded inside the graph, read after each replay."""
+    ``timer``'s block events are recorded inside the graph, read after each replay.
+
+    On CPU nothing is captured: a replay runs the same forward eagerly, so that the steps'
+    protocol (idle ranks' replays, re-captures after re-plans) runs on gloo too."""
 
     def __init__(self, engine: StaticEngine, blocks: list[EPMoEBlock], group, timer, pool):
         self.engine, self.group, self.timer, self.pool = engine, group, timer, pool
         self.layers = [b.moe for b in blocks]
-        self.replays = 0
+        self.cuda = engine.device.type == "cuda"
+        self.replays = self.idle_replays = 0
+        self.captures = 0
         self.capture()
 
     @property
@@ -366,6 +372,10 @@ class StepGraph:
         the position the next step overwrites (its write counters are put back before each
         one and before the capture), and the step's inputs are restored afterwards. The
         warm-ups record no expert load; the captured step records it at every replay."""
+        self.captures += 1
+        if not self.cuda:
+            self.state = graph_state(self.layers)
+            return
         e, R = self.engine, self.engine.rows
         torch.cuda.synchronize()
         ids, valid = e.step_ids.clone(), e.num_valid.clone()
@@ -406,8 +416,10 @@ class StepGraph:
         tensor, valid until the next replay)."""
         if self.stale:
             raise RuntimeError("the MoE layers were re-planned: capture() the step again")
-        self.graph.replay()
         self.replays += 1
+        if not self.cuda:
+            return self.engine.forward(self.engine.decode_inputs())
+        self.graph.replay()
         self.timer.replayed(self.block_events)
         return self.next_R
 
@@ -416,6 +428,7 @@ class StepGraph:
         for c in self.engine.counters():
             c.zero_()
         self.engine.num_valid.zero_()
+        self.idle_replays += 1
         self.replay()
 
 
@@ -659,7 +672,8 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="replay decode steps from CUDA graphs: 'step' (the default) captures the whole "
         "decode step (attention on a static KV cache, MoE blocks, greedy tokens) for "
-        "--max-batch rows; 'blocks' only the MoE blocks, for batch sizes 1, 2, 4, ...",
+        "--max-batch rows (on CPU: the same path, eagerly); 'blocks' (CUDA) only the MoE "
+        "blocks, for batch sizes 1, 2, 4, ...",
     )
     p.add_argument(
         "--static-cache",
@@ -709,10 +723,10 @@ def main(argv: list[str] | None = None) -> None:
             "--cuda-graphs blocks replays the MoE blocks of unpadded batches; with "
             "--static-cache use --cuda-graphs step (the whole decode step)"
         )
+    if args.cuda_graphs == "blocks" and device.type != "cuda":
+        p.error(f"--cuda-graphs blocks needs --device cuda (this run is on {device.type})")
     sizes = None  # the MoE blocks' own decode graphs
-    if args.cuda_graphs:
-        if device.type != "cuda":
-            p.error(f"--cuda-graphs needs --device cuda (this run is on {device.type})")
+    if args.cuda_graphs and device.type == "cuda":
         sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i < args.max_batch]
         sizes.append(args.max_batch)
         if args.cuda_graphs == "step":  # the blocks' graphs only time them aligned, at the end
@@ -730,8 +744,11 @@ def main(argv: list[str] | None = None) -> None:
         engine = Engine(model, queue, args, device)
     if args.cuda_graphs == "step":  # collective: every rank
         engine.graph = StepGraph(engine, blocks, group, timer, pool=None)
-        if rank == 0:
+        if rank == 0 and device.type == "cuda":
             print(f"captured the whole decode step of {args.max_batch} rows in a CUDA graph")
+        elif rank == 0:
+            print(f"the whole decode step of {args.max_batch} rows, on CPU without capture "
+                  "(CUDA graphs need CUDA): each replay runs it eagerly")  # fmt: skip
     requests = list(engine.queue)
     start = time.perf_counter()
     steps = tokens = 0
@@ -741,7 +758,7 @@ def main(argv: list[str] | None = None) -> None:
         T = 0 if inputs is None else int(inputs["input_ids"].numel())
         # a decode step (idle ranks agree to one) may replay the MoE blocks' graphs
         decode = inputs is None or inputs["kind"] == "decode"
-        bound = max(sizes) if sizes else None
+        bound = args.max_batch if args.cuda_graphs else None
         with epmoe.step(group, num_tokens=T, decode=decode, graph_max_tokens=bound) as s:
             if s.max_tokens == 0:  # no rank has tokens: every queue is empty
                 break
@@ -793,11 +810,15 @@ def main(argv: list[str] | None = None) -> None:
     for r in requests[: args.check]:  # greedy outputs against the unconverted model
         checked += 1
         mismatched += reference_tokens(reference, r.prompt, len(r.output), device) != r.output
+    g = engine.graph
+    graph = (g.replays, g.idle_replays, g.captures) if g is not None else None
     everyone = [None] * W
     if group is not None:
-        dist.all_gather_object(everyone, (mine, tokens, checked, mismatched, timer.summary()))
+        dist.all_gather_object(
+            everyone, (mine, tokens, checked, mismatched, timer.summary(), graph)
+        )  # fmt: skip
     else:
-        everyone = [(mine, tokens, checked, mismatched, timer.summary())]
+        everyone = [(mine, tokens, checked, mismatched, timer.summary(), graph)]
     if rank == 0:
         ttft = [t for m, *_ in everyone for t, _ in m]
         itl = [g for m, *_ in everyone for _, gaps in m for g in gaps]
@@ -829,9 +850,14 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         print(f"inter-token latency: {percentiles(itl)}", flush=True)
-        if engine.graph is not None:
-            print(f"decode steps replayed from the step's CUDA graph on rank 0: "
-                  f"{engine.graph.replays}")  # fmt: skip
+        if engine.graph is not None:  # per rank: (replays, of them idle, captures)
+            replays, idle, captures = (sum(e[5][i] for e in everyone) for i in range(3))
+            print(
+                f"decode steps replayed from the step's CUDA graph on rank 0: "
+                f"{engine.graph.replays}; on all ranks {replays}, {idle} of them by idle "
+                f"ranks; {captures} captures on all ranks",
+                flush=True,
+            )
         elif sizes:
             replays = sum(b.decode_graphs.replays for b in blocks)
             print(f"MoE block forwards replayed from CUDA graphs on rank 0: {replays}")

@@ -43,19 +43,21 @@ def test_demo_serves_on_two_gloo_ranks_and_matches_the_oracle():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "step"])
 def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model(cache):
     """examples/serving.py, shortened: per-rank queues, chunked prefill, batched decode,
     one step context per forward, an EPLB re-plan while serving, and greedy outputs equal
-    to the unconverted model's; with transformers' dynamic KV cache, and with the static
-    one that ``--cuda-graphs step`` captures (batches padded to --max-batch rows, the mask
-    built by the example, the padding rows routed to no expert)."""
+    to the unconverted model's; with transformers' dynamic KV cache, with the static one
+    that ``--cuda-graphs step`` captures (batches padded to --max-batch rows, the mask
+    built by the example, the padding rows routed to no expert), and with the step graph's
+    protocol, which on CPU replays eagerly: idle ranks replay with no real rows while the
+    other decodes, and every rank re-captures after the re-plan."""
     pytest.importorskip("transformers")
     cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", "2",
            os.path.join(ROOT, "examples", "serving.py"), "--requests", "6", "--max-batch", "4",
            "--max-new-tokens", "6", "--rebalance-every", "8", "--log-every", "8",
            "--check", "2", "--aligned-moe-steps", "2"]  # fmt: skip
-    cmd += ["--static-cache"] if cache == "static" else []
+    cmd += {"dynamic": [], "static": ["--static-cache"], "step": ["--cuda-graphs", "step"]}[cache]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
@@ -78,6 +80,12 @@ def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model(cache):
     assert sum(loads) > 0 and balance == pytest.approx(sum(loads) / 2 / max(loads), abs=0.006)
     assert "outputs of 4 requests against the unconverted model" in out, out
     assert "4 identical, 0 differ" in out, out
+    if cache == "step":
+        replays = r"on all ranks (\d+), (\d+) of them by idle ranks; (\d+) captures on all ranks"
+        m = re.search(replays, out)
+        assert m, out
+        assert int(m.group(1)) > 0 and int(m.group(2)) > 0, out  # an idle rank replayed
+        assert int(m.group(3)) > 2, out  # the re-plan re-placed experts: captured again
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
