@@ -352,8 +352,9 @@ class StepGraph:
     another's host work. After an EPLB re-plan it is ``stale``: ``capture()`` again.
     ``timer``'s block events are recorded inside the graph, read after each replay.
 
-    On CPU nothing is captured: a replay runs the same forward eagerly, so that the steps'
-    protocol (idle ranks' replays, re-captures after re-plans) runs on gloo too."""
+    On CPU nothing is captured: a capture runs its collective warm-ups and restores the
+    step's state as on CUDA, and a replay runs the same forward eagerly, so that the
+    steps' protocol (idle ranks' replays, re-captures after re-plans) runs on gloo too."""
 
     def __init__(self, engine: StaticEngine, blocks: list[EPMoEBlock], group, timer, pool):
         self.engine, self.group, self.timer, self.pool = engine, group, timer, pool
@@ -371,13 +372,11 @@ class StepGraph:
         """(Re)capture (collective). Mid-batch too: each warm-up forward writes the cache at
         the position the next step overwrites (its write counters are put back before each
         one and before the capture), and the step's inputs are restored afterwards. The
-        warm-ups record no expert load; the captured step records it at every replay."""
-        self.captures += 1
-        if not self.cuda:
-            self.state = graph_state(self.layers)
-            return
-        e, R = self.engine, self.engine.rows
-        torch.cuda.synchronize()
+        warm-ups record no expert load; the captured step records it at every replay. On
+        CPU the same, without the graph."""
+        e, R, cuda = self.engine, self.engine.rows, self.cuda
+        if cuda:
+            torch.cuda.synchronize()
         ids, valid = e.step_ids.clone(), e.num_valid.clone()
         ready = all(getattr(layer, "is_initialized", False) for layer in e.cache.layers)
         written = [int(c) for c in e.counters()] if ready else [0] * len(e.cache.layers)
@@ -385,31 +384,36 @@ class StepGraph:
         try:
             e.num_valid.fill_(R)
             with epmoe.step(self.group, num_tokens=R, decode=True, graph_max_tokens=R):
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
+                side = torch.cuda.Stream() if cuda else None
+                if cuda:
+                    side.wait_stream(torch.cuda.current_stream())
                 for r in recorders:
                     r.enabled = False
-                with torch.cuda.stream(side):
+                with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
                     for _ in range(2):  # compile the kernels, initialise the cache
                         e.forward(e.decode_inputs())
                         for c, n in zip(e.counters(), written):
                             c.fill_(n)
-                torch.cuda.current_stream().wait_stream(side)
+                if cuda:
+                    torch.cuda.current_stream().wait_stream(side)
                 for r in recorders:
                     r.enabled = True
-                self.graph = torch.cuda.CUDAGraph()
-                with (
-                    self.timer.capturing() as self.block_events,
-                    torch.cuda.graph(self.graph, pool=self.pool),
-                ):
-                    self.next_R = e.forward(e.decode_inputs())
+                if cuda:
+                    self.graph = torch.cuda.CUDAGraph()
+                    with (
+                        self.timer.capturing() as self.block_events,
+                        torch.cuda.graph(self.graph, pool=self.pool),
+                    ):
+                        self.next_R = e.forward(e.decode_inputs())
         finally:
             for r in recorders:
                 r.enabled = True
             e.step_ids.copy_(ids)
             e.num_valid.copy_(valid)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         self.state = graph_state(self.layers)
+        self.captures += 1
 
     def replay(self) -> torch.Tensor:
         """One decode step of the engine's batch: the next tokens ``[R]`` (the graph's own
@@ -851,11 +855,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"inter-token latency: {percentiles(itl)}", flush=True)
         if engine.graph is not None:  # per rank: (replays, of them idle, captures)
-            replays, idle, captures = (sum(e[5][i] for e in everyone) for i in range(3))
+            replays, idle = (sum(e[5][i] for e in everyone) for i in range(2))
+            where = "the step's CUDA graph" if device.type == "cuda" else "the step (CPU: eager)"
             print(
-                f"decode steps replayed from the step's CUDA graph on rank 0: "
-                f"{engine.graph.replays}; on all ranks {replays}, {idle} of them by idle "
-                f"ranks; {captures} captures on all ranks",
+                f"decode steps replayed from {where} on rank 0: {engine.graph.replays}; on "
+                f"all ranks {replays}, {idle} of them by idle ranks; captures per rank "
+                f"{[e[5][2] for e in everyone]}",
                 flush=True,
             )
         elif sizes:
