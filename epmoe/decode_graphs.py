@@ -26,14 +26,15 @@ Shape legend: T tokens on this rank · b bucket size (T ≤ b) · H hidden.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 from epmoe.step_context import StepContext, current_step, group_ranks, step
 
-__all__ = ["DecodeGraphs", "graph_state"]
+__all__ = ["DecodeGraphs", "graph_state", "load_recording_paused"]
 
 
 def graph_state(layers: Sequence) -> list:
@@ -45,6 +46,22 @@ def graph_state(layers: Sequence) -> list:
         (layer.generation, tuple(t.data_ptr() for t in layer.slot_tensors().values()))
         for layer in layers
     ]
+
+
+@contextlib.contextmanager
+def load_recording_paused(layers: Sequence) -> Iterator[None]:
+    """Inside, the load recorders of ``layers`` (``EPMoE``) record nothing: for the warm-up
+    forwards before a CUDA-graph capture, which are not expert load. Each recorder's own
+    setting is restored after, also on an error."""
+    recorders = [r for r in (layer.load_recorder for layer in layers) if r is not None]
+    enabled = [r.enabled for r in recorders]
+    for r in recorders:
+        r.enabled = False
+    try:
+        yield
+    finally:
+        for r, on in zip(recorders, enabled):
+            r.enabled = on
 
 
 class DecodeGraphs:
@@ -120,10 +137,7 @@ class DecodeGraphs:
     def stale(self) -> bool:
         """Whether a layer was re-planned since the capture (then :meth:`recapture`, on
         every rank: a re-plan happens on every rank, so they agree)."""
-        return self._layers_state() != self._state
-
-    def _layers_state(self) -> list:
-        return graph_state(self.layers)
+        return graph_state(self.layers) != self._state
 
     def recapture(self) -> None:
         """(Re)capture every bucket (collective). Call on every rank after a re-plan."""
@@ -146,23 +160,15 @@ class DecodeGraphs:
                     )
         self._graphs.clear()
         torch.cuda.synchronize(self.device)
-        recorders = [r for r in (layer.load_recorder for layer in self.layers) if r is not None]
         for b in reversed(self.sizes):  # the largest first: later ones reuse its pool memory
             x_bH = torch.zeros(b, self.hidden_size, dtype=self.dtype, device=self.device)
             n = torch.full((1,), b, dtype=torch.int32, device=self.device)
             with step(self.group, num_tokens=b, decode=True), torch.no_grad():
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
-                enabled = [r.enabled for r in recorders]
-                for r in recorders:  # warm-up forwards are not expert load
-                    r.enabled = False
-                try:
-                    with torch.cuda.stream(side):
-                        for _ in range(self.warmup):
-                            self.forward(x_bH, num_valid_tokens=n)
-                finally:
-                    for r, on in zip(recorders, enabled):
-                        r.enabled = on
+                with torch.cuda.stream(side), load_recording_paused(self.layers):
+                    for _ in range(self.warmup):
+                        self.forward(x_bH, num_valid_tokens=n)
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 try:
@@ -175,7 +181,7 @@ class DecodeGraphs:
                     ) from exc
             self._graphs[b] = (graph, x_bH, n, out)
         torch.cuda.synchronize(self.device)
-        self._state = self._layers_state()
+        self._state = graph_state(self.layers)
 
     def __call__(self, x_TH: torch.Tensor, step_ctx: StepContext | None = None):
         """This rank's rows through the graph of the step's bucket, or ``None`` when the

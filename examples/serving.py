@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe.decode_graphs import graph_state
+from epmoe.decode_graphs import graph_state, load_recording_paused
 from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb.manager import measured_balancedness, measured_rank_load
 from epmoe.integrations.huggingface import EPMoEBlock, padded_batch, replace_moe_blocks
@@ -360,8 +360,7 @@ class StepGraph:
         self.engine, self.group, self.timer, self.pool = engine, group, timer, pool
         self.layers = [b.moe for b in blocks]
         self.cuda = engine.device.type == "cuda"
-        self.replays = self.idle_replays = 0
-        self.captures = 0
+        self.replays = self.idle_replays = self.captures = 0
         self.capture()
 
     @property
@@ -380,25 +379,22 @@ class StepGraph:
         ids, valid = e.step_ids.clone(), e.num_valid.clone()
         ready = all(getattr(layer, "is_initialized", False) for layer in e.cache.layers)
         written = [int(c) for c in e.counters()] if ready else [0] * len(e.cache.layers)
-        recorders = [layer.load_recorder for layer in self.layers if layer.load_recorder]
         try:
             e.num_valid.fill_(R)
             with epmoe.step(self.group, num_tokens=R, decode=True, graph_max_tokens=R):
                 side = torch.cuda.Stream() if cuda else None
                 if cuda:
                     side.wait_stream(torch.cuda.current_stream())
-                for r in recorders:
-                    r.enabled = False
-                with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                with (
+                    torch.cuda.stream(side) if cuda else contextlib.nullcontext(),
+                    load_recording_paused(self.layers),
+                ):
                     for _ in range(2):  # compile the kernels, initialise the cache
                         e.forward(e.decode_inputs())
                         for c, n in zip(e.counters(), written):
                             c.fill_(n)
                 if cuda:
                     torch.cuda.current_stream().wait_stream(side)
-                for r in recorders:
-                    r.enabled = True
-                if cuda:
                     self.graph = torch.cuda.CUDAGraph()
                     with (
                         self.timer.capturing() as self.block_events,
@@ -406,8 +402,6 @@ class StepGraph:
                     ):
                         self.next_R = e.forward(e.decode_inputs())
         finally:
-            for r in recorders:
-                r.enabled = True
             e.step_ids.copy_(ids)
             e.num_valid.copy_(valid)
         if cuda:
@@ -533,19 +527,22 @@ class StepTimer:
             events[-1][1].synchronize()
             self._open[2].extend(a.elapsed_time(b) for a, b in events)
 
+    @staticmethod
+    def _graph_event():
+        """An event recorded into the graph being captured (recorded again by each replay)."""
+        event = torch.cuda.Event(enable_timing=True, external=True)
+        event.record()
+        return event
+
     def _block_start(self, module, args) -> None:
         if self._captured is not None:
-            event = torch.cuda.Event(enable_timing=True, external=True)
-            event.record()
-            self._captured.append([event, None])
+            self._captured.append([self._graph_event(), None])
         elif self._open is not None:
             self._open[2].append([self._mark(), None])
 
     def _block_end(self, module, args, out) -> None:
         if self._captured is not None:
-            event = torch.cuda.Event(enable_timing=True, external=True)
-            event.record()
-            self._captured[-1][1] = event
+            self._captured[-1][1] = self._graph_event()
         elif self._open is not None:
             self._open[2][-1][1] = self._mark()
 
@@ -698,6 +695,13 @@ def main(argv: list[str] | None = None) -> None:
     group = epmoe.init_distributed()
     rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
     device = normalize_device(args.device) if args.device else default_device(group)
+    if args.static_cache and args.cuda_graphs == "blocks":
+        p.error(
+            "--cuda-graphs blocks replays the MoE blocks of unpadded batches; with "
+            "--static-cache use --cuda-graphs step (the whole decode step)"
+        )
+    if args.cuda_graphs == "blocks" and device.type != "cuda":
+        p.error(f"--cuda-graphs blocks needs --device cuda (this run is on {device.type})")
     global _CACHE_ARG
     _CACHE_ARG = _cache_argument()
     if args.checkpoint:
@@ -722,13 +726,6 @@ def main(argv: list[str] | None = None) -> None:
         num_redundant=(-E) % W + (W if E >= W else 0),  # a spare slot per rank
         rebalance_interval=args.rebalance_every,
     )
-    if args.static_cache and args.cuda_graphs == "blocks":
-        p.error(
-            "--cuda-graphs blocks replays the MoE blocks of unpadded batches; with "
-            "--static-cache use --cuda-graphs step (the whole decode step)"
-        )
-    if args.cuda_graphs == "blocks" and device.type != "cuda":
-        p.error(f"--cuda-graphs blocks needs --device cuda (this run is on {device.type})")
     sizes = None  # the MoE blocks' own decode graphs
     if args.cuda_graphs and device.type == "cuda":
         sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i < args.max_batch]
@@ -814,8 +811,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in requests[: args.check]:  # greedy outputs against the unconverted model
         checked += 1
         mismatched += reference_tokens(reference, r.prompt, len(r.output), device) != r.output
-    g = engine.graph
-    graph = (g.replays, g.idle_replays, g.captures) if g is not None else None
+    graph = None  # this rank's (replays, of them idle, captures) of the step graph
+    if engine.graph is not None:
+        graph = (engine.graph.replays, engine.graph.idle_replays, engine.graph.captures)
     everyone = [None] * W
     if group is not None:
         dist.all_gather_object(

@@ -456,6 +456,22 @@ def test_two_micro_batches_split_larger_steps_and_leave_decode_steps_whole(monke
     ], calls
 
 
+def test_load_recording_paused_restores_each_recorders_own_setting():
+    """The warm-ups before a graph capture record no load; afterwards every recorder is as
+    it was, a disabled one included, also when a warm-up raises."""
+    from epmoe.decode_graphs import load_recording_paused
+
+    on, off = (layer_and_weights(load_window=2)[0] for _ in range(2))
+    off.load_recorder.enabled = False
+    x, logits = torch.randn(3, 16), torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match="warm-up failed"), load_recording_paused([on, off]):
+        on(x, logits)
+        assert not on.load_recorder.enabled and not off.load_recorder.enabled
+        raise RuntimeError("warm-up failed")
+    assert int(on.load_recorder.window_load().sum()) == 0
+    assert on.load_recorder.enabled and not off.load_recorder.enabled
+
+
 @pytest.mark.parametrize("hinted", [True, False], ids=["graph-safe path", "agreed path"])
 def test_padding_rows_past_num_valid_tokens_go_to_no_expert(hinted):
     layer, w13, w2 = layer_and_weights(max_num_tokens=4, load_window=2)
