@@ -343,6 +343,7 @@ class StepAgreement(LayerAgreement):
         device: torch.device,
         step_id: int | None = None,
         pending: int = 0,
+        graph_max_tokens: int | None = None,
     ) -> tuple[list[int], list[bool]]:
         """Agree on a step: every rank's ``T`` (``error``: this rank's reason to refuse,
         e.g. a bad ``num_tokens``) and its ``decode`` wish, and that every rank is in the
@@ -353,7 +354,9 @@ class StepAgreement(LayerAgreement):
         of this rank's layers whose backends wait for a rebuild (:func:`pending_digest`);
         ranks that differ in it (one converted its model's dtype and another did not) are
         told here, before a forward that would leave one rank in the rebuild's agreement
-        and the other in a dispatch."""
+        and the other in a dispatch. ``graph_max_tokens``: this rank's bound for a CUDA-graph
+        step (``None``: none); ranks that differ in it are told here too, since each would
+        decide alone whether the step replays its graphs."""
         if self.world_size == 1:
             if error is not None:
                 raise error
@@ -368,7 +371,7 @@ class StepAgreement(LayerAgreement):
                 count,
                 T if error is None else 0,
                 OK if error is None else REJECTED,
-                int(bool(decode)) | (pending << 1),
+                int(bool(decode)) | (pending << 1) | ((graph_max_tokens or 0) << 32),
             ],
             dtype=torch.int64,
             device=device,
@@ -383,13 +386,22 @@ class StepAgreement(LayerAgreement):
                 self.calls = own  # a caller's step id leaves the group's count alone
             elif self.group is not None:  # realigned when the ranks' counts differed
                 _next_step[self.group] = self.calls
-        if len({r[_DIGEST] >> 1 for r in records}) > 1:
-            differ = _by_value(["pending" if r[_DIGEST] >> 1 else "none" for r in records])
+        pendings = [(r[_DIGEST] >> 1) & 0x7FFFFFFF for r in records]
+        if len(set(pendings)) > 1:
+            differ = _by_value(["pending" if p else "none" for p in pendings])
             raise RuntimeError(
                 f"epmoe.step (step {count}): the EP ranks' EPMoE layers differ in a change not "
                 f"yet agreed on (model.to(dtype) or copy.deepcopy): "
                 f"{_listing(differ, 'have')} (or different ones pending). Change every rank's "
                 "model alike; this step is not counted on any rank"
+            )
+        bounds = [r[_DIGEST] >> 32 or None for r in records]
+        if len(set(bounds)) > 1:
+            raise RuntimeError(
+                f"epmoe.step (step {count}): the EP ranks opened it with different "
+                f"graph_max_tokens: {_listing(_by_value(bounds), 'have')}. Pass the same bound "
+                "on every rank (the largest graph bucket every rank captured, or None); this "
+                "step is not counted on any rank"
             )
         self._count()
         return [r[_T] for r in records], [bool(r[_DIGEST] & 1) for r in records]

@@ -151,7 +151,8 @@ def step(
     rank). ``num_tokens``: this rank's T for every layer of the step (an int ≥ 0; anything
     else raises here on this rank, and on the others a ``RuntimeError`` naming it).
     ``decode``: this rank asks for a decode step; the step's ``decode`` is true when every
-    rank asked and ``max_tokens ≤ graph_max_tokens`` (when given). ``step_id``: the
+    rank asked and ``max_tokens ≤ graph_max_tokens`` (when given: the same on every rank,
+    else every rank raises naming each rank's bound). ``step_id``: the
     caller's own step number (an int ≥ 0, e.g. its scheduler's); ranks with different ids
     raise naming each other, which catches a rank that skipped a step. Without it the
     ranks compare their counts of agreed steps, which collectives matched in order keep
@@ -178,18 +179,20 @@ def step(
     if graph_max_tokens is not None and (
         isinstance(graph_max_tokens, bool)
         or not isinstance(graph_max_tokens, int)
-        or graph_max_tokens <= 0
+        or not 0 < graph_max_tokens < 2**31
     ):
         graph_max_tokens, bad_bound = None, graph_max_tokens
         error = error or ValueError(  # agreed like the others: raised on every rank
-            f"epmoe.step: graph_max_tokens must be a positive int or None, got {bad_bound!r}"
+            f"epmoe.step: graph_max_tokens must be a positive int below 2**31 or None, got "
+            f"{bad_bound!r}"
         )
     agreement = StepAgreement(group)
     T = num_tokens if error is None else 0
     ranks = group_ranks(group)
     tokens, decodes = agreement.step(
-        T, decode is True, error, default_device(group), step_id, _pending(ranks)
-    )
+        T, decode is True, error, default_device(group), step_id, _pending(ranks),
+        graph_max_tokens,
+    )  # fmt: skip
     # this step's number: the caller's, else the group's count (counted once agreed)
     index = step_id if step_id is not None else agreement.calls - 1
     rank, world_size = world_of(group)

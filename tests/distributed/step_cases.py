@@ -131,8 +131,9 @@ def step_context(rank, world, T_by_rank):
 
 def step_faults(rank, world):
     """One rank's bad ``num_tokens`` raises on every rank; a rank in a layer's own forward
-    while the others open a step, and a rank in another step, are named on every rank; a
-    correct step follows each case (the group stays in step)."""
+    while the others open a step, a rank in another step, and ranks with different
+    ``graph_max_tokens`` are named on every rank; a correct step follows each case (the
+    group stays in step)."""
     dev = torch.device("cpu")
     model = Model(dev)
     odd = 1
@@ -188,6 +189,26 @@ def step_faults(rank, world):
         assert f"rank {odd} is in step 8" in str(error), str(error)
     with sweep.case("another step: a good step follows"):
         good_step(len(cases))
+
+    # ranks whose graph bounds differ would each decide alone whether the step replays
+    # its CUDA graphs: named on every rank
+    with sweep.case("different graph_max_tokens"):
+        error = None
+        try:
+            _open(1, decode=True, graph_max_tokens=4 if rank == odd else 8)
+        except Exception as exc:
+            error = exc
+        rows.append(("different graph_max_tokens", rank, repr(error)))
+        assert isinstance(error, RuntimeError), repr(error)
+        assert "different graph_max_tokens" in str(error), str(error)
+        assert f"rank {odd} has 4" in str(error), str(error)
+    with sweep.case("graph bounds: a good step follows"):
+        good_step(len(cases) + 1)
+    with (
+        sweep.case("the same graph_max_tokens everywhere"),
+        epmoe.step(num_tokens=1, decode=True, graph_max_tokens=8) as s,
+    ):
+        assert s.decode, s
     sweep.check()
     return rows
 
