@@ -154,11 +154,7 @@ def step_faults(rank, world):
         ),
     }
     for i, (case, fn) in enumerate(cases.items()):
-        try:
-            fn()
-            error = None
-        except Exception as exc:  # expected on every rank
-            error = exc
+        error = _error_of(fn)  # expected on every rank
         rows.append((case, rank, repr(error)))
         with sweep.case(case):
             assert error is not None, "no error"
@@ -178,11 +174,7 @@ def step_faults(rank, world):
 
     # a rank that skipped a step of the caller's numbering is named on every rank
     with sweep.case("a rank in another step (step_id)"):
-        error = None
-        try:
-            _open(1, step_id=8 if rank == odd else 7)
-        except Exception as exc:
-            error = exc
+        error = _error_of(lambda: _open(1, step_id=8 if rank == odd else 7))
         rows.append(("a rank in another step", rank, repr(error)))
         assert isinstance(error, RuntimeError), repr(error)
         assert "different steps" in str(error), str(error)
@@ -193,11 +185,7 @@ def step_faults(rank, world):
     # ranks whose graph bounds differ would each decide alone whether the step replays
     # its CUDA graphs: named on every rank
     with sweep.case("different graph_max_tokens"):
-        error = None
-        try:
-            _open(1, decode=True, graph_max_tokens=4 if rank == odd else 8)
-        except Exception as exc:
-            error = exc
+        error = _error_of(lambda: _open(1, decode=True, graph_max_tokens=4 if rank == odd else 8))
         rows.append(("different graph_max_tokens", rank, repr(error)))
         assert isinstance(error, RuntimeError), repr(error)
         assert "different graph_max_tokens" in str(error), str(error)
@@ -211,6 +199,15 @@ def step_faults(rank, world):
         assert s.decode, s
     sweep.check()
     return rows
+
+
+def _error_of(fn) -> Exception | None:
+    """What ``fn()`` raised, or ``None``."""
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _open(T, **kwargs):
