@@ -48,11 +48,7 @@ def all_gather_into_async(
     out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None
 ) -> dist.Work | None:
     """Start ``out [W·N, ...]`` ← every rank's ``inp [N, ...]`` in rank order."""
-    if world_of(group)[1] == 1:
-        out.copy_(inp)
-        return None
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
+    return _start_into(out, inp, group, "all_gather_single", "all_gather_into_tensor")
 
 
 def reduce_scatter_into_async(
@@ -60,10 +56,18 @@ def reduce_scatter_into_async(
 ) -> dist.Work | None:
     """Start ``out [N, ...]`` ← Σ over ranks of this rank's ``N``-row block of
     ``inp [W·N, ...]``."""
+    return _start_into(out, inp, group, "reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def _start_into(
+    out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, name: str, older: str
+) -> dist.Work | None:
+    """Start ``torch.distributed.<name>`` (``<older>`` on torch versions without it) from
+    ``inp`` into ``out``; one rank copies and returns no work."""
     if world_of(group)[1] == 1:
         out.copy_(inp)
         return None
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn = getattr(dist, name, None) or getattr(dist, older)
     return fn(out, inp, group=group, async_op=True)
 
 
