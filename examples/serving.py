@@ -22,16 +22,18 @@ graph-safe decode backend such as ``symm_ll``) replays decode steps, agreed as s
 rank, from CUDA graphs:
 
 * ``--cuda-graphs`` / ``--cuda-graphs step``: the whole decode step (embedding, attention,
-  MoE blocks, logits, greedy tokens) in one graph per rank. The batch is padded to
-  ``--max-batch`` rows (padding rows routed to no expert), the KV cache is transformers'
-  ``StaticCache`` and the example builds the attention mask itself, so that a step's inputs
-  live in fixed tensors (``StaticEngine``, which ``--static-cache`` runs eagerly, also on
-  CPU). Every rank's decode step is then the same kernels, with no Python between them,
-  so ranks reach each MoE block's dispatch together. On CPU nothing is captured: the
-  step runs eagerly through the same path (idle ranks' replays, re-captures).
-* ``--cuda-graphs blocks``: only the MoE blocks, for batch sizes 1, 2, 4, ... up to
-  ``--max-batch`` (``EPMoEBlock.capture_decode_graphs``; the smallest bucket that holds
-  the step's largest batch, padding rows routed to no expert); attention stays eager.
+  MoE blocks, logits, greedy tokens) in one graph per batch size (``--graph-sizes``,
+  default 1, 2, 4, ... up to ``--max-batch``); a step replays the smallest that holds every
+  rank's batch, padding rows routed to no expert. The KV cache is transformers'
+  ``StaticCache`` (a bucket's forward uses its first rows) and the example builds the
+  attention mask itself, so that a step's inputs live in fixed tensors (``StaticEngine``,
+  which ``--static-cache`` runs eagerly, also on CPU). Every rank's decode step is then
+  the same kernels, with no Python between them, so ranks reach each MoE block's dispatch
+  together. On CPU nothing is captured: the step runs eagerly through the same path
+  (buckets, idle ranks' replays, re-captures).
+* ``--cuda-graphs blocks``: only the MoE blocks, for the same batch sizes
+  (``EPMoEBlock.capture_decode_graphs``; the smallest that holds the step's largest
+  batch, padding rows routed to no expert); attention stays eager.
 
 Prefill steps and larger batches run eagerly, and a re-plan is followed by a re-capture.
 Needs ``pip install "epmoe[hf]"``.
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import gc
 import math
 import random
@@ -151,7 +154,7 @@ class Engine:
         self.batch: list[Request] = []
         self.plan: list[tuple[int, int]] = []  # prefill chunks (start, end) still to run
         self.cache = None
-        self.graph: StepGraph | None = None  # the whole decode step's (StaticEngine)
+        self.graphs: StepGraphs | None = None  # the whole decode step's (StaticEngine)
 
     def _take_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next requests, their prompts left-padded (every prompt ends at column L):
@@ -232,14 +235,20 @@ class Engine:
 class StaticEngine(Engine):
     """The same scheduler on fixed shapes, so that a decode step can be one CUDA graph.
 
-    Every batch is padded to ``--max-batch`` rows R (the padding rows last, routed to no
-    expert: ``padded_batch``); the KV cache is transformers' ``StaticCache`` of
-    ``--max-prompt + --max-new-tokens`` positions C, reset in place for each batch; this
-    engine builds the attention mask itself (4-D, ``[R, 1, S, C]``, which transformers
+    Every batch is padded to a bucket of rows b (``sizes``: 1, 2, 4, ... and
+    ``--max-batch`` R; the padding rows last, routed to no expert: ``padded_batch``): its
+    forwards run on the smallest bucket that holds it, and a replayed decode step on the
+    step's bucket, which holds every rank's. The KV cache is transformers' ``StaticCache``
+    of R rows and ``--max-prompt + --max-new-tokens`` positions C, reset in place for each
+    batch; a forward of b rows reads and writes its first b rows (``cache_for``: views, the
+    same write counters), so a batch keeps its cache whichever bucket a step runs. This
+    engine builds the attention mask itself (4-D, ``[b, 1, S, C]``, which transformers
     uses as it is) and keeps a decode step's inputs (token, position, mask, real rows) in
-    fixed tensors that it updates in place. A decode step's forward writes its greedy
-    tokens into the next step's input, on the device. :class:`StepGraph` captures it.
-    Shape legend: R rows · S positions in a forward · C cache positions."""
+    fixed tensors of R rows that it updates in place (a bucket reads their first b rows).
+    A decode step's forward writes its greedy tokens into the next step's input, on the
+    device. :class:`StepGraphs` captures it, one graph per bucket.
+    Shape legend: R rows (the largest bucket) · b a bucket's rows · S positions in a
+    forward · C cache positions."""
 
     def __init__(self, model, queue: list[Request], args: argparse.Namespace, device, dtype):
         from transformers import StaticCache
@@ -247,6 +256,7 @@ class StaticEngine(Engine):
         super().__init__(model, queue, args, device)
         R, C = args.max_batch, args.max_prompt + args.max_new_tokens
         self.rows, self.length = R, C
+        self.sizes = getattr(args, "graph_sizes", None) or bucket_sizes(R)
         self.cache = StaticCache(config=model.config, max_cache_len=C)
         kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
         if kinds != ["StaticLayer"]:  # e.g. sliding windows: their counters live on the host
@@ -254,11 +264,28 @@ class StaticEngine(Engine):
                 f"the static engine runs full-attention caches only; this model's StaticCache "
                 f"has {kinds} layers: serve it without --static-cache / --cuda-graphs step"
             )
+        if not hasattr(self.cache.layers[0], "cumulative_length"):
+            raise ValueError(
+                "the static engine needs transformers >= 5 (a StaticCache whose write "
+                "position is a device counter); serve without --static-cache / --cuda-graphs "
+                "step, or upgrade transformers"
+            )
+        self.views: dict[int, object] = {R: self.cache}  # bucket → its rows of the cache
+        self.bucket = R  # the rows of this rank's forwards in its current batch
         self.low = torch.finfo(dtype).min  # a masked column's score, as transformers does
         self.step_ids = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.step_pos = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.step_mask = torch.full((R, 1, 1, C), self.low, dtype=dtype, device=device)
         self.num_valid = torch.full((1,), R, dtype=torch.int32, device=device)  # real rows
+
+    def cache_for(self, b: int):
+        """The KV cache of a forward of ``b`` rows: the first ``b`` rows of every layer of
+        the R-row cache (``RowsOf``)."""
+        if b not in self.views:
+            view = copy.copy(self.cache)  # (its other attributes shared)
+            view.layers = [rows_of(layer, b, self.rows) for layer in self.cache.layers]
+            self.views[b] = view
+        return self.views[b]
 
     def _start_batch(self) -> None:
         ids, seen = self._take_batch()
@@ -278,13 +305,15 @@ class StaticEngine(Engine):
         self.column = L  # the cache position of the next decode step
         self.cache.reset()  # in place: a captured graph keeps its addresses
         self.num_valid.fill_(B)
+        self.bucket = min(b for b in self.sizes if b >= B)
 
     def _prefill_mask(self, s: int, e: int) -> torch.Tensor:
-        """``[R, 1, e - s, C]``: each query attends the prompt's tokens at or before it,
-        and itself (so that a padding position's row is never fully masked)."""
+        """``[b, 1, e - s, C]`` (the batch's bucket): each query attends the prompt's tokens
+        at or before it, and itself (so that a padding position's row is never fully
+        masked)."""
         j = torch.arange(self.length, device=self.device)
         q = torch.arange(s, e, device=self.device)[:, None]
-        allowed = (self.seen[:, None, :] & (j <= q)) | (j == q)
+        allowed = (self.seen[: self.bucket, None, :] & (j <= q)) | (j == q)
         mask = torch.zeros(allowed.shape, dtype=self.step_mask.dtype, device=self.device)
         return mask.masked_fill_(~allowed, self.low)[:, None]
 
@@ -293,12 +322,13 @@ class StaticEngine(Engine):
             if not self.queue:
                 return None
             self._start_batch()
+        b = self.bucket
         if self.plan:
             s, e = self.plan.pop(0)
             return dict(
-                input_ids=self.ids[:, s:e],
+                input_ids=self.ids[:b, s:e],
                 attention_mask=self._prefill_mask(s, e),
-                position_ids=self.positions[:, s:e],
+                position_ids=self.positions[:b, s:e],
                 kind="prefill",
             )
         if self.column == self.ids.shape[1]:  # the batch's first decode step
@@ -308,30 +338,33 @@ class StaticEngine(Engine):
         self.step_pos += 1
         self.step_mask[..., self.column] = 0.0  # every row attends the new position
         self.column += 1
-        return dict(
-            input_ids=self.step_ids,
-            attention_mask=self.step_mask,
-            position_ids=self.step_pos,
-            kind="decode",
-        )
+        return dict(self.decode_inputs(b), kind="decode")
 
     def forward(self, inputs: dict) -> torch.Tensor:
-        S = inputs["input_ids"].shape[1]  # flattened, a forward's real rows come first
+        """The model on ``inputs`` of b rows (a bucket): the greedy tokens ``[b]``, also
+        written into the next decode step's input."""
+        b, S = inputs["input_ids"].shape  # flattened, a forward's real rows come first
         n = self.num_valid if S == 1 else self.num_valid * S
         with torch.no_grad(), padded_batch(n):
-            next_R = greedy_tokens(self.model, inputs, self.cache)
-            self.step_ids.copy_(next_R[:, None])  # the next decode step's input
-        return next_R
+            next_b = greedy_tokens(self.model, inputs, self.cache_for(b))
+            self.step_ids[:b].copy_(next_b[:, None])
+        return next_b
 
     def decode(self, inputs: dict) -> torch.Tensor:
+        """A decode step: replayed from the graph of the step's bucket (every rank's is the
+        same: the smallest that holds every rank's batch) when the step is an agreed decode
+        step, else eager on this rank's own bucket."""
         s = epmoe.current_step()
-        if self.graph is not None and s is not None and s.decode:
-            return self.graph.replay()
+        if self.graphs is not None and s is not None and s.decode:
+            return self.graphs.replay(s.bucket(self.sizes))
         return self.forward(inputs)
 
-    def decode_inputs(self) -> dict:
+    def decode_inputs(self, b: int) -> dict:
+        """A decode step's inputs for a bucket of ``b`` rows (views of the fixed tensors)."""
         return dict(
-            input_ids=self.step_ids, attention_mask=self.step_mask, position_ids=self.step_pos
+            input_ids=self.step_ids[:b],
+            attention_mask=self.step_mask[:b],
+            position_ids=self.step_pos[:b],
         )
 
     def counters(self) -> list[torch.Tensor]:
@@ -340,48 +373,60 @@ class StaticEngine(Engine):
         return [layer.cumulative_length for layer in self.cache.layers]
 
 
-class StepGraph:
-    """This rank's whole decode step in one CUDA graph: embedding, attention on the static
-    KV cache, every MoE block, the logits and the greedy tokens of ``engine``'s R rows.
+class StepGraphs:
+    """This rank's whole decode step in CUDA graphs, one per bucket of ``engine.sizes``:
+    embedding, attention on the static KV cache, every MoE block, the logits and the greedy
+    tokens of the bucket's b rows.
 
     Captured on every rank at once (collective: the MoE blocks' warm-up forwards move
-    tokens), inside a decode step of R tokens per rank and ``padded_batch``. In a decode
-    step every rank replays it: a rank with a batch on its fixed inputs, an idle rank with
-    no real rows (its MoE blocks send nothing; its cache positions are rewound first). The
-    attention then costs the same on every rank, so no rank waits in a dispatch for
-    another's host work. After an EPLB re-plan it is ``stale``: ``capture()`` again.
-    ``timer``'s block events are recorded inside the graph, read after each replay.
+    tokens), each inside a decode step of b tokens per rank and ``padded_batch``; all of
+    them at the start, largest first. In a decode step every rank replays the graph of the
+    step's bucket (agreed: the smallest that holds every rank's batch): a rank with a batch
+    on its fixed inputs, an idle rank with no real rows (its MoE blocks send nothing; its
+    cache positions are rewound first). The attention then costs the same on every rank,
+    so no rank waits in a dispatch for another's host work. After an EPLB re-plan the
+    graphs are stale: the bucket a step needs is captured again in that step, on every rank
+    (which all replay it), and that step is timed as a ``capture`` step, not a decode
+    step. ``timer``'s block events are recorded inside each graph, read after its replays.
+    One memory pool serves every graph (one replays at a time).
 
     On CPU nothing is captured: a capture runs its collective warm-ups and restores the
     step's state as on CUDA, and a replay runs the same forward eagerly, so that the
-    steps' protocol (idle ranks' replays, re-captures after re-plans) runs on gloo too."""
+    steps' protocol (buckets, idle ranks' replays, re-captures after re-plans) runs on
+    gloo too."""
 
-    def __init__(self, engine: StaticEngine, blocks: list[EPMoEBlock], group, timer, pool):
-        self.engine, self.group, self.timer, self.pool = engine, group, timer, pool
+    def __init__(self, engine: StaticEngine, blocks: list[EPMoEBlock], group, timer):
+        self.engine, self.group, self.timer = engine, group, timer
         self.layers = [b.moe for b in blocks]
         self.cuda = engine.device.type == "cuda"
-        self.replays = self.idle_replays = self.captures = 0
-        self.capture()
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self.graphs: dict[int, tuple] = {}  # b → (graph, next_b, block events, state)
+        self.replays = dict.fromkeys(engine.sizes, 0)
+        self.idle_replays = self.captures = 0
+        for b in sorted(engine.sizes, reverse=True):
+            self.capture(b)
 
-    @property
-    def stale(self) -> bool:
-        return graph_state(self.layers) != self.state
+    def stale(self, b: int) -> bool:
+        """Whether bucket ``b`` has no graph, or one that a re-plan made stale."""
+        return b not in self.graphs or graph_state(self.layers) != self.graphs[b][3]
 
-    def capture(self) -> None:
-        """(Re)capture (collective). Mid-batch too: each warm-up forward writes the cache at
-        the position the next step overwrites (its write counters are put back before each
-        one and before the capture), and the step's inputs are restored afterwards. The
-        warm-ups record no expert load; the captured step records it at every replay. On
-        CPU the same, without the graph."""
-        e, R, cuda = self.engine, self.engine.rows, self.cuda
+    def capture(self, b: int) -> None:
+        """(Re)capture bucket ``b`` (collective: every rank, the same ``b``). Mid-batch too:
+        each warm-up forward writes the cache at the position the next step overwrites (its
+        write counters are put back before each one and before the capture), and the
+        step's inputs are restored afterwards. The warm-ups record no expert load; the
+        captured step records it at every replay. On CPU the same, without the graph."""
+        e, cuda = self.engine, self.cuda
         if cuda:
             torch.cuda.synchronize()
         ids, valid = e.step_ids.clone(), e.num_valid.clone()
         ready = all(getattr(layer, "is_initialized", False) for layer in e.cache.layers)
         written = [int(c) for c in e.counters()] if ready else [0] * len(e.cache.layers)
+        graph = next_b = events = None
         try:
-            e.num_valid.fill_(R)
-            with epmoe.step(self.group, num_tokens=R, decode=True, graph_max_tokens=R):
+            self.timer.relabel("capture")  # (a step that captures is not a decode step)
+            e.num_valid.fill_(b)
+            with epmoe.step(self.group, num_tokens=b, decode=True, graph_max_tokens=b):
                 side = torch.cuda.Stream() if cuda else None
                 if cuda:
                     side.wait_stream(torch.cuda.current_stream())
@@ -390,44 +435,89 @@ class StepGraph:
                     load_recording_paused(self.layers),
                 ):
                     for _ in range(2):  # compile the kernels, initialise the cache
-                        e.forward(e.decode_inputs())
+                        e.forward(e.decode_inputs(b))
                         for c, n in zip(e.counters(), written):
                             c.fill_(n)
                 if cuda:
                     torch.cuda.current_stream().wait_stream(side)
-                    self.graph = torch.cuda.CUDAGraph()
+                    graph = torch.cuda.CUDAGraph()
                     with (
-                        self.timer.capturing() as self.block_events,
-                        torch.cuda.graph(self.graph, pool=self.pool),
+                        self.timer.capturing() as events,
+                        torch.cuda.graph(graph, pool=self.pool),
                     ):
-                        self.next_R = e.forward(e.decode_inputs())
+                        next_b = e.forward(e.decode_inputs(b))
         finally:
             e.step_ids.copy_(ids)
             e.num_valid.copy_(valid)
         if cuda:
             torch.cuda.synchronize()
-        self.state = graph_state(self.layers)
+        self.graphs[b] = (graph, next_b, events, graph_state(self.layers))
         self.captures += 1
 
-    def replay(self) -> torch.Tensor:
-        """One decode step of the engine's batch: the next tokens ``[R]`` (the graph's own
-        tensor, valid until the next replay)."""
-        if self.stale:
-            raise RuntimeError("the MoE layers were re-planned: capture() the step again")
-        self.replays += 1
+    def replay(self, b: int) -> torch.Tensor:
+        """One decode step of the engine's batch on bucket ``b`` (at least its own; captured
+        first if stale): the next tokens ``[b]`` (the graph's own tensor, valid until the
+        next replay)."""
+        if self.stale(b):
+            self.capture(b)
+        self.replays[b] += 1
+        graph, next_b, events, _ = self.graphs[b]
         if not self.cuda:
-            return self.engine.forward(self.engine.decode_inputs())
-        self.graph.replay()
-        self.timer.replayed(self.block_events)
-        return self.next_R
+            return self.engine.forward(self.engine.decode_inputs(b))
+        graph.replay()
+        self.timer.replayed(events)
+        return next_b
 
-    def replay_idle(self) -> None:
-        """This rank's part of a decode step when it has no batch: no real rows."""
+    def replay_idle(self, b: int) -> None:
+        """This rank's part of a decode step on bucket ``b`` when it has no batch: no real
+        rows."""
         for c in self.engine.counters():
             c.zero_()
         self.engine.num_valid.zero_()
         self.idle_replays += 1
-        self.replay()
+        self.replay(b)
+
+
+def bucket_sizes(R: int) -> list[int]:
+    """CUDA-graph batch sizes up to ``R`` rows: 1, 2, 4, ... below ``R``, and ``R``."""
+    return [1 << i for i in range(R.bit_length()) if 1 << i < R] + [R]
+
+
+def rows_of(layer, b: int, R: int):
+    """The first ``b`` rows of ``layer``, a transformers ``StaticLayer`` of ``R`` rows
+    (``RowsOf``)."""
+    return _rows_of_class()(layer, b, R)
+
+
+@functools.cache
+def _rows_of_class() -> type:
+    from transformers.cache_utils import StaticLayer
+
+    class RowsOf(StaticLayer):
+        """The first ``b`` rows of ``full``, a ``StaticLayer`` of ``R`` rows: a forward of
+        ``b`` rows writes and reads views of ``full``'s keys and values and advances
+        ``full``'s write counter (the same tensor). If ``full`` is not yet allocated, the
+        first forward allocates it at ``R`` rows, from its own head shapes."""
+
+        def __init__(self, full, b: int, R: int) -> None:
+            super().__init__(max_cache_len=full.max_cache_len)
+            self.full, self.b, self.R = full, b, R
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            full = self.full
+            if not full.is_initialized:
+
+                def empty(x):
+                    return x.new_empty((self.R, x.shape[1], 0, x.shape[-1]))
+
+                full.lazy_initialization(empty(key_states), empty(value_states))
+            own = {"full": full, "b": self.b, "R": self.R}
+            vars(self).update(vars(full))  # its shapes, device, write counter (shared) ...
+            vars(self).update(own)
+            self.keys, self.values = full.keys[: self.b], full.values[: self.b]  # (views)
+            self.batch_size = self.b
+
+    return RowsOf
 
 
 def _cache_argument() -> str:
@@ -485,7 +575,7 @@ class StepTimer:
     """The time of every step and of the MoE blocks inside it, by step kind: CUDA events
     on GPUs (read once at the end, so no step waits for the device), the host clock on
     CPU. Forward hooks on the blocks mark their start and end, block graphs' replays
-    included; inside a :class:`StepGraph`'s capture they record events into the graph,
+    included; inside a :class:`StepGraphs` capture they record events into the graph,
     read after each of its replays (the step's tokens wait for the device anyway)."""
 
     def __init__(self, blocks: list[EPMoEBlock], device: torch.device) -> None:
@@ -505,6 +595,11 @@ class StepTimer:
 
     def begin(self, kind: str) -> None:
         self._open = (kind, self._mark(), [])
+
+    def relabel(self, kind: str) -> None:
+        """The open step (if any) counts as a step of ``kind``."""
+        if self._open is not None:
+            self._open = (kind, *self._open[1:])
 
     def end(self) -> None:
         kind, start, blocks = self._open
@@ -671,16 +766,25 @@ def main(argv: list[str] | None = None) -> None:
         const="step",
         choices=("step", "blocks"),
         default=None,
-        help="replay decode steps from CUDA graphs: 'step' (the default) captures the whole "
-        "decode step (attention on a static KV cache, MoE blocks, greedy tokens) for "
-        "--max-batch rows (on CPU: the same path, eagerly); 'blocks' (CUDA) only the MoE "
-        "blocks, for batch sizes 1, 2, 4, ...",
+        help="replay decode steps from CUDA graphs, one per batch size of --graph-sizes: "
+        "'step' (the default) captures the whole decode step (attention on a static KV "
+        "cache, MoE blocks, greedy tokens; on CPU: the same path, eagerly); 'blocks' (CUDA) "
+        "only the MoE blocks",
+    )
+    p.add_argument(
+        "--graph-sizes",
+        type=_sizes,
+        default=None,
+        help="the batch sizes (rows per rank) of the decode graphs, comma-separated, the "
+        "largest --max-batch; a step runs on the smallest that holds every rank's batch "
+        "(default: 1, 2, 4, ... below --max-batch, and --max-batch; with --static-cache the "
+        "eager forwards pad to them too)",
     )
     p.add_argument(
         "--static-cache",
         action="store_true",
-        help="pad batches to --max-batch rows and keep the KV cache in a static cache (what "
-        "--cuda-graphs step runs, here eagerly)",
+        help="pad batches to a batch size of --graph-sizes and keep the KV cache in a static "
+        "cache (what --cuda-graphs step runs, here eagerly)",
     )
     p.add_argument(
         "--aligned-moe-steps",
@@ -691,6 +795,13 @@ def main(argv: list[str] | None = None) -> None:
         "whose attention runs longer); default 20 on CUDA, 0 on CPU (host clock there)",
     )
     args = p.parse_args(argv)
+    if args.graph_sizes is None:
+        args.graph_sizes = bucket_sizes(args.max_batch)
+    elif args.graph_sizes[-1] != args.max_batch:
+        p.error(
+            f"--graph-sizes must end at --max-batch ({args.max_batch}), the largest batch a "
+            f"rank decodes; got {','.join(map(str, args.graph_sizes))}"
+        )
 
     group = epmoe.init_distributed()
     rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
@@ -728,8 +839,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     sizes = None  # the MoE blocks' own decode graphs
     if args.cuda_graphs and device.type == "cuda":
-        sizes = [1 << i for i in range(args.max_batch.bit_length()) if 1 << i < args.max_batch]
-        sizes.append(args.max_batch)
+        sizes = args.graph_sizes
         if args.cuda_graphs == "step":  # the blocks' graphs only time them aligned, at the end
             sizes = sizes[-1:]
         pool = torch.cuda.graph_pool_handle()  # one pool: the blocks replay one at a time
@@ -744,12 +854,12 @@ def main(argv: list[str] | None = None) -> None:
     else:
         engine = Engine(model, queue, args, device)
     if args.cuda_graphs == "step":  # collective: every rank
-        engine.graph = StepGraph(engine, blocks, group, timer, pool=None)
+        engine.graphs = StepGraphs(engine, blocks, group, timer)
         if rank == 0 and device.type == "cuda":
-            print(f"captured the whole decode step of {args.max_batch} rows in a CUDA graph")
+            print(f"captured the whole decode step in a CUDA graph for batch sizes {engine.sizes}")
         elif rank == 0:
-            print(f"the whole decode step of {args.max_batch} rows, on CPU without capture "
-                  "(CUDA graphs need CUDA): each replay runs it eagerly")  # fmt: skip
+            print(f"the whole decode step for batch sizes {engine.sizes}, on CPU without "
+                  "capture (CUDA graphs need CUDA): each replay runs it eagerly")  # fmt: skip
     requests = list(engine.queue)
     start = time.perf_counter()
     steps = tokens = 0
@@ -764,8 +874,8 @@ def main(argv: list[str] | None = None) -> None:
             if s.max_tokens == 0:  # no rank has tokens: every queue is empty
                 break
             timer.begin("idle" if inputs is None else inputs["kind"])
-            if inputs is None and engine.graph is not None and s.decode:
-                engine.graph.replay_idle()  # as the others: their graphs' MoE blocks
+            if inputs is None and engine.graphs is not None and s.decode:
+                engine.graphs.replay_idle(s.bucket(engine.sizes))  # as the others do
             elif inputs is None:
                 idle_forward(blocks, args.hidden_size, device, dtype)
             else:
@@ -791,8 +901,6 @@ def main(argv: list[str] | None = None) -> None:
         for block in blocks if sizes else ():  # a re-plan moved weights: capture again
             if block.decode_graphs.stale:
                 block.decode_graphs.recapture()
-        if engine.graph is not None and engine.graph.stale:
-            engine.graph.capture()
     elapsed = time.perf_counter() - start
     aligned_steps = args.aligned_moe_steps
     if aligned_steps is None:
@@ -811,9 +919,9 @@ def main(argv: list[str] | None = None) -> None:
     for r in requests[: args.check]:  # greedy outputs against the unconverted model
         checked += 1
         mismatched += reference_tokens(reference, r.prompt, len(r.output), device) != r.output
-    graph = None  # this rank's (replays, of them idle, captures) of the step graph
-    if engine.graph is not None:
-        graph = (engine.graph.replays, engine.graph.idle_replays, engine.graph.captures)
+    graph = None  # this rank's (replays by bucket, of them idle, captures) of the step graphs
+    if engine.graphs is not None:
+        graph = (engine.graphs.replays, engine.graphs.idle_replays, engine.graphs.captures)
     everyone = [None] * W
     if group is not None:
         dist.all_gather_object(
@@ -852,13 +960,16 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
         print(f"inter-token latency: {percentiles(itl)}", flush=True)
-        if engine.graph is not None:  # per rank: (replays, of them idle, captures)
-            replays, idle = (sum(e[5][i] for e in everyone) for i in range(2))
-            where = "the step's CUDA graph" if device.type == "cuda" else "the step (CPU: eager)"
+        if engine.graphs is not None:  # per rank: (replays by bucket, of them idle, captures)
+            by_size = {b: sum(e[5][0][b] for e in everyone) for b in engine.sizes}
+            used = {b: n for b, n in by_size.items() if n}
+            idle = sum(e[5][1] for e in everyone)
+            where = "the step's CUDA graphs" if device.type == "cuda" else "the step (CPU: eager)"
             print(
-                f"decode steps replayed from {where} on rank 0: {engine.graph.replays}; on "
-                f"all ranks {replays}, {idle} of them by idle ranks; captures per rank "
-                f"{[e[5][2] for e in everyone]}",
+                f"decode steps replayed from {where} on rank 0: "
+                f"{sum(engine.graphs.replays.values())}; on all ranks "
+                f"{sum(by_size.values())}, by batch size {used}, "
+                f"{idle} of them by idle ranks; captures per rank {[e[5][2] for e in everyone]}",
                 flush=True,
             )
         elif sizes:
@@ -903,6 +1014,19 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _sizes(text: str) -> list[int]:
+    """``--graph-sizes``: positive ints, comma-separated → sorted, without repeats."""
+    try:
+        sizes = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected batch sizes >= 1 separated by commas, e.g. 1,8,32,128; got {text!r}"
+        )
+    return sizes
 
 
 def _gaps(times: list[float]) -> list[float]:

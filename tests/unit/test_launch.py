@@ -48,16 +48,18 @@ def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model(cache):
     """examples/serving.py, shortened: per-rank queues, chunked prefill, batched decode,
     one step context per forward, an EPLB re-plan while serving, and greedy outputs equal
     to the unconverted model's; with transformers' dynamic KV cache, with the static one
-    that ``--cuda-graphs step`` captures (batches padded to --max-batch rows, the mask
-    built by the example, the padding rows routed to no expert), and with the step graph's
-    protocol, which on CPU replays eagerly: idle ranks replay with no real rows while the
-    other decodes, and every rank re-captures after each re-plan, one of them in the middle
-    of a batch (every 5 steps: a capture that moved the cache's write position would change
-    the outputs)."""
+    that ``--cuda-graphs step`` captures (batches padded to the smallest bucket of 1, 2, 4
+    rows that holds them, the mask built by the example, the padding rows routed to no
+    expert), and with the step graphs' protocol, which on CPU replays eagerly: every rank
+    replays the step's bucket (the last, partial batches take smaller ones), idle ranks
+    with no real rows while the other decodes, and after each re-plan the ranks capture
+    the bucket a step needs again in that step, some in the middle of a batch (every 5
+    steps: a capture that moved the cache's write position would change the outputs)."""
     pytest.importorskip("transformers")
     every = 5 if cache == "step" else 8
+    requests = "9" if cache == "step" else "6"  # (9: several batch sizes, an idle rank)
     cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), "--nproc", "2",
-           os.path.join(ROOT, "examples", "serving.py"), "--requests", "6", "--max-batch", "4",
+           os.path.join(ROOT, "examples", "serving.py"), "--requests", requests, "--max-batch", "4",
            "--max-new-tokens", "6", "--rebalance-every", str(every), "--log-every", str(every),
            "--check", "2", "--aligned-moe-steps", "2"]  # fmt: skip
     cmd += {"dynamic": [], "static": ["--static-cache"], "step": ["--cuda-graphs", "step"]}[cache]
@@ -86,13 +88,18 @@ def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model(cache):
     assert "4 identical, 0 differ" in out, out
     if cache == "step":
         replays = (
-            r"on all ranks (\d+), (\d+) of them by idle ranks; captures per rank \[(\d+), (\d+)\]"
+            r"on all ranks (\d+), by batch size \{([\d:, ]+)\}, (\d+) of them by idle ranks; "
+            r"captures per rank \[(\d+), (\d+)\]"
         )
         m = re.search(replays, out)
         assert m, out
-        assert int(m.group(1)) > 0 and int(m.group(2)) > 0, out  # an idle rank replayed
-        # the re-plan re-placed experts: every rank captured again (collective), in step
-        assert m.group(3) == m.group(4) and int(m.group(3)) >= 2, out
+        assert int(m.group(1)) > 0 and int(m.group(3)) > 0, out  # an idle rank replayed
+        # the last, partial batches: steps on smaller buckets than --max-batch
+        used = dict(tuple(map(int, kv.split(":"))) for kv in m.group(2).split(","))
+        assert len(used) >= 2 and sum(used.values()) == int(m.group(1)), out
+        # the three buckets at the start; the re-plans re-placed experts: every rank captured
+        # again (collective), in step
+        assert m.group(4) == m.group(5) and int(m.group(4)) > 3, out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
