@@ -235,8 +235,9 @@ class Engine:
 class StaticEngine(Engine):
     """The same scheduler on fixed shapes, so that a decode step can be one CUDA graph.
 
-    Every batch is padded to a bucket of rows b (``sizes``: 1, 2, 4, ... and
-    ``--max-batch`` R; the padding rows last, routed to no expert: ``padded_batch``): its
+    Every batch is padded to a bucket of rows b (``sizes``: ``--graph-sizes``, by default
+    1, 2, 4, ... and ``--max-batch`` R; the padding rows last, routed to no expert:
+    ``padded_batch``): its
     forwards run on the smallest bucket that holds it, and a replayed decode step on the
     step's bucket, which holds every rank's. The KV cache is transformers' ``StaticCache``
     of R rows and ``--max-prompt + --max-new-tokens`` positions C, reset in place for each
@@ -257,6 +258,11 @@ class StaticEngine(Engine):
         R, C = args.max_batch, args.max_prompt + args.max_new_tokens
         self.rows, self.length = R, C
         self.sizes = getattr(args, "graph_sizes", None) or bucket_sizes(R)
+        if self.sizes != sorted(set(self.sizes)) or self.sizes[0] < 1 or self.sizes[-1] != R:
+            raise ValueError(
+                f"graph_sizes must be increasing batch sizes >= 1 ending at max_batch ({R}), "
+                f"got {self.sizes}"
+            )
         self.cache = StaticCache(config=model.config, max_cache_len=C)
         kinds = sorted({type(layer).__name__ for layer in self.cache.layers})
         if kinds != ["StaticLayer"]:  # e.g. sliding windows: their counters live on the host
@@ -403,6 +409,14 @@ class StepGraphs:
         self.graphs: dict[int, tuple] = {}  # b → (graph, next_b, block events, state)
         self.replays = dict.fromkeys(engine.sizes, 0)
         self.idle_replays = self.captures = 0
+        if group is not None:  # a step's size is agreed, not the list: it must be everyone's
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, engine.sizes, group=group)
+            if any(sizes != engine.sizes for sizes in everyone):
+                raise ValueError(
+                    f"every rank must capture the same batch sizes (--graph-sizes), got "
+                    f"{dict(enumerate(everyone))} by rank"
+                )
         for b in sorted(engine.sizes, reverse=True):
             self.capture(b)
 
