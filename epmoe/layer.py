@@ -1006,10 +1006,12 @@ class EPMoE(nn.Module):
         be on the layer's device.
 
         ``num_valid_tokens``: for padded batches (a CUDA graph captured for a bucket of
-        ``T`` rows, fewer of them real), a one-element integer tensor ``n`` on the layer's
-        device: rows ``n..T-1`` go to no expert (they are not sent, computed or recorded in
-        the expert load; their routed output is zero). Read on the device only, so each
-        replay may hold another ``n``.
+        ``T`` rows, fewer of them real), on the layer's device, either a one-element
+        integer tensor ``n``: rows ``n..T-1`` are padding; or a bool tensor ``[T]``: rows
+        where it is False are (e.g. a finished request's row in a static batch). Padding
+        rows go to no expert: they are not sent, computed or recorded in the expert load,
+        and their routed output is zero. Read on the device only, so each replay may hold
+        other values.
         """
         if torch.compiler.is_compiling():
             if step is not None:
@@ -1054,7 +1056,7 @@ class EPMoE(nn.Module):
         if step is not None:
             T = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else 0
             max_tokens_across_ranks = step.max_tokens_for(self, T)
-        valid_error = self._valid_tokens_error(num_valid_tokens)
+        valid_error = self._valid_tokens_error(num_valid_tokens, hidden_states)
         if max_tokens_across_ranks is None:
             weights_TK, logical_TK, max_T = self._route_and_agree(
                 hidden_states, router_logits, valid_error
@@ -1077,8 +1079,11 @@ class EPMoE(nn.Module):
         x_TH = hidden_states.to(self.params_dtype)
         ids_TK = self._to_physical(logical_TK)
         if num_valid_tokens is not None:  # padding rows: no expert (on the device)
-            rows_T = torch.arange(T, device=ids_TK.device)
-            ids_TK = torch.where((rows_T < num_valid_tokens.reshape(()))[:, None], ids_TK, -1)
+            if num_valid_tokens.dtype == torch.bool:
+                real_T = num_valid_tokens
+            else:
+                real_T = torch.arange(T, device=ids_TK.device) < num_valid_tokens.reshape(())
+            ids_TK = torch.where(real_T[:, None], ids_TK, -1)
         if self.load_recorder is not None:
             self.load_recorder.record(ids_TK)
         if self.apply_router_weight_on_input:  # in float32, or float64 for float64 layers
@@ -1214,19 +1219,27 @@ class EPMoE(nn.Module):
             )
         return None
 
-    def _valid_tokens_error(self, num_valid_tokens) -> Exception | None:
+    def _valid_tokens_error(self, num_valid_tokens, hidden_states) -> Exception | None:
         """What is wrong with a ``num_valid_tokens`` argument (host-side checks only)."""
         if num_valid_tokens is None:
             return None
+        what = "a one-element integer tensor or a bool tensor [T]"
         if not isinstance(num_valid_tokens, torch.Tensor):
             return TypeError(
-                "num_valid_tokens must be a one-element integer tensor on the layer's device "
-                f"(or None), got {type(num_valid_tokens).__name__}"
+                f"num_valid_tokens must be {what} on the layer's device (or None), got "
+                f"{type(num_valid_tokens).__name__}"
             )
-        if num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point():
+        T = hidden_states.shape[0] if isinstance(hidden_states, torch.Tensor) else None
+        if num_valid_tokens.dtype == torch.bool:
+            if T is not None and tuple(num_valid_tokens.shape) != (T,):
+                return ValueError(
+                    f"num_valid_tokens as a bool mask must have one value per row, shape "
+                    f"({T},); got {tuple(num_valid_tokens.shape)}"
+                )
+        elif num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point():
             return ValueError(
-                "num_valid_tokens must be a one-element integer tensor, got "
-                f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}"
+                f"num_valid_tokens must be {what}, got {num_valid_tokens.dtype} of shape "
+                f"{tuple(num_valid_tokens.shape)}"
             )
         if num_valid_tokens.device != self.device:
             return ValueError(

@@ -220,13 +220,20 @@ class Engine:
         if kind == "prefill" and self.plan:
             return 0  # more prompt to read before the first token
         now = time.perf_counter()
-        emitted = 0
-        for r, token in zip(self.batch, next_B.tolist()):
+        emitted, finished = 0, []
+        for i, (r, token) in enumerate(zip(self.batch, next_B.tolist())):
             if not r.done:  # finished requests ride along until the batch ends
                 r.output.append(token)
                 r.token_times.append(now)
                 emitted += 1
+                if r.done:
+                    finished.append(i)
+        if finished:
+            self._finished(finished)
         return emitted
+
+    def _finished(self, rows: list[int]) -> None:
+        """The requests of these rows of the batch have all their tokens."""
 
     def decode(self, inputs: dict) -> torch.Tensor:
         return self.forward(inputs)
@@ -236,15 +243,16 @@ class StaticEngine(Engine):
     """The same scheduler on fixed shapes, so that a decode step can be one CUDA graph.
 
     Every batch is padded to a bucket of rows b (``sizes``: ``--graph-sizes``, by default
-    1, 2, 4, ... and ``--max-batch`` R; the padding rows last, routed to no expert:
-    ``padded_batch``): its
-    forwards run on the smallest bucket that holds it, and a replayed decode step on the
-    step's bucket, which holds every rank's. The KV cache is transformers' ``StaticCache``
+    1, 2, 4, ... and ``--max-batch`` R; the padding rows last): its forwards run on the
+    smallest bucket that holds it, and a replayed decode step on the step's bucket, which
+    holds every rank's. Padding rows, and the rows of requests that have finished while
+    their batch decodes, are routed to no expert (``padded_batch`` of ``live``, a device
+    mask). The KV cache is transformers' ``StaticCache``
     of R rows and ``--max-prompt + --max-new-tokens`` positions C, reset in place for each
     batch; a forward of b rows reads and writes its first b rows (``cache_for``: views, the
     same write counters), so a batch keeps its cache whichever bucket a step runs. This
     engine builds the attention mask itself (4-D, ``[b, 1, S, C]``, which transformers
-    uses as it is) and keeps a decode step's inputs (token, position, mask, real rows) in
+    uses as it is) and keeps a decode step's inputs (token, position, mask, live rows) in
     fixed tensors of R rows that it updates in place (a bucket reads their first b rows).
     A decode step's forward writes its greedy tokens into the next step's input, on the
     device. :class:`StepGraphs` captures it, one graph per bucket.
@@ -282,7 +290,8 @@ class StaticEngine(Engine):
         self.step_ids = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.step_pos = torch.zeros(R, 1, dtype=torch.long, device=device)
         self.step_mask = torch.full((R, 1, 1, C), self.low, dtype=dtype, device=device)
-        self.num_valid = torch.full((1,), R, dtype=torch.int32, device=device)  # real rows
+        # the rows whose requests still decode: the others are padding in the MoE blocks
+        self.live = torch.ones(R, dtype=torch.bool, device=device)
 
     def cache_for(self, b: int):
         """The KV cache of a forward of ``b`` rows: the first ``b`` rows of every layer of
@@ -310,7 +319,7 @@ class StaticEngine(Engine):
         self.positions = (self.seen[:, :L].long().cumsum(-1) - 1).clamp(min=0)
         self.column = L  # the cache position of the next decode step
         self.cache.reset()  # in place: a captured graph keeps its addresses
-        self.num_valid.fill_(B)
+        self.live.copy_(torch.arange(R) < B)
         self.bucket = min(b for b in self.sizes if b >= B)
 
     def _prefill_mask(self, s: int, e: int) -> torch.Tensor:
@@ -349,12 +358,18 @@ class StaticEngine(Engine):
     def forward(self, inputs: dict) -> torch.Tensor:
         """The model on ``inputs`` of b rows (a bucket): the greedy tokens ``[b]``, also
         written into the next decode step's input."""
-        b, S = inputs["input_ids"].shape  # flattened, a forward's real rows come first
-        n = self.num_valid if S == 1 else self.num_valid * S
-        with torch.no_grad(), padded_batch(n):
+        b, S = inputs["input_ids"].shape
+        live = self.live[:b] if S == 1 else self.live[:b].repeat_interleave(S)  # (flattened)
+        with torch.no_grad(), padded_batch(live):
             next_b = greedy_tokens(self.model, inputs, self.cache_for(b))
             self.step_ids[:b].copy_(next_b[:, None])
         return next_b
+
+    def _finished(self, rows: list[int]) -> None:
+        """Finished requests' rows become padding: their MoE rows go to no expert and
+        count as no expert load (they still ride along in attention, as static shapes
+        need)."""
+        self.live[rows] = False
 
     def decode(self, inputs: dict) -> torch.Tensor:
         """A decode step: replayed from the graph of the step's bucket (every rank's is the
@@ -433,13 +448,13 @@ class StepGraphs:
         e, cuda = self.engine, self.cuda
         if cuda:
             torch.cuda.synchronize()
-        ids, valid = e.step_ids.clone(), e.num_valid.clone()
+        ids, live = e.step_ids.clone(), e.live.clone()
         ready = all(getattr(layer, "is_initialized", False) for layer in e.cache.layers)
         written = [int(c) for c in e.counters()] if ready else [0] * len(e.cache.layers)
         graph = next_b = events = None
         try:
             self.timer.relabel("capture")  # (a step that captures is not a decode step)
-            e.num_valid.fill_(b)
+            e.live.fill_(True)
             with epmoe.step(self.group, num_tokens=b, decode=True, graph_max_tokens=b):
                 side = torch.cuda.Stream() if cuda else None
                 if cuda:
@@ -462,7 +477,7 @@ class StepGraphs:
                         next_b = e.forward(e.decode_inputs(b))
         finally:
             e.step_ids.copy_(ids)
-            e.num_valid.copy_(valid)
+            e.live.copy_(live)
         if cuda:
             torch.cuda.synchronize()
         self.graphs[b] = (graph, next_b, events, graph_state(self.layers))
@@ -487,7 +502,7 @@ class StepGraphs:
         rows."""
         for c in self.engine.counters():
             c.zero_()
-        self.engine.num_valid.zero_()
+        self.engine.live.zero_()
         self.idle_replays += 1
         self.replay(b)
 

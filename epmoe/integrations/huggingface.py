@@ -97,8 +97,10 @@ _VALID_ROWS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVa
 @contextlib.contextmanager
 def padded_batch(num_valid_tokens: torch.Tensor) -> Iterator[None]:
     """Inside, every ``EPMoEBlock`` forward treats its flattened rows ``[B·S, H]`` from
-    ``num_valid_tokens`` on as padding: routed to no expert, not recorded as expert load
-    (the layers' ``num_valid_tokens``). For a model whose batch is padded to a fixed size,
+    ``num_valid_tokens`` on as padding (or, given a bool tensor ``[B·S]``, the rows where it
+    is False, e.g. finished requests that ride along in a static batch): routed to no
+    expert, not recorded as expert load (the layers' ``num_valid_tokens``). For a model
+    whose batch is padded to a fixed size,
     e.g. a whole decode step captured in a CUDA graph: pad the batch at its end, capture the
     forward inside this context with a one-element integer tensor on the layers' device, and
     fill that tensor with the step's real row count before each replay::
@@ -579,7 +581,8 @@ class EPMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, num_valid_tokens: torch.Tensor | None = None):
         """The Hugging Face block's forward. ``num_valid_tokens`` (default: the enclosing
         :func:`padded_batch`'s): rows of ``hidden_states`` flattened to ``[B·S, H]`` from it
-        on are padding, routed to no expert."""
+        on (a one-element integer tensor), or where it is False (a bool tensor ``[B·S]``),
+        are padding, routed to no expert."""
         shape = hidden_states.shape
         x_TH = hidden_states.reshape(-1, shape[-1])
         if num_valid_tokens is None:

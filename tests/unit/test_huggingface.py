@@ -126,6 +126,26 @@ def test_padded_batch_makes_every_blocks_trailing_rows_padding():
     assert out.abs().sum() > 0  # all 3 rows routed: the explicit count
 
 
+def test_padded_batch_with_a_mask_makes_finished_rows_padding():
+    """``padded_batch(mask)``, a bool per flattened row (a static batch whose first and
+    third requests have finished): the live rows' logits equal the model's on them alone,
+    and only they are recorded as expert load."""
+    model = hf_cases.tiny_model("mixtral")
+    hf.replace_moe_blocks(model, load_window=4)
+    blocks = [m for m in model.modules() if isinstance(m, hf.EPMoEBlock)]
+    ids = _input_ids(batch=4, seq=1)
+    live = torch.tensor([False, True, False, True])
+    with torch.no_grad():
+        alone = model(input_ids=ids[live]).logits
+        for block in blocks:
+            block.moe.load_recorder.reset()
+        with hf.padded_batch(live):
+            masked = model(input_ids=ids).logits
+    torch.testing.assert_close(masked[live], alone, rtol=1e-5, atol=1e-5)
+    K = model.config.num_experts_per_tok
+    assert all(int(b.moe.load_recorder.window_load().sum()) == 2 * K for b in blocks)
+
+
 def test_greedy_generate_matches_hf():
     model = hf_cases.tiny_model("mixtral")
     reference = copy.deepcopy(model)

@@ -489,11 +489,28 @@ def test_padding_rows_past_num_valid_tokens_go_to_no_expert(hinted):
     assert_close(out, epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, 2)), 1e-5)
 
 
+@pytest.mark.parametrize("hinted", [True, False], ids=["graph-safe path", "agreed path"])
+def test_rows_masked_out_by_num_valid_tokens_go_to_no_expert(hinted):
+    """A bool mask [T]: the rows where it is False (finished requests of a static batch,
+    anywhere in it) go to no expert and are not recorded; the others as without it."""
+    layer, w13, w2 = layer_and_weights(max_num_tokens=4, load_window=2)
+    T = 7
+    x, logits = torch.randn(T, 16), torch.randn(T, 8)
+    real = torch.tensor([True, False, True, True, False, True, False])
+    hint = dict(max_tokens_across_ranks=T) if hinted else {}
+    out = layer(x, logits, num_valid_tokens=real, **hint)
+    w, ids = epmoe.select_experts(logits[real], 2)
+    assert_close(out[real], epmoe.reference.moe(x[real], w13, w2, w, ids), 1e-5)
+    assert torch.equal(out[~real], torch.zeros(int((~real).sum()), 16))
+    assert int(layer.load_recorder.window_load().sum()) == int(real.sum()) * 2
+
+
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [(3, TypeError, "one-element integer tensor"), (torch.tensor([1.0]), ValueError, "integer"),
-     (torch.tensor([1, 2]), ValueError, "one-element")],
-    ids=["an int", "a float tensor", "two elements"],
+     (torch.tensor([1, 2]), ValueError, "one-element"),
+     (torch.ones(3, dtype=torch.bool), ValueError, r"one value per row, shape \(4,\)")],
+    ids=["an int", "a float tensor", "two elements", "a mask of another length"],
 )  # fmt: skip
 def test_num_valid_tokens_is_checked(value, error, match):
     layer, *_ = layer_and_weights()
