@@ -106,6 +106,23 @@ def test_padded_rows_compile_with_their_count_as_a_tensor():
             assert torch.equal(got[n:], torch.zeros(8 - n, H))
 
 
+def test_padded_rows_compile_with_a_mask():
+    """A bool per row (finished requests of a static batch) through the compiled op."""
+    model = Tiny()
+
+    def f(x, live):
+        h = model.up(x)
+        return model.moe(h, model.router(h), max_tokens_across_ranks=8, num_valid_tokens=live)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        x = torch.randn(8, H)
+        for live in (torch.arange(8) % 3 != 1, torch.ones(8, dtype=torch.bool)):
+            got, want = compiled(x, live), f(x, live)
+            assert_close(got, want, name=f"live={live.tolist()}")
+            assert torch.equal(got[~live], torch.zeros(int((~live).sum()), H))
+
+
 def test_the_registry_lets_layers_go():
     layer = loaded_layer(E, K, H, I, torch.float32, "cpu")[0]
     layer_id = layer._op_id
