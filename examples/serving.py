@@ -6,7 +6,9 @@ serves its own request queue), MoE layers expert-parallel.
 
 Each rank takes batches of up to ``--max-batch`` requests from its queue, prefills their
 prompts in chunks of ``--prefill-chunk`` positions, then decodes them greedily, one token
-per request and step, until each has its ``max_new_tokens``; then the next batch. Every
+per request and step, until each has its ``max_new_tokens`` (a finished request leaves
+the batch, or with a static cache stays as a row that the MoE blocks skip); then the next
+batch. Every
 model forward is one DP step (``epmoe.step``): the ranks agree once on the step's largest
 token count and every MoE layer uses it, with no collective of its own; a rank with nothing
 to do runs the MoE layers with zero tokens (the others need it in their collectives), and
@@ -222,7 +224,7 @@ class Engine:
         now = time.perf_counter()
         emitted, finished = 0, []
         for i, (r, token) in enumerate(zip(self.batch, next_B.tolist())):
-            if not r.done:  # finished requests ride along until the batch ends
+            if not r.done:  # (a static batch's finished requests ride along)
                 r.output.append(token)
                 r.token_times.append(now)
                 emitted += 1
@@ -233,7 +235,16 @@ class Engine:
         return emitted
 
     def _finished(self, rows: list[int]) -> None:
-        """The requests of these rows of the batch have all their tokens."""
+        """The requests of these rows of the batch have all their tokens: they leave it,
+        with their rows of the mask, the positions and the KV cache (transformers'
+        ``batch_select_indices``), so that no later step computes them."""
+        gone = set(rows)
+        keep = [i for i in range(len(self.batch)) if i not in gone]
+        self.batch = [self.batch[i] for i in keep]
+        if keep:
+            index = torch.tensor(keep, device=self.device)
+            self.mask, self.positions = self.mask[index], self.positions[index]
+            self.cache.batch_select_indices(index)
 
     def decode(self, inputs: dict) -> torch.Tensor:
         return self.forward(inputs)
