@@ -90,36 +90,24 @@ def test_layer_with_explicit_hint_compiles():
         assert_close(compiled(x, 4), f(x, 4), name="hinted")
 
 
-def test_padded_rows_compile_with_their_count_as_a_tensor():
+@pytest.mark.parametrize("form", ["count", "mask"])
+def test_padded_rows_compile_with_their_rows_as_a_tensor(form):
+    """Padding rows through the compiled op: a count (rows from it on) or a bool per row
+    (finished requests of a static batch); one compiled graph, other values per call."""
     model = Tiny()
 
-    def f(x, n):
+    def f(x, valid):
         h = model.up(x)
-        return model.moe(h, model.router(h), max_tokens_across_ranks=8, num_valid_tokens=n)
+        return model.moe(h, model.router(h), max_tokens_across_ranks=8, num_valid_tokens=valid)
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     with torch.no_grad():
         x = torch.randn(8, H)
-        for n in (3, 8):  # one compiled graph, another count per call
-            got, want = compiled(x, torch.tensor([n])), f(x, torch.tensor([n]))
-            assert_close(got, want, name=f"n={n}")
-            assert torch.equal(got[n:], torch.zeros(8 - n, H))
-
-
-def test_padded_rows_compile_with_a_mask():
-    """A bool per row (finished requests of a static batch) through the compiled op."""
-    model = Tiny()
-
-    def f(x, live):
-        h = model.up(x)
-        return model.moe(h, model.router(h), max_tokens_across_ranks=8, num_valid_tokens=live)
-
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    with torch.no_grad():
-        x = torch.randn(8, H)
-        for live in (torch.arange(8) % 3 != 1, torch.ones(8, dtype=torch.bool)):
-            got, want = compiled(x, live), f(x, live)
-            assert_close(got, want, name=f"live={live.tolist()}")
+        for n in (3, 8):
+            live = torch.arange(8) < n if form == "count" else torch.arange(8) % 3 != n % 3
+            valid = torch.tensor([n]) if form == "count" else live
+            got, want = compiled(x, valid), f(x, valid)
+            assert_close(got, want, name=f"{form} {n}")
             assert torch.equal(got[~live], torch.zeros(int((~live).sum()), H))
 
 
