@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 
 import torch
 import torch.distributed as dist
@@ -118,6 +119,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"{'match' if same else 'differ'}"
             )
     if group is not None:
+        # the layers (and their process-group handles) go before the group: a group torn
+        # down under live references can abort the process at exit
+        del model, reference, first
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -835,6 +835,12 @@ def main(argv: list[str] | None = None) -> None:
         "whose attention runs longer); default 20 on CUDA, 0 on CPU (host clock there)",
     )
     args = p.parse_args(argv)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        p.error("this example serves a Hugging Face model: pip install 'epmoe[hf]'")
+    if args.graph_sizes is not None and not (args.cuda_graphs or args.static_cache):
+        p.error("--graph-sizes applies to --cuda-graphs and --static-cache; add one of them")
     if args.graph_sizes is None:
         args.graph_sizes = bucket_sizes(args.max_batch)
     elif args.graph_sizes[-1] != args.max_batch:
