@@ -20,8 +20,9 @@ collective and is named instead of crashing the transport:
   counted;
 * T: this rank's tokens (forward); the step's largest T decides the chunk count;
 * status: ``OK``, or why this rank refuses the call (``REJECTED``: its arguments, inputs
-  or weights; ``IDS_OUT_OF_RANGE``: its routing chose ids outside ``[-1, E)``; a device
-  flag, added without a host synchronisation);
+  or weights; else bits checked on the device and added without a host synchronisation:
+  ``IDS_OUT_OF_RANGE``, its routing chose ids outside ``[-1, E)``; ``COUNT_OUT_OF_RANGE``,
+  its ``num_valid_tokens`` count lies outside ``[0, T]``);
 * digest: a 64-bit hash of the fields every rank must hold equal (construction: the
   layer's configuration, see ``EPMoE``; rebalance: the new placement).
 
@@ -69,7 +70,8 @@ OPERATIONS = {
     REBUILD: "backend rebuild",
 }
 STEP_INDEX = -1  # the layer index field of a step record (a step belongs to no layer)
-OK, REJECTED, IDS_OUT_OF_RANGE = 0, 1, 2
+OK, REJECTED, IDS_OUT_OF_RANGE, COUNT_OUT_OF_RANGE = 0, 1, 2, 4
+DEVICE_CHECKS = IDS_OUT_OF_RANGE | COUNT_OUT_OF_RANGE  # the status bits set on the device
 _MAGIC, _OP, _INDEX, _COUNT, _T, _STATUS, _DIGEST = range(7)
 RECORD_LEN = 7
 
@@ -134,21 +136,23 @@ class LayerAgreement:
         self,
         T: int,
         error: Exception | None,
-        bad_ids: torch.Tensor | None,
+        device_flags: torch.Tensor | None,
         device: torch.device,
-        ids_error: Callable[[], Exception],
+        device_error: Callable[[int], Exception],
     ) -> int:
         """Agree on a forward: every rank's checks passed (``error`` is this rank's,
-        ``bad_ids`` a 0-d int64 device flag: its routing chose ids out of range) and every
-        rank is in the same call. Returns the largest T of the group."""
+        ``device_flags`` a 0-d int64 device tensor of ``DEVICE_CHECKS`` bits: its routing
+        chose ids out of range, its count of valid rows is out of range) and every rank is
+        in the same call. ``device_error(flags)`` builds this rank's exception for its set
+        bits. Returns the largest T of the group."""
         if self.world_size == 1:
             if error is not None:
                 raise error
-            if bad_ids is not None and bool(bad_ids):
-                raise ids_error()
+            if device_flags is not None and (flags := int(device_flags)):
+                raise device_error(flags)
             return T
-        records = self._gather(FORWARD, T, error, bad_ids, None, device)
-        self._check(records, FORWARD, error, None, ids_error)
+        records = self._gather(FORWARD, T, error, device_flags, None, device)
+        self._check(records, FORWARD, error, None, device_error)
         self.calls += 1
         return max(r[_T] for r in records)
 
@@ -198,7 +202,7 @@ class LayerAgreement:
         self.calls += 1
 
     # ------------------------------------------------------------------ internals
-    def _gather(self, op, T, error, bad_ids, fields, device) -> list[list[int]]:
+    def _gather(self, op, T, error, device_flags, fields, device) -> list[list[int]]:
         status = OK if error is None else REJECTED
         fields_digest = digest(fields) if fields is not None and error is None else 0
         count = self.calls if op != CONSTRUCTION else 0
@@ -207,12 +211,12 @@ class LayerAgreement:
             dtype=torch.int64,
             device=device,
         )
-        if bad_ids is not None and error is None:  # on the device: no host sync
-            row[_STATUS] = bad_ids.to(device=device, dtype=torch.int64) * IDS_OUT_OF_RANGE
+        if device_flags is not None and error is None:  # on the device: no host sync
+            row[_STATUS] = device_flags.to(device=device, dtype=torch.int64)
         what = f"EPMoE.{OPERATIONS[op]} agreement (layer #{self.index}, call {count})"
         return all_gather_rows(row, self.group, what)
 
-    def _check(self, records, op, error, fields, ids_error) -> None:
+    def _check(self, records, op, error, fields, device_error) -> None:
         W = self.world_size
         where = (
             f"epmoe.step (step {self.calls})"
@@ -258,11 +262,12 @@ class LayerAgreement:
         statuses = [r[_STATUS] for r in records]
         if error is not None:
             raise error
-        if statuses[self.rank] == IDS_OUT_OF_RANGE:
-            raise ids_error()
+        if statuses[self.rank] & DEVICE_CHECKS:
+            raise device_error(statuses[self.rank])
         if any(statuses):
             rejected = [r for r in range(W) if statuses[r] == REJECTED]
-            bad_ids = [r for r in range(W) if statuses[r] == IDS_OUT_OF_RANGE]
+            bad_ids = [r for r in range(W) if statuses[r] & IDS_OUT_OF_RANGE]
+            bad_counts = [r for r in range(W) if statuses[r] & COUNT_OUT_OF_RANGE]
             why = []
             if rejected:
                 what = {FORWARD: "inputs, weights or routing", STEP: "num_tokens"}.get(
@@ -273,6 +278,9 @@ class LayerAgreement:
             if bad_ids:
                 who = _ranks(bad_ids).rsplit(" ", 1)[0]  # "rank 1" / "ranks [1, 2]"
                 why.append(f"the routing of {who} chose expert ids outside [-1, E)")
+            if bad_counts:
+                who = _ranks(bad_counts).rsplit(" ", 1)[0]
+                why.append(f"the num_valid_tokens of {who} lay outside [0, T]")
             raise RuntimeError(
                 f"{where}: another rank of the EP group refused this call: "
                 f"{' and '.join(why)} (its own error says why); this rank stopped too, so "

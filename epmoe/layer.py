@@ -24,7 +24,12 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe import custom_op
-from epmoe.agreement import LayerAgreement, describe_placement
+from epmoe.agreement import (
+    COUNT_OUT_OF_RANGE,
+    IDS_OUT_OF_RANGE,
+    LayerAgreement,
+    describe_placement,
+)
 from epmoe.comm import (
     available_backends,
     backend_class,
@@ -1011,7 +1016,10 @@ class EPMoE(nn.Module):
         where it is False are (e.g. a finished request's row in a static batch). Padding
         rows go to no expert: they are not sent, computed or recorded in the expert load,
         and their routed output is zero. Read on the device only, so each replay may hold
-        other values.
+        other values. A count outside ``[0, T]`` raises on every rank in the layer's own
+        agreement (checked on the device, read back with the agreement's all-gather); with
+        ``max_tokens_across_ranks`` or a step it is not checked (that path never waits for
+        the device): a count above ``T`` means every row, a negative one none.
         """
         if torch.compiler.is_compiling():
             if step is not None:
@@ -1059,7 +1067,7 @@ class EPMoE(nn.Module):
         valid_error = self._valid_tokens_error(num_valid_tokens, hidden_states)
         if max_tokens_across_ranks is None:
             weights_TK, logical_TK, max_T = self._route_and_agree(
-                hidden_states, router_logits, valid_error
+                hidden_states, router_logits, valid_error, num_valid_tokens
             )
         else:  # graph-safe path: no collective, no host sync; raises on this rank only
             error = (
@@ -1156,14 +1164,16 @@ class EPMoE(nn.Module):
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor,
         extra_error: Exception | None = None,
+        num_valid_tokens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """Check this rank's inputs, route (router weights ``[T, K]``, logical ids
-        ``[T, K]``), flag ids outside ``[-1, E)`` on the device, then agree with the other
-        ranks (see :meth:`forward`). Returns the weights, the ids and the step's largest T;
-        raises on every rank when any rank's checks failed or the ranks are out of step
-        (``extra_error``: another argument's error, agreed the same way)."""
+        ``[T, K]``), flag ids outside ``[-1, E)`` and a ``num_valid_tokens`` count outside
+        ``[0, T]`` on the device, then agree with the other ranks (see :meth:`forward`).
+        Returns the weights, the ids and the step's largest T; raises on every rank when any
+        rank's checks failed or the ranks are out of step (``extra_error``: another
+        argument's error, agreed the same way)."""
         error = self._input_error(hidden_states, router_logits) or extra_error
-        weights_TK = logical_TK = bad_ids = None
+        weights_TK = logical_TK = flags = None
         if error is None:
             try:
                 router_logits = router_logits.to(self.device)
@@ -1180,17 +1190,28 @@ class EPMoE(nn.Module):
                 error = exc
             else:
                 bad_ids = ((logical_TK < -1) | (logical_TK >= self.num_experts)).any()
+                flags = bad_ids.to(torch.int64) * IDS_OUT_OF_RANGE
         T = hidden_states.shape[0] if error is None else 0
+        count = None
+        if error is None and num_valid_tokens is not None and num_valid_tokens.dtype != torch.bool:
+            count = num_valid_tokens.reshape(())
+            flags = flags | ((count < 0) | (count > T)).to(torch.int64) * COUNT_OUT_OF_RANGE
 
-        def ids_error() -> ValueError:  # this rank's ids are out of range: read them back
-            lo, hi = int(logical_TK.min()), int(logical_TK.max())
+        def device_error(bits: int) -> ValueError:  # this rank's device checks: read back
+            if bits & IDS_OUT_OF_RANGE:
+                lo, hi = int(logical_TK.min()), int(logical_TK.max())
+                return ValueError(
+                    f"the routing returned expert ids in [{lo}, {hi}] on this rank; they must "
+                    f"lie in [0, E={self.num_experts}) or be -1 (no expert): check the "
+                    "custom_routing_function. Nothing was sent: every rank raises in this call"
+                )
             return ValueError(
-                f"the routing returned expert ids in [{lo}, {hi}] on this rank; they must lie "
-                f"in [0, E={self.num_experts}) or be -1 (no expert): check the "
-                "custom_routing_function. Nothing was sent: every rank raises in this call"
+                f"num_valid_tokens={int(count)} on this rank, whose batch has T={T} rows; "
+                f"the count of real rows must lie in [0, {T}] (or pass a bool mask [T]). "
+                "Nothing was sent: every rank raises in this call"
             )
 
-        max_T = self._agreement.forward(T, error, bad_ids, self.device, ids_error)
+        max_T = self._agreement.forward(T, error, flags, self.device, device_error)
         return weights_TK, logical_TK, max_T
 
     def _hint_error(

@@ -10,7 +10,10 @@ rank has no tokens at all) through a stack of blocks ``x + dense(norm(x))`` then
 ``x + moe(norm(x))``. At the end rank 0 prints tokens/s, the expert load per rank and the
 largest relative error of any MoE layer's output against the single-process oracle (the
 same routing and ``epmoe.reference.moe`` with the full expert weights, on the same input),
-checked every few steps outside the timed passes.
+checked every few steps outside the timed passes. ``--placement eplb`` starts from the
+linear placement with a spare replica slot per rank and re-plans every
+``--rebalance-every`` steps from the measured load (weights move between ranks while
+serving); each re-plan prints a line.
 
 Shape legend: T tokens on this rank · H hidden · I intermediate · E experts · K top-k ·
 W ranks.
@@ -27,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 import epmoe
+from epmoe.comm import backend_names
 from epmoe.distributed import default_device
 from epmoe.reference import relative_error
 
@@ -41,6 +45,7 @@ class DemoConfig:
     steps: int = 30
     max_batch: int = 64  # most tokens a rank serves in one step
     placement: str = "linear"
+    rebalance_every: int = 10  # steps between EPLB re-plans (--placement eplb)
     backend: str = "auto"
     experts: str = "auto"
 
@@ -132,9 +137,15 @@ HELP = {
     "intermediate_size": "each expert's intermediate size (I)",
     "steps": "serving steps (one batch per rank each)",
     "max_batch": "most tokens a rank serves in one step",
-    "placement": "expert placement: linear or round_robin",
-    "backend": "all-to-all backend (auto, all_to_all, naive, symm_ll, symm_ht)",
-    "experts": "expert kernels: auto, torch or triton",
+    "placement": "expert placement: linear, round_robin, or eplb (re-planned from the load)",
+    "rebalance_every": "steps between EPLB re-plans (with --placement eplb)",
+    "backend": "all-to-all backend",
+    "experts": "expert kernels",
+}
+CHOICES = {
+    "placement": ["linear", "round_robin", "eplb"],
+    "backend": ["auto", *backend_names()],
+    "experts": ["auto", "torch", "triton"],
 }
 
 
@@ -156,9 +167,12 @@ def main(argv: list[str] | None = None) -> None:
             f"--{name.replace('_', '-')}",
             type=type(value),
             default=value,
+            choices=CHOICES.get(name),
             help=f"{HELP[name]} (default: {value})",
         )
     cfg = DemoConfig(**vars(p.parse_args(argv)))
+    if cfg.rebalance_every < 1:
+        p.error(f"--rebalance-every must be at least 1, got {cfg.rebalance_every}")
 
     group = epmoe.init_distributed()
     rank = dist.get_rank() if group is not None else 0
@@ -173,12 +187,12 @@ def main(argv: list[str] | None = None) -> None:
             cfg.hidden_size,
             cfg.intermediate_size,
             group=group,
-            placement=cfg.placement,
+            placement="linear" if cfg.placement == "eplb" else cfg.placement,
             backend=cfg.backend,
             experts=cfg.experts,
             params_dtype=dtype,
             device=device,
-            load_window=cfg.steps,
+            load_window=cfg.rebalance_every if cfg.placement == "eplb" else cfg.steps,
         )
         moe.load_experts(*expert_weights(cfg, layer, dtype, device))
         return moe
@@ -187,6 +201,14 @@ def main(argv: list[str] | None = None) -> None:
         return OracleMoE(cfg.top_k, *expert_weights(cfg, layer, dtype, device))
 
     model = build_model(cfg, make_moe, make_oracle, dtype, device)
+    manager = None
+    if cfg.placement == "eplb":
+        E = cfg.num_experts
+        manager = epmoe.EPLBManager(
+            [b.moe for b in model],
+            num_redundant=(-E) % world + world,  # a spare slot per rank for hot experts
+            rebalance_interval=cfg.rebalance_every,
+        )
     sizes = batch_sizes(cfg, rank)
     gen = torch.Generator().manual_seed(99 + rank)
 
@@ -207,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
                 _set_checking(model, True)
                 model(x)
                 _set_checking(model, False)
+            if manager is not None and step + 1 < cfg.steps:  # (the last window is shown)
+                report = manager.step()
+                if report is not None and rank == 0:
+                    print(f"  {report.summary()}")
 
     moes = [b.moe for b in model]
     load_per_rank = torch.zeros(world, dtype=torch.int64, device=device)
@@ -244,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
             f"{tokens / max(seconds, 1e-9):,.0f} tokens/s"
         )
         print(
-            "  expert load (token-expert pairs per rank, all layers): "
+            "  expert load (token-expert pairs per rank, all layers"
+            + (", since the last re-plan): " if manager is not None else "): ")
             + ", ".join(f"rank {r}: {n}" for r, n in enumerate(load))
             + f"  (balancedness {mean / max(max(load), 1):.3f})"
         )

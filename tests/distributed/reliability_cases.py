@@ -168,7 +168,8 @@ def bad_forward_inputs(rank: int, world: int) -> list[dict]:
     every rank raises in that same call."""
     router = Router()
     layer, w13, w2 = _layer(custom_routing_function=router)
-    x, logits = rank_tokens(rank, 3 + rank, H, E, torch.float32, "cpu")
+    T = 3 + rank
+    x, logits = rank_tokens(rank, T, H, E, torch.float32, "cpu")
     empty_x, empty_logits = x[:0], logits[:0]
     named = rf"another rank .*rank {ODD} "
     # case: (this rank's call, the odd rank's error (type, pattern), the others' pattern)
@@ -212,6 +213,16 @@ def bad_forward_inputs(rank: int, world: int) -> list[dict]:
             lambda: _with_bad_select(layer, rank, lambda: layer(x, logits)),
             (ValueError, rf"the routing returned expert ids in \[0, {E}\] on this rank"),
             rf"the routing of rank {ODD} chose expert ids outside \[-1, E\)",
+        ),
+        "num_valid_tokens above T on one rank (device flag)": (
+            lambda: layer(x, logits, num_valid_tokens=torch.tensor(T + 2 if rank == ODD else T)),
+            (ValueError, rf"num_valid_tokens={T + 2} on this rank, whose batch has T={T}"),
+            rf"the num_valid_tokens of rank {ODD} lay outside \[0, T\]",
+        ),
+        "num_valid_tokens -1 on one rank (device flag)": (
+            lambda: layer(x, logits, num_valid_tokens=torch.tensor(-1 if rank == ODD else 1)),
+            (ValueError, rf"must lie in \[0, {T}\]"),
+            rf"the num_valid_tokens of rank {ODD} lay outside \[0, T\]",
         ),
     }
     sweep, rows = Sweep(), []

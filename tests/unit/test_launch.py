@@ -42,6 +42,37 @@ def test_demo_serves_on_two_gloo_ranks_and_matches_the_oracle():
     assert len(loads) == 2 and all(n > 0 for n in loads), out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU demo; the GPU tier runs its own")
+def test_demo_with_eplb_replans_while_serving_and_still_matches_the_oracle():
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "demo.py"), "--nproc", "2",
+           "--num-layers", "1", "--steps", "7", "--max-batch", "16", "--placement", "eplb",
+           "--rebalance-every", "3"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert re.findall(r"EPLB step (\d+): 1/1 layers re-placed", out) == ["3", "6"], out
+    assert "placement=eplb" in out and "since the last re-plan" in out, out
+    assert float(re.search(r"oracle: ([0-9.e+-]+)", out).group(1)) < 1e-5, out
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [(["--placement", "balanced"], "invalid choice: 'balanced'"),
+     (["--backend", "nccl"], "invalid choice: 'nccl'"),
+     (["--placement", "eplb", "--rebalance-every", "0"], "at least 1, got 0")],
+)  # fmt: skip
+def test_demo_refuses_bad_options_before_starting(args, match, capsys):
+    """At argument parsing, naming the choices: not inside the layer on every rank."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import serve_demo
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit):
+        serve_demo.main(args)
+    assert match in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
 @pytest.mark.parametrize("cache", ["dynamic", "static", "step"])
 def test_serving_example_on_two_gloo_ranks_matches_the_unconverted_model(cache):

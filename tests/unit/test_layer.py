@@ -518,6 +518,19 @@ def test_num_valid_tokens_is_checked(value, error, match):
         layer(torch.randn(4, 16), torch.randn(4, 8), num_valid_tokens=value)
 
 
+@pytest.mark.parametrize("count", [5, -1])
+def test_a_count_outside_the_batch_raises_where_the_layer_agrees(count):
+    """Checked on the device and read back with the agreement (one rank here); the
+    graph-safe path never waits for the device: above T means every row, below 0 none."""
+    layer, w13, w2 = layer_and_weights()
+    x, logits = torch.randn(4, 16), torch.randn(4, 8)
+    with pytest.raises(ValueError, match=rf"num_valid_tokens={count} on this rank, whose batch"):
+        layer(x, logits, num_valid_tokens=torch.tensor(count))
+    out = layer(x, logits, num_valid_tokens=torch.tensor(count), max_tokens_across_ranks=4)
+    expected = layer(x, logits) if count > 0 else torch.zeros(4, 16)
+    assert_close(out, expected, 0.0)
+
+
 def test_a_layer_saved_before_the_rebuild_state_still_runs():
     """``torch.save(layer)`` from before ``_comm_pending`` existed: defaults on load."""
     layer, w13, w2 = layer_and_weights()
