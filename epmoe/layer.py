@@ -1100,7 +1100,11 @@ class EPMoE(nn.Module):
             weights_TK = torch.ones_like(weights_TK)
 
         # dispatch → experts → combine, chunk by chunk (one dispatch held at a time, within
-        # any backend's max_in_flight); the shared experts run while the first is in flight
+        # any backend's max_in_flight); the shared experts run while the first is in flight.
+        # The tag lets a backend that reads its counts on the host refuse a dispatch that
+        # meets another layer's (a rank that skipped a layer inside a step)
+        index = self._agreement.index  # (a copy's is above 2**62: nonzero as it is)
+        comm.call_tag = index + 1 if index < 1 << 62 else index
         outs, shared_TH = [], None
         for c in range(num_chunks):
             lo, hi = min(c * M, T), min((c + 1) * M, T)

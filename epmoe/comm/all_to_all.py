@@ -35,6 +35,7 @@ from epmoe.comm.base import (
     DispatchResult,
     Layout,
     Pending,
+    call_tag_error,
     check_combine_args,
     check_dispatch_args,
     ids_error,
@@ -114,10 +115,12 @@ class AllToAllBackend(AllToAll):
         self._offsets_W = torch.tensor(
             spec.rank_offsets[:-1], dtype=torch.int64, device=spec.device
         )
-        # ExpertBatched count exchange: rank r's block of [P + W] ends with a flag, at
-        # rank_offsets[r + 1] + r
+        # ExpertBatched count exchange: rank r's block of [P + 2W] ends with a flag, at
+        # rank_offsets[r + 1] + 2r, and the call tag after it
         self._flag_pos_W = torch.tensor(
-            [spec.rank_offsets[r + 1] + r for r in range(W)], dtype=torch.int64, device=spec.device
+            [spec.rank_offsets[r + 1] + 2 * r for r in range(W)],
+            dtype=torch.int64,
+            device=spec.device,
         )
 
     # ------------------------------------------------------------------- interface
@@ -157,11 +160,15 @@ class AllToAllBackend(AllToAll):
         dest_TW.scatter_(1, owner_TK, True)
         dest_WT = dest_TW[:, :W].t()  # dest_WT[r, t]: token t has an expert on rank r
         send_counts_W = dest_WT.sum(1)
-        # (rows, ids out of range?) to every rank: the flag rides with the counts
-        send_W2 = torch.stack([send_counts_W, bad.expand(W)], dim=1)
-        recv_W2 = exchange_counts(send_W2, self.group)
-        counts = torch.cat([send_counts_W, recv_W2.t().reshape(-1)]).tolist()  # one host sync
-        send_splits, recv_splits, bad_W = counts[:W], counts[W : 2 * W], counts[2 * W :]
+        # (rows, ids out of range?, call tag) to every rank: flag and tag ride with the counts
+        tag = torch.full_like(send_counts_W, self.call_tag)
+        send_W3 = torch.stack([send_counts_W, bad.expand(W), tag], dim=1)
+        recv_W3 = exchange_counts(send_W3, self.group)
+        counts = torch.cat([send_counts_W, recv_W3.t().reshape(-1)]).tolist()  # one host sync
+        send_splits, recv_splits = counts[:W], counts[W : 2 * W]
+        bad_W, tags_W = counts[2 * W : 3 * W], counts[3 * W :]
+        if (error := call_tag_error(self.name, tags_W)) is not None:
+            raise error  # on every rank, before any row moves
         if any(bad_W):  # every rank raises here, before any row moves
             bad_ranks = [r for r, b in enumerate(bad_W) if b]
             raise ids_error(self.name, topk_ids_TK, P, bad_ranks, self.rank)
@@ -222,21 +229,25 @@ class AllToAllBackend(AllToAll):
         order = torch.argsort(key, stable=True)  # rank-major == by physical id
         per_expert_P = torch.bincount(key, minlength=P + 1)[:P]
         # rank r receives the per-expert counts of its own experts from every source, then
-        # the source's ids-out-of-range flag: [P + W], rank r's block is its e_r counts + 1
-        send_PW = per_expert_P.new_empty(P + W)
-        send_PW[torch.arange(P, device=dev) + self._owner_P] = per_expert_P
+        # the source's ids-out-of-range flag and call tag: [P + 2W], rank r's block is its
+        # e_r counts + 2
+        send_PW = per_expert_P.new_empty(P + 2 * W)
+        send_PW[torch.arange(P, device=dev) + 2 * self._owner_P] = per_expert_P
         send_PW[self._flag_pos_W] = bad
-        sizes = [n + 1 for n in self._rank_sizes_W]
-        recv_We1 = all_to_all(send_PW, sizes, [e + 1] * W, self.group).view(W, e + 1)
-        recv_cnt_We = recv_We1[:, :e]
+        send_PW[self._flag_pos_W + 1] = self.call_tag
+        sizes = [n + 2 for n in self._rank_sizes_W]
+        recv_We2 = all_to_all(send_PW, sizes, [e + 2] * W, self.group).view(W, e + 2)
+        recv_cnt_We = recv_We2[:, :e]
         send_counts_W = torch.zeros(W, dtype=torch.int64, device=dev)
         send_counts_W.index_add_(0, self._owner_P, per_expert_P)
         counts_e = recv_cnt_We.sum(0)
         most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
         counts = torch.cat(
-            [send_counts_W, recv_cnt_We.sum(1), recv_We1[:, e], most]
+            [send_counts_W, recv_cnt_We.sum(1), recv_We2[:, e], recv_We2[:, e + 1], most]
         ).tolist()  # the one host sync
         send_splits, recv_splits, bad_W = counts[:W], counts[W : 2 * W], counts[2 * W : 3 * W]
+        if (error := call_tag_error(self.name, counts[3 * W : 4 * W])) is not None:
+            raise error  # on every rank, before any row moves
         if any(bad_W):  # every rank raises here, before any row moves
             bad_ranks = [r for r, b in enumerate(bad_W) if b]
             raise ids_error(self.name, topk_ids_TK, P, bad_ranks, self.rank)

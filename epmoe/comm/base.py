@@ -263,6 +263,12 @@ class AllToAll(ABC):
 
     name: str = ""
     capabilities: Capabilities
+    # Who makes the next dispatch, as the same nonzero int on every rank (``EPMoE`` sets
+    # its layer index + 1 before each of its dispatches; 0: untagged). The backends whose
+    # count exchange reaches the host carry it with the counts and raise on every rank
+    # when the ranks' tags differ (see :func:`call_tag_error`): ranks in different layers'
+    # dispatches, whose collectives would otherwise pair up.
+    call_tag: int = 0
 
     def __init__(
         self, spec: CommSpec, group: dist.ProcessGroup | None, layout: Layout | None = None
@@ -574,4 +580,26 @@ def ids_error(
         f"{mine}; pass physical expert ids in [0, {P}) (ExpertPlacement.to_physical maps "
         "logical ids) or -1 for no expert. Nothing was sent: every rank of the group raises "
         "this error in the same dispatch"
+    )
+
+
+def call_tag_error(backend: str, tags_W: list[int]) -> RuntimeError | None:
+    """The error every rank raises when the ranks' ``call_tag`` differ in one dispatch
+    (gathered with the counts), else ``None``."""
+    if len(set(tags_W)) <= 1:
+        return None
+    by_tag: dict[int, list[int]] = {}
+    for r, tag in enumerate(tags_W):
+        by_tag.setdefault(tag, []).append(r)
+    where = "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {ranks[0] if len(ranks) == 1 else ranks} in "
+        + (f"layer #{tag - 1}'s" if tag > 0 else "an untagged")
+        + " dispatch"
+        for tag, ranks in by_tag.items()
+    )
+    return RuntimeError(
+        f"{backend} dispatch: the EP ranks are in different MoE layers' dispatches ({where}): "
+        "a rank skipped a layer or called an extra one inside the step. Every rank must call "
+        "the step's layers (also with T = 0) in the same order. Nothing was sent: every rank "
+        "raises in this dispatch"
     )

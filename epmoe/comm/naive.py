@@ -31,6 +31,7 @@ from epmoe.comm.base import (
     DispatchResult,
     Layout,
     Pending,
+    call_tag_error,
     check_combine_args,
     check_dispatch_args,
     ids_error,
@@ -77,14 +78,15 @@ class NaiveBackend(AllToAll):
         check_dispatch_args(self.spec, hidden_TH, topk_ids_TK, topk_weights_TK, False)
         T, K, W = hidden_TH.shape[0], self.spec.top_k, self.world_size
         dev, P = hidden_TH.device, self.spec.num_physical
-        # every rank's (T, ids out of range?) in one all-gather
-        mine_2 = torch.stack(
-            [torch.tensor(T, dtype=torch.int64, device=dev), ids_out_of_range(topk_ids_TK, P)]
-        )
-        gathered_W2 = torch.empty(W * 2, dtype=torch.int64, device=dev)
-        all_gather_into(gathered_W2, mine_2, self.group)
-        gathered = gathered_W2.tolist()  # the one host sync
-        tokens, bad = tuple(gathered[0::2]), gathered[1::2]
+        # every rank's (T, ids out of range?, call tag) in one all-gather
+        mine_3 = torch.tensor([T, 0, self.call_tag], dtype=torch.int64, device=dev)
+        mine_3[1] = ids_out_of_range(topk_ids_TK, P)
+        gathered_W3 = torch.empty(W * 3, dtype=torch.int64, device=dev)
+        all_gather_into(gathered_W3, mine_3, self.group)
+        gathered = gathered_W3.tolist()  # the one host sync
+        tokens, bad = tuple(gathered[0::3]), gathered[1::3]
+        if (error := call_tag_error(self.name, gathered[2::3])) is not None:
+            raise error  # on every rank, before any row moves
         if any(bad):  # every rank raises here, before any row moves
             bad_ranks = [r for r, b in enumerate(bad) if b]
             raise ids_error(self.name, topk_ids_TK, P, bad_ranks, self.rank)

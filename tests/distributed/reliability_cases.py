@@ -317,8 +317,37 @@ def out_of_step(rank: int, world: int) -> list[dict]:
         _in_step(other, w13, w2, rank)
         layer.rebalance(new)
         _in_step(layer, w13, w2, rank)
+    # Inside a step the layers do not agree (no collective of their own): the backends
+    # whose counts reach the host carry each layer's tag with them, so a rank in another
+    # layer's dispatch is refused there, on every rank, before any row moves
+    for backend, layout in (("all_to_all", "standard"), ("all_to_all", "expert_batched"),
+                            ("naive", "standard")):  # fmt: skip
+        first, _, _ = _layer(backend=backend, layout=layout)
+        second, _, _ = _layer(backend=backend, layout=layout)
+        where = rf"rank {ODD} in layer #{second._agreement.index}'s dispatch"
+        orders = {  # what rank ODD calls in the step; the others call [first, second]
+            "skipped layer #0 inside a step": [second],
+            "called the step's layers in the other order": [second, first],
+        }
+        for what, odd_order in orders.items():
+            case = f"{backend} ({layout}): one rank {what}"
+            order = odd_order if rank == ODD else [first, second]
+            with sweep.case(case):
+                seconds, error, _ = _timed(lambda order=order: _step_of(order, x, logits))
+                rows.append(_row(case, rank, seconds, error))
+                _check(error, seconds, RuntimeError, rf"different MoE layers' dispatches .*{where}")
+        with sweep.case(f"{backend} ({layout}): then a step of both layers on every rank"):
+            ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+            for out in _step_of([first, second], x, logits):
+                assert_close(out, ref, 1e-5, name=f"rank {rank} in a step")
     sweep.check()
     return rows
+
+
+def _step_of(layers, x, logits) -> list[torch.Tensor]:
+    """One ``epmoe.step`` calling ``layers`` in order on the same input."""
+    with epmoe.step(None, num_tokens=x.shape[0]):
+        return [layer(x, logits) for layer in layers]
 
 
 def late_rank(rank: int, world: int, timeout_s: float, sleep_s: float) -> list[dict]:
