@@ -264,9 +264,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the launcher with ``argv`` (default ``sys.argv[1:]``); returns torchrun's exit code."""
     ap = parser(prog)
     opts = ap.parse_args(argv)
+    if opts.nproc is not None and opts.nproc <= 0:
+        ap.error(f"--nproc must be positive, got {opts.nproc}")
     nproc = opts.nproc or default_nproc()
-    if nproc <= 0:
-        ap.error(f"--nproc must be positive, got {nproc}")
     try:
         nodes = Nodes(
             nnodes=opts.nnodes,

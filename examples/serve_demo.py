@@ -70,7 +70,7 @@ class MoEBlock(nn.Module):
         super().__init__()
         self.oracle = oracle  # the same MoE computed in one process, for checking
         self.checking = False
-        self.max_error = 0.0
+        self.max_error, self.checked = 0.0, 0
         H, E = cfg.hidden_size, cfg.num_experts
         self.norm1, self.norm2 = RMSNorm(H).to(device), RMSNorm(H).to(device)
         self.dense = nn.Linear(H, H, bias=False, dtype=dtype, device=device)
@@ -85,6 +85,7 @@ class MoEBlock(nn.Module):
         if self.checking and h_TH.shape[0] > 0:
             error = relative_error(moe_TH, self.oracle(h_TH, logits_TE))
             self.max_error = max(self.max_error, error)
+            self.checked += 1
         return x_TH + moe_TH
 
 
@@ -142,6 +143,11 @@ HELP = {
     "backend": "all-to-all backend",
     "experts": "expert kernels",
 }
+MINIMUM = {  # the rest are ints >= 1
+    name: 3 if name == "steps" else 1  # (the first 2 steps warm up, untimed)
+    for name, value in vars(DemoConfig()).items()
+    if isinstance(value, int)
+}
 CHOICES = {
     "placement": ["linear", "round_robin", "eplb"],
     "backend": ["auto", *backend_names()],
@@ -160,7 +166,10 @@ def batch_sizes(cfg: DemoConfig, rank: int) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     defaults = DemoConfig()
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="launch/demo.py also takes --nproc N: the number of ranks (default: every "
+        "GPU, or 2 on a CPU machine)",
     )
     for name, value in vars(defaults).items():
         p.add_argument(
@@ -171,8 +180,11 @@ def main(argv: list[str] | None = None) -> None:
             help=f"{HELP[name]} (default: {value})",
         )
     cfg = DemoConfig(**vars(p.parse_args(argv)))
-    if cfg.rebalance_every < 1:
-        p.error(f"--rebalance-every must be at least 1, got {cfg.rebalance_every}")
+    for name, lo in MINIMUM.items():
+        if getattr(cfg, name) < lo:
+            p.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(cfg, name)}")
+    if cfg.top_k > cfg.num_experts:
+        p.error(f"--top-k {cfg.top_k} exceeds --num-experts {cfg.num_experts}")
 
     group = epmoe.init_distributed()
     rank = dist.get_rank() if group is not None else 0
@@ -241,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         owner = moe.placement.owner_rank.to(device)
         load_per_rank.index_add_(0, owner, load_P)
     worst_error = max(block.max_error for block in model)
-    stats = torch.tensor([served, busy_s, worst_error], dtype=torch.float64, device=device)
+    checked = sum(block.checked for block in model)
+    stats = torch.tensor([served, busy_s, worst_error, checked], dtype=torch.float64, device=device)
     if group is not None:
         everyone = [torch.zeros_like(stats) for _ in range(world)]
         dist.all_gather(everyone, stats)
@@ -251,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
         tokens = sum(int(s[0]) for s in everyone)
         seconds = max(float(s[1]) for s in everyone)
         error = max(float(s[2]) for s in everyone)
+        checked = sum(int(s[3]) for s in everyone)
         load = load_per_rank.tolist()
         mean = sum(load) / len(load)
         print(
@@ -275,7 +289,13 @@ def main(argv: list[str] | None = None) -> None:
             + ", ".join(f"rank {r}: {n}" for r, n in enumerate(load))
             + f"  (balancedness {mean / max(max(load), 1):.3f})"
         )
-        print(f"  max relative error of an MoE layer vs the single-process oracle: {error:.2e}")
+        print(
+            f"  max relative error of an MoE layer vs the single-process oracle: {error:.2e} "
+            f"({checked} layer outputs checked)"
+            if checked
+            else "  no MoE layer output was checked against the oracle (no tokens at the "
+            "checked steps): run more --steps"
+        )
     if group is not None:
         dist.destroy_process_group()
 

@@ -766,22 +766,31 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--requests", type=int, default=24, help="requests per rank (±25%%)")
-    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together")
-    p.add_argument("--prefill-chunk", type=int, default=16, help="prompt positions per step")
-    p.add_argument("--max-prompt", type=int, default=40, help="longest prompt (tokens)")
-    p.add_argument("--max-new-tokens", type=int, default=16, help="longest output (tokens)")
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--requests", type=_at_least(1), default=24, help="requests per rank (±25%%)")
+    p.add_argument("--max-batch", type=_at_least(1), default=8, help="requests decoded together")
+    p.add_argument(
+        "--prefill-chunk", type=_at_least(1), default=16, help="prompt positions per step"
+    )
+    p.add_argument("--max-prompt", type=_at_least(4), default=40, help="longest prompt (tokens)")
+    p.add_argument(
+        "--max-new-tokens", type=_at_least(2), default=16, help="longest output (tokens)"
+    )
+    p.add_argument("--num-layers", type=_at_least(1), default=2)
+    p.add_argument("--num-experts", type=_at_least(1), default=8)
+    p.add_argument("--top-k", type=_at_least(1), default=2)
+    p.add_argument("--hidden-size", type=_at_least(1), default=64)
+    p.add_argument("--vocab", type=_at_least(4), default=512)
     p.add_argument("--backend", default="auto", help="epmoe all-to-all backend")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the group's)")
-    p.add_argument("--rebalance-every", type=int, default=20, help="EPLB re-plan interval")
-    p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    p.add_argument("--rebalance-every", type=_at_least(1), default=20, help="EPLB re-plan interval")
     p.add_argument(
-        "--check", type=int, default=3, help="requests per rank compared with the unconverted model"
+        "--log-every", type=_at_least(1), default=20, help="steps between progress lines"
+    )
+    p.add_argument(
+        "--check",
+        type=_at_least(0),
+        default=3,
+        help="requests per rank compared with the unconverted model",
     )
     p.add_argument(
         "--checkpoint",
@@ -828,7 +837,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--aligned-moe-steps",
-        type=int,
+        type=_at_least(0),
         default=None,
         help="after serving, time this many decode-sized passes through the MoE blocks with "
         "every rank starting together (the blocks' own time, without waiting for ranks "
@@ -839,6 +848,10 @@ def main(argv: list[str] | None = None) -> None:
         import transformers  # noqa: F401
     except ImportError:
         p.error("this example serves a Hugging Face model: pip install 'epmoe[hf]'")
+    if args.fp8_experts and not args.checkpoint:
+        p.error("--fp8-experts keeps an FP8 checkpoint's experts in FP8: add --checkpoint DIR")
+    if args.top_k > args.num_experts and not args.checkpoint:
+        p.error(f"--top-k {args.top_k} exceeds --num-experts {args.num_experts}")
     if args.graph_sizes is not None and not (args.cuda_graphs or args.static_cache):
         p.error("--graph-sizes applies to --cuda-graphs and --static-cache; add one of them")
     if args.graph_sizes is None:
@@ -1060,6 +1073,21 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _at_least(lo: int):
+    """An argparse type: an int ``>= lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"expected an int >= {lo}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _sizes(text: str) -> list[int]:

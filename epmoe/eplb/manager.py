@@ -93,14 +93,17 @@ class RebalanceReport:
         return sum(r.migration.bytes_received for r in self.layers)
 
     def summary(self) -> str:
-        """One line for logs."""
+        """One line for logs: the layers' mean balancedness as measured in the window,
+        then as the planner expects it (replicas sharing their expert's load evenly) under
+        the old and the new placement."""
         n = len(self.layers)
         mb = sum(r.measured_before for r in self.layers) / max(n, 1)
+        eb = sum(r.expected_before for r in self.layers) / max(n, 1)
         ea = sum(r.expected_after for r in self.layers) / max(n, 1)
         changed = sum(r.changed for r in self.layers)
         return (
             f"EPLB step {self.step}: {changed}/{n} layers re-placed, balancedness "
-            f"{mb:.3f} measured -> {ea:.3f} expected, {self.slots_moved} slots moved "
+            f"{mb:.3f} measured, expected {eb:.3f} -> {ea:.3f}, {self.slots_moved} slots moved "
             f"({self.bytes_received / 2**20:.1f} MiB in), plan {self.plan_seconds * 1e3:.1f} ms, "
             f"migration {self.migrate_seconds * 1e3:.1f} ms"
         )

@@ -55,22 +55,54 @@ def test_demo_with_eplb_replans_while_serving_and_still_matches_the_oracle():
     assert float(re.search(r"oracle: ([0-9.e+-]+)", out).group(1)) < 1e-5, out
 
 
+def _example(name: str):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [(["--placement", "balanced"], "invalid choice: 'balanced'"),
      (["--backend", "nccl"], "invalid choice: 'nccl'"),
-     (["--placement", "eplb", "--rebalance-every", "0"], "at least 1, got 0")],
+     (["--placement", "eplb", "--rebalance-every", "0"], "--rebalance-every must be at least 1"),
+     (["--steps", "2"], "--steps must be at least 3, got 2"),
+     (["--max-batch", "0"], "--max-batch must be at least 1"),
+     (["--num-layers", "0"], "--num-layers must be at least 1"),
+     (["--top-k", "20"], "--top-k 20 exceeds --num-experts 16")],
 )  # fmt: skip
 def test_demo_refuses_bad_options_before_starting(args, match, capsys):
-    """At argument parsing, naming the choices: not inside the layer on every rank."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    try:
-        import serve_demo
-    finally:
-        sys.path.pop(0)
+    """At argument parsing, naming the option: not inside the layer on every rank."""
     with pytest.raises(SystemExit):
-        serve_demo.main(args)
+        _example("serve_demo").main(args)
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [(["--max-batch", "0"], "argument --max-batch: expected an int >= 1, got '0'"),
+     (["--log-every", "0"], "argument --log-every: expected an int >= 1"),
+     (["--max-new-tokens", "1"], "argument --max-new-tokens: expected an int >= 2"),
+     (["--rebalance-every", "x"], "argument --rebalance-every: expected an int >= 1, got 'x'"),
+     (["--fp8-experts"], "experts in FP8: add --checkpoint"),
+     (["--top-k", "9"], "--top-k 9 exceeds --num-experts 8")],
+)  # fmt: skip
+def test_serving_refuses_bad_options_before_starting(args, match, capsys):
+    pytest.importorskip("transformers")
+    with pytest.raises(SystemExit):
+        _example("serving").main(args)
+    assert match in capsys.readouterr().err
+
+
+def test_the_launcher_refuses_nproc_0(capsys):
+    """(0 once fell through to the default count of ranks)"""
+    from epmoe.launch import main
+
+    with pytest.raises(SystemExit):
+        main(["--nproc", "0", "script.py"])
+    assert "--nproc must be positive, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; the GPU tier runs its own")
