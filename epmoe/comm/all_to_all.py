@@ -115,10 +115,11 @@ class AllToAllBackend(AllToAll):
         self._offsets_W = torch.tensor(
             spec.rank_offsets[:-1], dtype=torch.int64, device=spec.device
         )
-        # ExpertBatched count exchange: rank r's block of [P + 2W] ends with a flag, at
-        # rank_offsets[r + 1] + 2r, and the call tag after it
+        # ExpertBatched count exchange: rank r's block of [P + 2W] starts with a flag, at
+        # rank_offsets[r] + 2r, and the call tag after it (first: a peer in a layer whose
+        # blocks are shorter still sends both), then rank r's e_r counts
         self._flag_pos_W = torch.tensor(
-            [spec.rank_offsets[r + 1] + 2 * r for r in range(W)],
+            [spec.rank_offsets[r] + 2 * r for r in range(W)],
             dtype=torch.int64,
             device=spec.device,
         )
@@ -228,22 +229,21 @@ class AllToAllBackend(AllToAll):
         key = torch.where((ids >= 0) & (ids < P), ids, P)
         order = torch.argsort(key, stable=True)  # rank-major == by physical id
         per_expert_P = torch.bincount(key, minlength=P + 1)[:P]
-        # rank r receives the per-expert counts of its own experts from every source, then
-        # the source's ids-out-of-range flag and call tag: [P + 2W], rank r's block is its
-        # e_r counts + 2
+        # rank r receives from every source its ids-out-of-range flag and call tag, then the
+        # per-expert counts of r's own experts: [P + 2W], rank r's block is 2 + e_r
         send_PW = per_expert_P.new_empty(P + 2 * W)
-        send_PW[torch.arange(P, device=dev) + 2 * self._owner_P] = per_expert_P
+        send_PW[torch.arange(P, device=dev) + 2 * self._owner_P + 2] = per_expert_P
         send_PW[self._flag_pos_W] = bad
         send_PW[self._flag_pos_W + 1] = self.call_tag
-        sizes = [n + 2 for n in self._rank_sizes_W]
-        recv_We2 = all_to_all(send_PW, sizes, [e + 2] * W, self.group).view(W, e + 2)
-        recv_cnt_We = recv_We2[:, :e]
+        sizes = [2 + n for n in self._rank_sizes_W]
+        recv_W2e = all_to_all(send_PW, sizes, [2 + e] * W, self.group).view(W, 2 + e)
+        recv_cnt_We = recv_W2e[:, 2:]
         send_counts_W = torch.zeros(W, dtype=torch.int64, device=dev)
         send_counts_W.index_add_(0, self._owner_P, per_expert_P)
         counts_e = recv_cnt_We.sum(0)
         most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
         counts = torch.cat(
-            [send_counts_W, recv_cnt_We.sum(1), recv_We2[:, e], recv_We2[:, e + 1], most]
+            [send_counts_W, recv_cnt_We.sum(1), recv_W2e[:, 0], recv_W2e[:, 1], most]
         ).tolist()  # the one host sync
         send_splits, recv_splits, bad_W = counts[:W], counts[W : 2 * W], counts[2 * W : 3 * W]
         if (error := call_tag_error(self.name, counts[3 * W : 4 * W])) is not None:

@@ -264,10 +264,11 @@ class AllToAll(ABC):
     name: str = ""
     capabilities: Capabilities
     # Who makes the next dispatch, as the same nonzero int on every rank (``EPMoE`` sets
-    # its layer index + 1 before each of its dispatches; 0: untagged). The backends whose
-    # count exchange reaches the host carry it with the counts and raise on every rank
-    # when the ranks' tags differ (see :func:`call_tag_error`): ranks in different layers'
-    # dispatches, whose collectives would otherwise pair up.
+    # its layer index + 1 before each of its dispatches, a copy's index as it is; 0:
+    # untagged). The backends whose count exchange reaches the host carry it with the
+    # counts and raise on every rank when the ranks' tags differ (see
+    # :func:`call_tag_error`): ranks in different layers' dispatches, whose collectives
+    # would otherwise pair up.
     call_tag: int = 0
 
     def __init__(
@@ -593,7 +594,7 @@ def call_tag_error(backend: str, tags_W: list[int]) -> RuntimeError | None:
         by_tag.setdefault(tag, []).append(r)
     where = "; ".join(
         f"rank{'s' if len(ranks) > 1 else ''} {ranks[0] if len(ranks) == 1 else ranks} in "
-        + (f"layer #{tag - 1}'s" if tag > 0 else "an untagged")
+        + (f"layer #{tag - 1 if tag < 1 << 62 else tag}'s" if tag > 0 else "an untagged")
         + " dispatch"
         for tag, ranks in by_tag.items()
     )

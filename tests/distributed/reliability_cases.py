@@ -320,10 +320,19 @@ def out_of_step(rank: int, world: int) -> list[dict]:
     # Inside a step the layers do not agree (no collective of their own): the backends
     # whose counts reach the host carry each layer's tag with them, so a rank in another
     # layer's dispatch is refused there, on every rank, before any row moves
-    for backend, layout in (("all_to_all", "standard"), ("all_to_all", "expert_batched"),
-                            ("naive", "standard")):  # fmt: skip
+    # (ExpertBatched's exchange is as long as the layer's slots per rank: a second layer
+    # whose blocks differ, [2, 4, 2] against [3, 3, 2] at W = 3, still sends the flag and
+    # tag first, so the layers are named right)
+    uneven = dict(placement=epmoe.ExpertPlacement.from_physical_to_logical(
+        range(E), 3, rank_offsets=[0, 2, 6, 8])) if world == 3 else {}  # fmt: skip
+    for backend, layout, more in (("all_to_all", "standard", {}),
+                                  ("all_to_all", "expert_batched", {}),
+                                  ("all_to_all", "expert_batched", uneven),
+                                  ("naive", "standard", {})):  # fmt: skip
         first, _, _ = _layer(backend=backend, layout=layout)
-        second, _, _ = _layer(backend=backend, layout=layout)
+        second, _, _ = _layer(backend=backend, layout=layout, **more)
+        if more:
+            layout += ", the second layer's slots per rank [2, 4, 2]"
         where = rf"rank {ODD} in layer #{second._agreement.index}'s dispatch"
         orders = {  # what rank ODD calls in the step; the others call [first, second]
             "skipped layer #0 inside a step": [second],
