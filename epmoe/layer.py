@@ -1261,7 +1261,11 @@ class EPMoE(nn.Module):
                     f"num_valid_tokens as a bool mask must have one value per row, shape "
                     f"({T},); got {tuple(num_valid_tokens.shape)}"
                 )
-        elif num_valid_tokens.numel() != 1 or num_valid_tokens.is_floating_point():
+        elif (
+            num_valid_tokens.numel() != 1
+            or num_valid_tokens.is_floating_point()
+            or num_valid_tokens.is_complex()
+        ):
             return ValueError(
                 f"num_valid_tokens must be {what}, got {num_valid_tokens.dtype} of shape "
                 f"{tuple(num_valid_tokens.shape)}"

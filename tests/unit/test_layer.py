@@ -509,8 +509,9 @@ def test_rows_masked_out_by_num_valid_tokens_go_to_no_expert(hinted):
     ("value", "error", "match"),
     [(3, TypeError, "one-element integer tensor"), (torch.tensor([1.0]), ValueError, "integer"),
      (torch.tensor([1, 2]), ValueError, "one-element"),
+     (torch.tensor([1 + 0j]), ValueError, "integer"),
      (torch.ones(3, dtype=torch.bool), ValueError, r"one value per row, shape \(4,\)")],
-    ids=["an int", "a float tensor", "two elements", "a mask of another length"],
+    ids=["an int", "a float tensor", "two elements", "complex", "a mask of another length"],
 )  # fmt: skip
 def test_num_valid_tokens_is_checked(value, error, match):
     layer, *_ = layer_and_weights()
