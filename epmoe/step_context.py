@@ -32,9 +32,10 @@ Inside the step, layers trust it as they trust ``max_tokens_across_ranks``: a la
 checks of its inputs (shapes, dtypes, ``T ≤ max_tokens``) raise on that rank only, routing
 ids are not range checked, and a rank that skips a layer (or calls the layers in another
 order) is refused where its call meets another layer's dispatch by the backends whose
-counts reach the host (each dispatch carries its layer's index, ``AllToAll.call_tag``),
-but not by the graph-safe ones, nor when it skips the step's last layer (the others wait
-in it until the group's timeout). The layers of one step must be on the step's EP group.
+counts reach the host (each dispatch carries its layer's index, ``AllToAll.call_tag``);
+``symm_ll`` and ``symm_ht`` report it from the device at that rank's next call; nothing
+catches a rank that skips the step's last layer (the others wait in it until the group's
+timeout, or the bounded wait's). The layers of one step must be on the step's EP group.
 
 Shape legend: T tokens on this rank · W EP world size.
 """

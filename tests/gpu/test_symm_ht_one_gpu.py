@@ -38,7 +38,8 @@ def test_streamed_combine_of_ranks_running_at_once(W):
     """Each round: every rank's dispatch send, then receive (in stream order), then every
     rank's streamed combine (senders and reducers in one launch) on its own stream at once;
     the outputs are each token's weighted rows, no wait timed out, and the flags and counts
-    are what the protocol says."""
+    are what the protocol says. Each call has its tag; in the third the last rank's is
+    another layer's, which a receive reports (``ERR_LAYER``), and nothing else is."""
     from epmoe.comm.symm import kernels as k
     from tests.unit.symm_sim import Ranks
 
@@ -61,14 +62,22 @@ def test_streamed_combine_of_ranks_running_at_once(W):
         parity = n % 2
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
+        # a tag per call (a layer's); in the third the last rank is in another layer's call
+        tags = [n + 1] * (W - 1) + [99 if n == 2 else n + 1]
         for r in range(W):  # dispatch, send half
-            sim.send(k, parity, r, inputs[r], 2, True, rows=4, chunk=chunk)
+            sim.send(k, parity, r, inputs[r], 2, True, rows=4, chunk=chunk, tag=tags[r])
         for r in range(W):  # dispatch, receive half
             ids_out, w_out, recv_t = published[r][parity]
             k.ht_dispatch_recv_kernel[(W, 2)](
                 sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, 10**9,
-                reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=True, ROWS=4,
+                tags[r], reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=True, ROWS=4,
             )  # fmt: skip
+        torch.cuda.synchronize()
+        if n == 2:  # reported by a receiver of the odd rank's rows (it is named, or names)
+            code = sim.err.item()
+            assert code >> 16 == (k.ERR_LAYER << 8) | k.OP_DISPATCH, hex(code)
+            sim.err.zero_()
+        assert sim.err.item() == 0, f"round {n}: error word {sim.err.item():#x}"
         ys = [
             (sim.rows(r, parity) * published[r][parity][1].sum(1, keepdim=True)).contiguous()
             for r in range(W)
@@ -123,7 +132,7 @@ def test_a_rank_that_never_combines_is_named_within_the_bound():
             torch.zeros(W, dtype=torch.int32, device=dev),
         )
         k.ht_dispatch_recv_kernel[(W, 2)](
-            sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, TIMEOUT_NS,
+            sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, TIMEOUT_NS, 0,
             reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=True, ROWS=4,
         )  # fmt: skip
         published.append((ids_out, w_out, recv_t))

@@ -76,11 +76,13 @@ class Ranks:
         return self.bufs[r][start : start + n * self.H * 4].view(torch.float32).view(n, -1)
 
     def send(
-        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1, chunk: int = 0
-    ) -> None:
+        self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1, chunk: int = 0,
+        tag: int = 0,
+    ) -> None:  # fmt: skip
         """Rank r's dispatch send half (``dispatch_send_kernel``, float32 rows, a flag per
         token or, ``counted``, one count per program, ``rows`` tokens at a time) on
-        ``grid`` programs; ``chunk``: a streamed combine's chunk counts cleared first."""
+        ``grid`` programs; ``chunk``: a streamed combine's chunk counts cleared first;
+        ``tag``: the call's tag."""
         import triton.language as tl
 
         x, ids, w = inputs
@@ -88,7 +90,7 @@ class Ranks:
         kernels.dispatch_send_kernel[(grid,)](
             x, x, ids, w, self.owner, self.local, self.bases, self.err.data_ptr(),
             self.routes[r, parity], x.shape[0],
-            self.H, self.E, self.M, self.W, 1, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
+            self.H, self.E, self.M, self.W, 1, r, tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
             K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W, BLOCK_H=128, FP8=False, WIRE=tl.float32,
             FP8_MAX=448.0, INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,
             PREQUANT=False, COUNTED=counted, ROWS=rows, ROUTES=True, CHUNK=chunk,

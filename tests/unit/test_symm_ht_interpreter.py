@@ -250,7 +250,9 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode
     weighted rows. Rows of 300 columns: every kernel loops over column blocks of 128 (the
     combine receive's prefetch over its byte chunks too), the last one partial. The
     streamed combine's reducers run in a launch of their own after every rank's send
-    (the interpreter runs one program after another)."""
+    (the interpreter runs one program after another). Each call has its own tag, and in
+    the third the last rank is in another layer's call: rank 0's receive names it
+    (``ERR_LAYER``), and no other call reports anything."""
     counted, streamed = mode != "flags", mode == "streamed"
     chunk = 3 if streamed else 0
     from epmoe.comm.symm import kernels as k
@@ -276,10 +278,11 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode
         parity = n % 2
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
+        tags = [n + 1] * (W - 1) + [99 if n == 2 else n + 1]
         for r in range(W):  # dispatch, send half
             sim.send(
                 k, parity, r, inputs[r], grid(max(Ts[r], 1), r), counted,
-                rows=DISPATCH_ROWS if counted else 1, chunk=chunk,
+                rows=DISPATCH_ROWS if counted else 1, chunk=chunk, tag=tags[r],
             )  # fmt: skip
         if counted:
             assert all(sim.counts(r, parity)[0] == list(Ts) for r in range(W))
@@ -289,9 +292,14 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode
             ids_out, w_out, recv_t = published[r][parity]
             k.ht_dispatch_recv_kernel[(W, grid(-(-M // publish), r))](
                 sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, 10**9,
-                reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=counted, ROWS=publish,
+                tags[r], reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=counted,
+                ROWS=publish,
             )  # fmt: skip
             assert recv_t.tolist() == list(Ts)
+            if n == 2 and r == 0:
+                assert sim.err.item() == (k.ERR_LAYER << 24) | (k.OP_DISPATCH << 16) | (W - 1)
+            assert sim.err.item() == 0 or n == 2, (n, r, hex(sim.err.item()))
+        sim.err.zero_()  # (one word here for every rank)
         ys = [None] * W
         for r in range(W):  # combine, send half: identity experts, weighted
             ids_out, w_out, recv_t = published[r][parity]
@@ -397,7 +405,7 @@ def test_counted_send_of_several_tokens_stores_what_one_at_a_time_stores(W, Ts, 
             k.dispatch_send_kernel[(max(1, min(max(T, 1), sms)),)](
                 x, xs, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(),
                 sim.routes[r, 0], T,
-                sim.H, sim.E, sim.M, W, sim.G, r, reg.flags, reg.x, reg.s, reg.ids, reg.w,
+                sim.H, sim.E, sim.M, W, sim.G, r, 0, reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 K=sim.K, BLOCK_K=2, BLOCK_W=sim.BLOCK_W, BLOCK_H=256, FP8=fp8,
                 WIRE=tl.float8e4nv if fp8 else tl.float32, FP8_MAX=448.0,
                 INV_FP8_MAX=1 / 448, EPS=1e-10, BATCH=1, FENCE=False,

@@ -160,6 +160,29 @@ def test_bad_ids_and_overflow_are_reported_and_every_token_still_combines():
     comm.close()
 
 
+def test_a_source_in_another_layers_dispatch_is_named_once_and_the_transport_goes_on():
+    """(What a receive writes when a source's call tag is not its own: see the ranks test
+    below.) With one rank it is written here: the host names it at the next call."""
+    E, K, H = 4, 2, 128
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 2, torch.float32, "cpu")
+    comm = _backend(spec)
+    comm.call_tag = 2**40 + 5  # (a copy's index: the kernels carry 31 bits of it)
+    assert comm.kernel_tag == 5
+    x, ids, w = torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.full((2, K), 0.5)
+    res = comm.dispatch(x, ids, w)
+    torch.testing.assert_close(comm.combine(_identity(res), res), x)  # one rank: no mismatch
+    comm._live().err_host[0] = (4 << 24) | (1 << 16) | 1
+    with pytest.raises(
+        RuntimeError,
+        match=r"symm_ll dispatch on rank 0 met another MoE layer's "
+        r"dispatch \(a rank skipped or reordered the step's layers\) on rank 1",
+    ):
+        comm.dispatch(x, ids, w)
+    res = comm.dispatch(x, ids, w)  # reported once
+    torch.testing.assert_close(comm.combine(_identity(res), res), x)
+    comm.close()
+
+
 def test_a_result_combines_once():
     E, K, H = 4, 2, 128
     spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")
@@ -335,7 +358,9 @@ def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W)
     bodies the fused ones share): five calls alternate the parities, with T = 0 on some
     rank, T = M and a token routed nowhere. Each received row is indexed once per (token,
     local expert), combine returns each token's weighted rows, and every flag, count and
-    counter the protocol resets is back to 0 for the parity's next call."""
+    counter the protocol resets is back to 0 for the parity's next call. Each call has its
+    own tag (a layer's), and in the third the last rank is in another layer's call: every
+    receiver of its rows reports it (``ERR_LAYER``), and nothing else does."""
     import triton.language as tl
 
     from epmoe.comm.symm import kernels as k
@@ -355,19 +380,26 @@ def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W)
         parity = n % 2
         reg = sim.regions[parity]
         inputs = [sim.inputs(T) for T in Ts]
+        tags = [n + 1] * W
+        if n == 2:
+            tags[-1] = 99  # the last rank skipped a layer
         for r in range(W):  # dispatch, send half: a program per token
-            sim.send(k, parity, r, inputs[r], max(Ts[r], 1), False)
+            sim.send(k, parity, r, inputs[r], max(Ts[r], 1), False, tag=tags[r])
         for r in range(W):  # dispatch, receive half: a program per (source, token slot)
             st = state[r][parity]
             k.ll_dispatch_recv_kernel[(W, M)](
                 sim.bases, st["index"], st["index"], st["counts"], st["pos"], st["recv_t"],
-                sim.err.data_ptr(), H, M, W, 1, C, r, 10**9, reg.flags, reg.x, reg.s,
+                sim.err.data_ptr(), H, M, W, 1, C, r, 10**9, tags[r], reg.flags, reg.x, reg.s,
                 reg.ids, K=K, BLOCK_K=2, BLOCK_H=128, IN_PLACE=True, **wire,
             )  # fmt: skip
             assert st["recv_t"].tolist() == list(Ts)
+            if n == 2 and r == 0:  # rank 0 (the first to receive) names the last rank
+                assert sim.err.item() == (k.ERR_LAYER << 24) | (k.OP_DISPATCH << 16) | (W - 1)
+            assert sim.err.item() == 0 or n == 2, (n, r, hex(sim.err.item()))
             lo = r * e_max
             want = [sum(int((inp[1] == lo + e).sum()) for inp in inputs) for e in range(e_max)]
             assert st["counts"].tolist() == want, (n, r)
+        sim.err.zero_()  # (each rank's receive reported it: one word here for all ranks)
         for r in range(W):  # combine, send half: identity experts (the rows themselves)
             st = state[r][parity]
             rows = sim.rows(r, parity)[st["index"].long().clamp(min=0)]

@@ -46,6 +46,7 @@ _KINDS = {
     1: "timed out waiting for rank",
     2: "overflowed an expert's rows from rank",
     3: "got an expert id outside [0, P) or -1 on rank",
+    4: "met another MoE layer's dispatch (a rank skipped or reordered the step's layers) on rank",
 }
 
 
@@ -98,7 +99,7 @@ def layout(W: int, M: int, H: int, K: int, wire: torch.dtype, dtype: torch.dtype
     """Per-parity regions and the total bytes of the symmetric buffer."""
     G = -(-H // FP8_GROUP)
     sizes = [
-        ("flags", (4 * W + 3 * W * M) * 4),
+        ("flags", (5 * W + 3 * W * M) * 4),
         ("x", W * M * H * wire.itemsize),
         ("s", W * M * G * 4 if fp8 else 0),
         ("ids", W * M * K * 4),
@@ -279,6 +280,13 @@ class SymmBackend(AllToAll):
     # instead of in the send programs (symm_ht decides by its mode and SM count)
     _quantize_first = False
 
+    @property
+    def kernel_tag(self) -> int:
+        """``call_tag`` as the kernels carry it (int32; a copy's index cut to 31 bits):
+        each dispatch writes it at every rank with its count, and each receiver reports a
+        source whose tag is not its own (``ERR_LAYER``)."""
+        return self.call_tag & 0x7FFFFFFF
+
     @classmethod
     def unavailable_reason(cls, device, group=None) -> str | None:
         reason = super().unavailable_reason(device, group)
@@ -398,7 +406,7 @@ class SymmBackend(AllToAll):
                 x, x if x_scale is None else x_scale, ids, w, self._owner_P, self._local_P,
                 tr.bases, tr.err_addr, ids if routes is None else routes,
                 x.shape[0], tr.H, spec.num_physical, tr.M, self.world_size, tr.G, self.rank,
-                reg.flags, reg.x, reg.s, reg.ids, reg.w,
+                self.kernel_tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 BATCH=self._batch, FENCE=self._fence, PREQUANT=x_scale is not None,
                 COUNTED=self._counted, ROWS=rows, ROUTES=routes is not None,
                 num_warps=tr.num_warps, **consts,

@@ -235,7 +235,7 @@ class SymmHTBackend(SymmBackend):
             launch(k.ht_dispatch_recv_kernel)(
                 (W, self._grid(-(-tr.M // publish))),
                 tr.bases, tr.ids_out[b], tr.w_out[b], tr.recv_t[b], tr.err_addr,
-                tr.M, W, self.rank, tr.timeout_ns, reg.flags, reg.ids, reg.w,
+                tr.M, W, self.rank, tr.timeout_ns, self.kernel_tag, reg.flags, reg.ids, reg.w,
                 K=c["K"], BLOCK_K=c["BLOCK_K"], COUNTED=self._counted, ROWS=publish,
                 num_warps=4 if publish > 1 else 1,
             )  # fmt: skip

@@ -16,7 +16,8 @@ holds, at byte offsets the host passes:
   ``done[W]`` (tokens of source s whose rows and routing are written), ``cdone[W]``
   (tokens of this rank that rank r has sent back, or had nothing to send back for) and,
   for its streamed combine, ``ccount[W, M]`` (the same per chunk of this rank's tokens:
-  ``ccount[r, c]``);
+  ``ccount[r, c]``); then ``tag[W]`` (the call tag of source s's dispatch, its layer's,
+  written with ``expect``: a receiver in another layer's dispatch reports it);
 * ``tok_x [W, M, H]`` wire rows, ``tok_s [W, M, G]`` float32 FP8 scales,
   ``tok_ids [W, M, K]`` int32 local expert slots (-1: not on this rank),
   ``tok_w [W, M, K]`` float32 router weights: what source s sent for its token t;
@@ -86,6 +87,7 @@ GIVE_UP_AFTER_NS = tl.constexpr(1_000_000)  # see _wait_at_least
 ERR_TIMEOUT = tl.constexpr(1)
 ERR_CAPACITY = tl.constexpr(2)
 ERR_EXPERT_ID = tl.constexpr(3)
+ERR_LAYER = tl.constexpr(4)
 OP_DISPATCH = tl.constexpr(1)
 OP_COMBINE = tl.constexpr(2)
 
@@ -330,6 +332,27 @@ def _counts(flags, W, M):
 
 
 @triton.jit
+def _tags(flags, W, M):
+    """``tag[W]`` in a rank's ``flags`` (after ``ccount``): the call tag of each source's
+    dispatch on this parity (see ``_announce``)."""
+    return flags + 4 * W + 3 * W * M
+
+
+@triton.jit
+def _peer_tag(flags, s, W, M):
+    """Source ``s``'s call tag (read after its ``expect`` was acquired)."""
+    return _load_relaxed(_tags(flags, W, M) + s)
+
+
+@triton.jit
+def _check_tag(peer_tag, tag, err_addr, s):
+    """Report ``ERR_LAYER`` when source ``s``'s call tag is not this rank's (the ranks are
+    in different layers' calls)."""
+    if peer_tag != tag:
+        _report(err_addr, ERR_LAYER, OP_DISPATCH, s)
+
+
+@triton.jit
 def _chunk_counts(flags, W, M):
     """``ccount[W, M]`` in a rank's ``flags`` (after ``cdone``): ``ccount[r, c]`` counts
     the tokens of this rank's chunk ``c`` that rank ``r`` went through in a streamed
@@ -444,11 +467,12 @@ def _send_step(
 
 
 @triton.jit
-def _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W: tl.constexpr,
+def _announce(bases_ptr, T, W, M, src, tag, off_flags, BLOCK_W: tl.constexpr,
               CHUNK: tl.constexpr = 0):  # fmt: skip
     """Program 0 of a dispatch, first: clear this parity's ``started`` flags, ``cdone``
     counts and (``CHUNK`` > 0: a streamed combine's, see ``ht_combine_send_kernel``) the
-    counts of every rank for each chunk of ``CHUNK`` tokens,
+    counts of every rank for each chunk of ``CHUNK`` tokens, write this call's ``tag`` at
+    every rank (``tag[src]``, ordered before ``expect`` by the same fence),
     then tell every rank how many tokens come (``expect[src] = T + 1``). Rows may arrive
     before it (each has a flag or a count of its own): the count only has to reach the
     receivers of tokens that do not come, and the combine's bookkeeping."""
@@ -466,11 +490,13 @@ def _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W: tl.constexpr,
                 cc = c0 + tl.arange(0, 128)
                 tl.store(_chunk_counts(own, W, M) + r * M + cc, tl.zeros((128,), tl.int32),
                          mask=cc < n)  # fmt: skip
-    # the clears before any rank sees `expect` (a peer that sees it may raise `started`
-    # and count what it sends back), one fence for the writes
+    peer_flags = _at(bases, off_flags, tl.int32)
+    tl.store(_tags(peer_flags, W, M) + src, zeros + tag, mask=rr < W)
+    # the clears and the tags before any rank sees `expect` (a peer that sees it may raise
+    # `started` and count what it sends back), one fence for the writes
     tl.debug_barrier()
     _fence_sys()
-    expect = _at(bases, off_flags, tl.int32) + src  # expect[src] at every rank, at once
+    expect = peer_flags + src  # expect[src] at every rank, at once
     tl.atomic_xchg(expect, zeros + T + 1, mask=rr < W, sem="relaxed", scope="sys")
 
 
@@ -670,7 +696,7 @@ def _load_scales(tok_s, row, h0, G, BLOCK_H: tl.constexpr, FP8: tl.constexpr):
 @triton.jit
 def _dispatch_recv(
     s, t, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
-    H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
+    H, M, W, G, C, me, timeout_ns, tag, off_flags, off_x, off_s, off_ids,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
     WIRE: tl.constexpr, IN_PLACE: tl.constexpr, stamps_ptr, pid, STAMPS: tl.constexpr,
 ):  # fmt: skip
@@ -684,9 +710,11 @@ def _dispatch_recv(
     k_mask = kk < K
     base = tl.load(bases_ptr + me)
     flags = _at(base, off_flags, tl.int32)
-    if t == 0:  # the count, for the combine
+    if t == 0:  # the count, for the combine, and the source's call tag against this one's
         expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
         tl.store(recv_t_ptr + s, tl.maximum(expect - 1, 0))
+        if expect >= 1:
+            _check_tag(_peer_tag(flags, s, W, M), tag, err_addr, s)
     row = tl.cast(s, tl.int64) * M + t
     # masked by whether the token came, not branched on it (see _wait_token): a program
     # whose token does not come does the same steps with nothing to write
@@ -735,7 +763,9 @@ def _dispatch_recv(
     _stamp(stamps_ptr, pid, 3, STAMPS)
 
 
-@triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
+@triton.jit(
+    do_not_specialize=["T", "src", "tag", "off_flags", "off_x", "off_s", "off_ids", "off_w"]
+)
 def dispatch_send_kernel(
     # pointers
     x_ptr,  # [T, H] hidden states (bf16/fp16/fp32; FP8 with PREQUANT)
@@ -755,6 +785,7 @@ def dispatch_send_kernel(
     W,
     G,
     src,  # this rank
+    tag,  # this call's tag (the caller's layer; int32), written to every rank
     # byte offsets of this parity's regions in every rank's symmetric buffer
     off_flags,
     off_x,
@@ -791,7 +822,7 @@ def dispatch_send_kernel(
     pid = tl.program_id(0)
     N = tl.num_programs(0)
     if pid == 0:
-        _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W, CHUNK)
+        _announce(bases_ptr, T, W, M, src, tag, off_flags, BLOCK_W, CHUNK)
     rr = tl.arange(0, BLOCK_W)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
     if COUNTED:
@@ -832,7 +863,7 @@ def dispatch_send_kernel(
                 _flag_token(t0 + j * N, bases, rr, T, M, W, src, off_flags, FENCE)
 
 
-@triton.jit(do_not_specialize=["me", "off_flags", "off_x", "off_s", "off_ids"])
+@triton.jit(do_not_specialize=["me", "tag", "off_flags", "off_x", "off_s", "off_ids"])
 def ll_dispatch_recv_kernel(
     # pointers
     bases_ptr,  # [W] int64
@@ -850,6 +881,7 @@ def ll_dispatch_recv_kernel(
     C,
     me,
     timeout_ns,
+    tag,  # this call's tag, against each source's
     # byte offsets of this parity's regions
     off_flags,
     off_x,
@@ -868,16 +900,18 @@ def ll_dispatch_recv_kernel(
     _after_prior(PDL)
     _dispatch_recv(
         tl.program_id(0), tl.program_id(1), bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr,
-        recv_t_ptr, err_addr, H, M, W, G, C, me, timeout_ns, off_flags, off_x, off_s, off_ids,
-        K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE, cnt_ptr, 0, False,
+        recv_t_ptr, err_addr, H, M, W, G, C, me, timeout_ns, tag, off_flags, off_x, off_s,
+        off_ids, K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE, cnt_ptr, 0, False,
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["T", "src", "off_flags", "off_x", "off_s", "off_ids", "off_w"])
+@triton.jit(
+    do_not_specialize=["T", "src", "tag", "off_flags", "off_x", "off_s", "off_ids", "off_w"]
+)
 def ll_dispatch_kernel(
     x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
     xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, stamps_ptr,
-    T, H, P, M, W, G, C, src, timeout_ns,
+    T, H, P, M, W, G, C, src, timeout_ns, tag,
     off_flags, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
@@ -895,7 +929,7 @@ def ll_dispatch_kernel(
     pid = tl.program_id(0)
     if pid == 0:
         _stamp(stamps_ptr, pid, 0, STAMPS)
-        _announce(bases_ptr, T, W, M, src, off_flags, BLOCK_W)
+        _announce(bases_ptr, T, W, M, src, tag, off_flags, BLOCK_W)
         _stamp(stamps_ptr, pid, 2, STAMPS)
     elif pid <= T:
         _dispatch_send(
@@ -908,7 +942,7 @@ def ll_dispatch_kernel(
         q = pid - 1 - T
         _dispatch_recv(
             q // M, q % M, bases_ptr, xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, err_addr,
-            H, M, W, G, C, src, timeout_ns, off_flags, off_x, off_s, off_ids,
+            H, M, W, G, C, src, timeout_ns, tag, off_flags, off_x, off_s, off_ids,
             K, BLOCK_K, BLOCK_H, FP8, WIRE, IN_PLACE, stamps_ptr, pid, STAMPS,
         )  # fmt: skip
 
@@ -1249,7 +1283,7 @@ def _ht_dispatch_recv(
     tl.store(w_out_ptr + row * K + kk, tl.where(ids >= 0, w, 0.0), mask=k_mask)
 
 
-@triton.jit(do_not_specialize=["me", "off_flags", "off_ids", "off_w"])
+@triton.jit(do_not_specialize=["me", "tag", "off_flags", "off_ids", "off_w"])
 def ht_dispatch_recv_kernel(
     bases_ptr,  # [W] int64
     ids_out_ptr,  # [W·M, K] int64 local expert slot of each received row, -1 (out)
@@ -1260,6 +1294,7 @@ def ht_dispatch_recv_kernel(
     W,
     me,
     timeout_ns,
+    tag,  # this call's tag, against each source's
     off_flags,
     off_ids,
     off_w,
@@ -1280,6 +1315,7 @@ def ht_dispatch_recv_kernel(
     flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
     expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
     T_s = tl.maximum(expect - 1, 0)
+    peer_tag = _peer_tag(flags, s, W, M)  # (compared at the end: its load off the path)
     if COUNTED:
         _wait_at_least(_counts(flags, W, M) + s, T_s, timeout_ns, err_addr, OP_DISPATCH, s)
     if COUNTED and ROWS > 1:
@@ -1296,6 +1332,8 @@ def ht_dispatch_recv_kernel(
                 s, t, T_s, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
                 M, W, me, timeout_ns, off_flags, off_ids, off_w, K, BLOCK_K, COUNTED,
             )  # fmt: skip
+    if (tl.program_id(1) == 0) & (expect >= 1):
+        _check_tag(peer_tag, tag, err_addr, s)
 
 
 @triton.jit

@@ -202,7 +202,7 @@ class SymmLLBackend(SymmBackend):
                 tr.out[b], tr.out_scale[b], tr.counts[b], tr.pos[b], tr.recv_t[b],
                 tr.counts[b] if stamps is None else stamps,
                 T, tr.H, spec.num_physical, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
-                reg.flags, reg.x, reg.s, reg.ids, reg.w,
+                self.kernel_tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 IN_PLACE=tr.in_place, STAMPS=stamps is not None, num_warps=tr.num_warps, **c,
             )  # fmt: skip
         except BaseException:
@@ -223,7 +223,7 @@ class SymmLLBackend(SymmBackend):
                 (W, tr.M),
                 tr.bases, tr.out[b], tr.out_scale[b], tr.counts[b],
                 tr.pos[b], tr.recv_t[b], tr.err_addr,
-                tr.H, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
+                tr.H, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns, self.kernel_tag,
                 reg.flags, reg.x, reg.s, reg.ids,
                 K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK_H=c["BLOCK_H"], FP8=c["FP8"],
                 WIRE=c["WIRE"], IN_PLACE=tr.in_place, num_warps=tr.num_warps,
