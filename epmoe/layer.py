@@ -651,7 +651,8 @@ class EPMoE(nn.Module):
     def check_comm(self, sync: bool = True) -> None:
         """Raise if a graph-safe backend of this layer reported an error from the device
         (a bounded wait that timed out, naming the rank that did not arrive; an expert id
-        outside ``[0, P)``; a capacity overflow). Eager calls check by themselves at the
+        outside ``[0, P)``; a capacity overflow; a rank in another layer's dispatch, which
+        a rank that skipped a layer causes). Eager calls check by themselves at the
         next call; a loop that only replays CUDA graphs calls this after its replays
         (``sync``: wait for the device first)."""
         for comm in (self.comm, self.decode_comm):

@@ -268,8 +268,8 @@ class AllToAll(ABC):
     # untagged). The backends whose count exchange reaches the host carry it with the
     # counts and raise on every rank when the ranks' tags differ (see
     # :func:`call_tag_error`): ranks in different layers' dispatches, whose collectives
-    # would otherwise pair up. symm_ll and symm_ht write it with each dispatch's count and
-    # report a mismatch from the device (their error word, raised at the next call).
+    # would otherwise pair up. symm_ll and symm_ht send it in their count word and report a
+    # mismatch from the device (their error word, raised at the next call).
     call_tag: int = 0
 
     def __init__(

@@ -283,6 +283,43 @@ def skipped_call_times_out(rank, world):
     return time.monotonic() - t0
 
 
+def skipped_layer_in_a_step(rank, world):
+    """Two symm_ll layers (one transport); inside a step, the last rank skips layer A and
+    meets the others' A with its B. Every rank's next call raises naming a rank in another
+    layer's dispatch (the receivers' ERR_LAYER), and the layers then serve a step of both
+    on every rank, equal to the oracle."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.05, torch.randn(E, H, I, generator=g) * 0.05
+    layers = []
+    for _ in range(2):
+        layer = epmoe.EPMoE(E, K, H, I, backend="symm_ll", device=dev, params_dtype=torch.bfloat16)
+        layer.load_experts(w13.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16))
+        layers.append(layer)
+    a, b = layers
+    x = torch.randn(6, H, generator=g).to(dev, torch.bfloat16)
+    logits = torch.randn(6, E, generator=g).to(dev)
+    odd = world - 1
+    with epmoe.step(None, num_tokens=6):
+        for layer in [b] if rank == odd else [a, b]:
+            if layer is b and rank != odd:
+                torch.cuda.synchronize()  # (the error word is written by then)
+                with pytest.raises(RuntimeError, match="met another MoE layer's dispatch"):
+                    layer(x, logits)
+            else:
+                layer(x, logits)
+    torch.cuda.synchronize()
+    if rank == odd:  # its next call (a step of both layers, below) raises first
+        with pytest.raises(RuntimeError, match="met another MoE layer's dispatch"):
+            a.comm.check(sync=True)
+    torch.distributed.barrier()
+    ref = epmoe.reference.moe(x.float(), w13.to(dev), w2.to(dev), *epmoe.select_experts(logits, K))
+    with epmoe.step(None, num_tokens=6):
+        for layer in (a, b):
+            assert_close(layer(x, logits).float(), ref, TOLERANCES[torch.bfloat16])
+    return True
+
+
 @pytest.mark.parametrize("world", WORLDS, ids=world_ids(WORLDS))
 def test_exact_dispatch_and_identity_combine(world):
     requires_world(world)
@@ -305,3 +342,8 @@ def test_a_rank_that_skips_a_call_is_named_within_the_timeout():
     requires_world(2)
     seconds = run_on_ranks(skipped_call_times_out, 2, isolated=True, timeout_s=60)
     assert seconds[0] < 5, seconds
+
+
+def test_a_rank_that_skips_a_layer_in_a_step_is_named_at_the_next_call():
+    requires_world(2)
+    run_on_ranks(skipped_layer_in_a_step, 2, isolated=True, timeout_s=120)

@@ -183,6 +183,37 @@ def test_a_source_in_another_layers_dispatch_is_named_once_and_the_transport_goe
     comm.close()
 
 
+def test_a_timeout_is_reported_over_a_report_the_transport_goes_on_after():
+    """The error word keeps the first error, except that a timeout replaces a report the
+    host clears (another layer's call, bad ids, an overflow): it is what stops the call's
+    other waits early, and what marks the transport broken."""
+    from epmoe.comm.symm import kernels as k
+    from tests.unit.symm_report import report_twice
+
+    word = torch.zeros(1, dtype=torch.int32)
+    cases = [  # (first, second) -> the kind kept, and the peer of the report kept
+        ((k.ERR_LAYER, k.ERR_TIMEOUT), (k.ERR_TIMEOUT, 2)),
+        ((k.ERR_CAPACITY, k.ERR_TIMEOUT), (k.ERR_TIMEOUT, 2)),
+        ((k.ERR_TIMEOUT, k.ERR_LAYER), (k.ERR_TIMEOUT, 1)),
+        ((k.ERR_TIMEOUT, k.ERR_TIMEOUT), (k.ERR_TIMEOUT, 1)),
+        ((k.ERR_LAYER, k.ERR_EXPERT_ID), (k.ERR_LAYER, 1)),
+    ]
+    for (first, second), (kind, peer) in cases:
+        word.zero_()
+        report_twice(word.data_ptr(), first, second)
+        assert int(word) == (kind << 24) | (k.OP_DISPATCH << 16) | peer, (first, second)
+
+
+def test_max_num_tokens_above_what_the_count_word_holds_is_refused():
+    from epmoe.comm.symm.ll import SymmLLBackend
+
+    placement = epmoe.ExpertPlacement.linear(4, 1)
+    ok = CommSpec(128, 2, placement.rank_offsets, 65534, torch.float32, "cpu")
+    assert "count word" not in (SymmLLBackend.supports(ok) or "")  # (CPU: refused for that)
+    big = CommSpec(128, 2, placement.rank_offsets, 65535, torch.float32, "cpu")
+    assert "max_num_tokens=65535 is above the 65534 tokens" in SymmLLBackend.supports(big)
+
+
 def test_a_result_combines_once():
     E, K, H = 4, 2, 128
     spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 4, torch.float32, "cpu")

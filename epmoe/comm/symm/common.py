@@ -42,6 +42,7 @@ ALIGN = 256  # bytes between regions (the kernels need 16)
 NUM_PARITIES = 2
 BLOCK_E = 256  # expert counters zeroed per step
 _OPS = {1: "dispatch", 2: "combine"}
+MAX_TOKENS_LIMIT = (1 << 16) - 1  # max_num_tokens below it: T + 1 fits 16 bits
 _KINDS = {
     1: "timed out waiting for rank",
     2: "overflowed an expert's rows from rank",
@@ -99,7 +100,7 @@ def layout(W: int, M: int, H: int, K: int, wire: torch.dtype, dtype: torch.dtype
     """Per-parity regions and the total bytes of the symmetric buffer."""
     G = -(-H // FP8_GROUP)
     sizes = [
-        ("flags", (5 * W + 3 * W * M) * 4),
+        ("flags", (4 * W + 3 * W * M) * 4),
         ("x", W * M * H * wire.itemsize),
         ("s", W * M * G * 4 if fp8 else 0),
         ("ids", W * M * K * 4),
@@ -231,8 +232,9 @@ class SymmTransport:
             what = _KINDS.get(kind, f"failed (code {code:#x}) with rank")
             message = f"{self.name} {_OPS.get(op, '?')} on rank {self.rank} {what} {peer}"
             if kind != 1:
-                # bad ids or an overflow: the call completed in step on every rank (those
-                # rows were dropped), so this rank reports it once and the transport goes on
+                # bad ids or an overflow (those rows were dropped), or another layer's call
+                # met: the call completed in step on every rank, so this rank reports it
+                # once and the transport goes on (a timeout after it overwrites the word)
                 self._err_word[0] = 0
                 raise RuntimeError(message)
             self.broken = message + (
@@ -282,10 +284,22 @@ class SymmBackend(AllToAll):
 
     @property
     def kernel_tag(self) -> int:
-        """``call_tag`` as the kernels carry it (int32; a copy's index cut to 31 bits):
-        each dispatch writes it at every rank with its count, and each receiver reports a
-        source whose tag is not its own (``ERR_LAYER``)."""
-        return self.call_tag & 0x7FFFFFFF
+        """``call_tag`` as the kernels carry it: its low 15 bits, in the upper half of each
+        dispatch's count word (``expect``; two tags 2**15 apart look alike). Each receiver
+        reports a source whose tag is not its own (``ERR_LAYER``)."""
+        return self.call_tag & 0x7FFF
+
+    @classmethod
+    def supports(cls, spec: CommSpec) -> str | None:
+        """Also refuses ``max_num_tokens`` that the count word cannot hold (``T + 1`` in its
+        low 16 bits)."""
+        if spec.max_num_tokens >= MAX_TOKENS_LIMIT:
+            return (
+                f"max_num_tokens={spec.max_num_tokens} is above the {MAX_TOKENS_LIMIT - 1} "
+                "tokens per call its count word holds; pass a smaller max_num_tokens (the "
+                "layer chunks larger steps)"
+            )
+        return super().supports(spec)
 
     @classmethod
     def unavailable_reason(cls, device, group=None) -> str | None:

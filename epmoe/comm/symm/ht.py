@@ -227,6 +227,7 @@ class SymmHTBackend(SymmBackend):
         if self._counted:  # (FP8 quantized in the send holds fewer rows in registers)
             rows = FUSED_FP8_ROWS if tr.fp8 and not self._quantize_first else DISPATCH_ROWS
         chunk = self._chunk if self.reducers else 0  # (the chunk counts it clears)
+        tag = self.kernel_tag  # (the receive checks the tag this call was sent with)
         self._send(tr, x, ids, w, b, dict(c, CHUNK=chunk), self._grid(max(T, 1)), rows)
 
         publish = PUBLISH_ROWS if self._counted else 1
@@ -235,7 +236,7 @@ class SymmHTBackend(SymmBackend):
             launch(k.ht_dispatch_recv_kernel)(
                 (W, self._grid(-(-tr.M // publish))),
                 tr.bases, tr.ids_out[b], tr.w_out[b], tr.recv_t[b], tr.err_addr,
-                tr.M, W, self.rank, tr.timeout_ns, self.kernel_tag, reg.flags, reg.ids, reg.w,
+                tr.M, W, self.rank, tr.timeout_ns, tag, reg.flags, reg.ids, reg.w,
                 K=c["K"], BLOCK_K=c["BLOCK_K"], COUNTED=self._counted, ROWS=publish,
                 num_warps=4 if publish > 1 else 1,
             )  # fmt: skip

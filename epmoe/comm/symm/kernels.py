@@ -10,14 +10,15 @@ Every rank owns one symmetric byte buffer; peers reach it through ``bases[r]`` (
 address of rank r's buffer, valid on every rank). Per parity (two buffers in flight) it
 holds, at byte offsets the host passes:
 
-* ``flags``: int32 ``expect[W]`` (source s wrote ``T_s + 1``), ``started[W]`` (rank r began
+* ``flags``: int32 ``expect[W]`` (source s wrote ``T_s + 1`` in its low 16 bits and its
+  call tag, its layer's, in the 15 above: a receiver in another layer's dispatch reports
+  it, see ``_announce``), ``started[W]`` (rank r began
   its combine), ``dflag[W, M]`` (token t of source s is written), ``cflag[W, M]`` (rank r's
   combine row for this rank's token t is written), and for ``symm_ht``'s counted mode
   ``done[W]`` (tokens of source s whose rows and routing are written), ``cdone[W]``
   (tokens of this rank that rank r has sent back, or had nothing to send back for) and,
   for its streamed combine, ``ccount[W, M]`` (the same per chunk of this rank's tokens:
-  ``ccount[r, c]``); then ``tag[W]`` (the call tag of source s's dispatch, its layer's,
-  written with ``expect``: a receiver in another layer's dispatch reports it);
+  ``ccount[r, c]``);
 * ``tok_x [W, M, H]`` wire rows, ``tok_s [W, M, G]`` float32 FP8 scales,
   ``tok_ids [W, M, K]`` int32 local expert slots (-1: not on this rank),
   ``tok_w [W, M, K]`` float32 router weights: what source s sent for its token t;
@@ -220,10 +221,16 @@ def _load_relaxed(ptr):
 
 @triton.jit
 def _report(err_addr, kind, op, peer):
-    """Write an error code to the host-mapped error word unless one is there already."""
+    """Write an error code to the host-mapped error word unless one is there already, or
+    a timeout over a report that the host lets the transport go on after (bad ids, an
+    overflow, another layer's call): a timeout is what stops the call's other waits early
+    (``_give_up``) and what the host must not clear."""
     err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
-    if tl.load(err_ptr, volatile=True) == 0:  # keep the first error (a race only between errors)
-        code = (tl.full((), kind, tl.int32) << 24) | (tl.full((), op, tl.int32) << 16) | peer
+    current = tl.load(err_ptr, volatile=True)
+    # keep the first error (a race only between errors), but let a timeout through
+    kind_ = tl.full((), kind, tl.int32)
+    if (current == 0) | ((kind_ == ERR_TIMEOUT) & ((current >> 24) != ERR_TIMEOUT)):
+        code = (kind_ << 24) | (tl.full((), op, tl.int32) << 16) | peer
         tl.store(err_ptr, code)
 
 
@@ -288,7 +295,7 @@ def _wait_token(flag_ptr, expect_ptr, t, timeout_ns, err_addr, peer):
     flag = _load_acquire(flag_ptr)
     start = _now_ns()
     timed_out = tl.full((), 0, tl.int32)
-    while (flag < 1) & ((expect < 1) | (t < expect - 1)) & (timed_out == 0):
+    while (flag < 1) & ((expect < 1) | (t < _count_of(expect) - 1)) & (timed_out == 0):
         timed_out = _give_up(start, timeout_ns, err_addr, OP_DISPATCH, peer)
         expect = _load_relaxed(expect_ptr)
         flag = _load_acquire(flag_ptr)
@@ -332,23 +339,16 @@ def _counts(flags, W, M):
 
 
 @triton.jit
-def _tags(flags, W, M):
-    """``tag[W]`` in a rank's ``flags`` (after ``ccount``): the call tag of each source's
-    dispatch on this parity (see ``_announce``)."""
-    return flags + 4 * W + 3 * W * M
+def _count_of(expect):
+    """``T_s + 1`` of an ``expect`` word (0: not written yet)."""
+    return expect & 0xFFFF
 
 
 @triton.jit
-def _peer_tag(flags, s, W, M):
-    """Source ``s``'s call tag (read after its ``expect`` was acquired)."""
-    return _load_relaxed(_tags(flags, W, M) + s)
-
-
-@triton.jit
-def _check_tag(peer_tag, tag, err_addr, s):
-    """Report ``ERR_LAYER`` when source ``s``'s call tag is not this rank's (the ranks are
-    in different layers' calls)."""
-    if peer_tag != tag:
+def _check_tag(expect, tag, err_addr, s):
+    """Report ``ERR_LAYER`` when source ``s``'s call tag, in the upper bits of its
+    ``expect`` word, is not this rank's (the ranks are in different layers' calls)."""
+    if (expect >> 16) != tag:
         _report(err_addr, ERR_LAYER, OP_DISPATCH, s)
 
 
@@ -471,9 +471,10 @@ def _announce(bases_ptr, T, W, M, src, tag, off_flags, BLOCK_W: tl.constexpr,
               CHUNK: tl.constexpr = 0):  # fmt: skip
     """Program 0 of a dispatch, first: clear this parity's ``started`` flags, ``cdone``
     counts and (``CHUNK`` > 0: a streamed combine's, see ``ht_combine_send_kernel``) the
-    counts of every rank for each chunk of ``CHUNK`` tokens, write this call's ``tag`` at
-    every rank (``tag[src]``, ordered before ``expect`` by the same fence),
-    then tell every rank how many tokens come (``expect[src] = T + 1``). Rows may arrive
+    counts of every rank for each chunk of ``CHUNK`` tokens,
+    then tell every rank how many tokens come and from which layer's call
+    (``expect[src] = tag << 16 | T + 1``; ``tag`` below 2**15, ``T`` below 2**16 - 1: the
+    host checks both). Rows may arrive
     before it (each has a flag or a count of its own): the count only has to reach the
     receivers of tokens that do not come, and the combine's bookkeeping."""
     rr = tl.arange(0, BLOCK_W)
@@ -490,14 +491,13 @@ def _announce(bases_ptr, T, W, M, src, tag, off_flags, BLOCK_W: tl.constexpr,
                 cc = c0 + tl.arange(0, 128)
                 tl.store(_chunk_counts(own, W, M) + r * M + cc, tl.zeros((128,), tl.int32),
                          mask=cc < n)  # fmt: skip
-    peer_flags = _at(bases, off_flags, tl.int32)
-    tl.store(_tags(peer_flags, W, M) + src, zeros + tag, mask=rr < W)
-    # the clears and the tags before any rank sees `expect` (a peer that sees it may raise
-    # `started` and count what it sends back), one fence for the writes
+    # the clears before any rank sees `expect` (a peer that sees it may raise `started`
+    # and count what it sends back), one fence for the writes
     tl.debug_barrier()
     _fence_sys()
-    expect = peer_flags + src  # expect[src] at every rank, at once
-    tl.atomic_xchg(expect, zeros + T + 1, mask=rr < W, sem="relaxed", scope="sys")
+    expect = _at(bases, off_flags, tl.int32) + src  # expect[src] at every rank, at once
+    word = (tl.cast(tag, tl.int32) << 16) | (T + 1)
+    tl.atomic_xchg(expect, zeros + word, mask=rr < W, sem="relaxed", scope="sys")
 
 
 @triton.jit
@@ -712,9 +712,9 @@ def _dispatch_recv(
     flags = _at(base, off_flags, tl.int32)
     if t == 0:  # the count, for the combine, and the source's call tag against this one's
         expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-        tl.store(recv_t_ptr + s, tl.maximum(expect - 1, 0))
+        tl.store(recv_t_ptr + s, tl.maximum(_count_of(expect) - 1, 0))
         if expect >= 1:
-            _check_tag(_peer_tag(flags, s, W, M), tag, err_addr, s)
+            _check_tag(expect, tag, err_addr, s)
     row = tl.cast(s, tl.int64) * M + t
     # masked by whether the token came, not branched on it (see _wait_token): a program
     # whose token does not come does the same steps with nothing to write
@@ -785,7 +785,7 @@ def dispatch_send_kernel(
     W,
     G,
     src,  # this rank
-    tag,  # this call's tag (the caller's layer; int32), written to every rank
+    tag,  # this call's tag (the caller's layer, below 2**15), sent with the count
     # byte offsets of this parity's regions in every rank's symmetric buffer
     off_flags,
     off_x,
@@ -1314,8 +1314,7 @@ def ht_dispatch_recv_kernel(
     s = tl.program_id(0)
     flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
     expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-    T_s = tl.maximum(expect - 1, 0)
-    peer_tag = _peer_tag(flags, s, W, M)  # (compared at the end: its load off the path)
+    T_s = tl.maximum(_count_of(expect) - 1, 0)
     if COUNTED:
         _wait_at_least(_counts(flags, W, M) + s, T_s, timeout_ns, err_addr, OP_DISPATCH, s)
     if COUNTED and ROWS > 1:
@@ -1333,7 +1332,7 @@ def ht_dispatch_recv_kernel(
                 M, W, me, timeout_ns, off_flags, off_ids, off_w, K, BLOCK_K, COUNTED,
             )  # fmt: skip
     if (tl.program_id(1) == 0) & (expect >= 1):
-        _check_tag(peer_tag, tag, err_addr, s)
+        _check_tag(expect, tag, err_addr, s)
 
 
 @triton.jit

@@ -216,6 +216,7 @@ class SymmLLBackend(SymmBackend):
         tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
         W, T = self.world_size, x.shape[0]
         reg = tr.regions[b]
+        tag = self.kernel_tag  # (the receive checks the tag this call was sent with)
         self._send(tr, x, ids, w, b, c, max(1, T))  # one program per token
 
         def receive() -> DispatchResult:
@@ -223,7 +224,7 @@ class SymmLLBackend(SymmBackend):
                 (W, tr.M),
                 tr.bases, tr.out[b], tr.out_scale[b], tr.counts[b],
                 tr.pos[b], tr.recv_t[b], tr.err_addr,
-                tr.H, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns, self.kernel_tag,
+                tr.H, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns, tag,
                 reg.flags, reg.x, reg.s, reg.ids,
                 K=c["K"], BLOCK_K=c["BLOCK_K"], BLOCK_H=c["BLOCK_H"], FP8=c["FP8"],
                 WIRE=c["WIRE"], IN_PLACE=tr.in_place, num_warps=tr.num_warps,
