@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from epmoe.comm.base import COPY_INDEX
 from epmoe.comm.collectives import all_gather_rows, world_of
 
 __all__ = ["RECORD_LEN", "LayerAgreement", "StepAgreement", "describe_placement"]
@@ -193,7 +194,7 @@ class LayerAgreement:
         twin.calls = 0
         if self.world_size > 1:
             tag = f"copy {self.copies} of layer {self.index}"
-            twin.index = (digest({"copy": tag}) & 0x3FFFFFFFFFFFFFFF) | (1 << 62)
+            twin.index = (digest({"copy": tag}) & (COPY_INDEX - 1)) | COPY_INDEX
         return twin
 
     def _change(self, op, fields, error, device) -> None:

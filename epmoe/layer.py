@@ -39,7 +39,15 @@ from epmoe.comm import (
     graph_capturing,
     resolve_backend,
 )
-from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, AllToAll, CommSpec, DispatchResult, Layout
+from epmoe.comm.base import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    AllToAll,
+    CommSpec,
+    DispatchResult,
+    Layout,
+    layer_call_tag,
+)
 from epmoe.comm.collectives import world_of
 from epmoe.distributed import default_device, normalize_device
 from epmoe.eplb.recorder import LoadRecorder
@@ -1104,8 +1112,7 @@ class EPMoE(nn.Module):
         # any backend's max_in_flight); the shared experts run while the first is in flight.
         # The tag lets a backend that reads its counts on the host refuse a dispatch that
         # meets another layer's (a rank that skipped a layer inside a step)
-        index = self._agreement.index  # (a copy's is above 2**62: nonzero as it is)
-        comm.call_tag = index + 1 if index < 1 << 62 else index
+        comm.call_tag = layer_call_tag(self._agreement.index)
         outs, shared_TH = [], None
         for c in range(num_chunks):
             lo, hi = min(c * M, T), min((c + 1) * M, T)

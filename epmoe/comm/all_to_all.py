@@ -123,6 +123,9 @@ class AllToAllBackend(AllToAll):
             dtype=torch.int64,
             device=spec.device,
         )
+        # ... and the position of physical expert p's count: after its rank's flag and tag
+        P = spec.num_physical
+        self._count_pos_P = torch.arange(P, device=spec.device) + 2 * self._owner_P + 2
 
     # ------------------------------------------------------------------- interface
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
@@ -232,7 +235,7 @@ class AllToAllBackend(AllToAll):
         # rank r receives from every source its ids-out-of-range flag and call tag, then the
         # per-expert counts of r's own experts: [P + 2W], rank r's block is 2 + e_r
         send_PW = per_expert_P.new_empty(P + 2 * W)
-        send_PW[torch.arange(P, device=dev) + 2 * self._owner_P + 2] = per_expert_P
+        send_PW[self._count_pos_P] = per_expert_P
         send_PW[self._flag_pos_W] = bad
         send_PW[self._flag_pos_W + 1] = self.call_tag
         sizes = [2 + n for n in self._rank_sizes_W]

@@ -264,7 +264,7 @@ class AllToAll(ABC):
     name: str = ""
     capabilities: Capabilities
     # Who makes the next dispatch, as the same nonzero int on every rank (``EPMoE`` sets
-    # its layer index + 1 before each of its dispatches, a copy's index as it is; 0:
+    # :func:`layer_call_tag` of its layer index before each of its dispatches; 0:
     # untagged). The backends whose count exchange reaches the host carry it with the
     # counts and raise on every rank when the ranks' tags differ (see
     # :func:`call_tag_error`): ranks in different layers' dispatches, whose collectives
@@ -585,6 +585,20 @@ def ids_error(
     )
 
 
+COPY_INDEX = 1 << 62  # layer indices from here on are copies' (LayerAgreement.fork)
+
+
+def layer_call_tag(layer_index: int) -> int:
+    """The ``call_tag`` of a layer's dispatches: its index + 1 (0 stays "untagged"), a
+    copy's index as it is (nonzero already, and + 1 could overflow int64)."""
+    return layer_index + 1 if layer_index < COPY_INDEX else layer_index
+
+
+def _layer_index(call_tag: int) -> int:
+    """The layer index of a nonzero :func:`layer_call_tag`."""
+    return call_tag - 1 if call_tag < COPY_INDEX else call_tag
+
+
 def call_tag_error(backend: str, tags_W: list[int]) -> RuntimeError | None:
     """The error every rank raises when the ranks' ``call_tag`` differ in one dispatch
     (gathered with the counts), else ``None``."""
@@ -595,7 +609,7 @@ def call_tag_error(backend: str, tags_W: list[int]) -> RuntimeError | None:
         by_tag.setdefault(tag, []).append(r)
     where = "; ".join(
         f"rank{'s' if len(ranks) > 1 else ''} {ranks[0] if len(ranks) == 1 else ranks} in "
-        + (f"layer #{tag - 1 if tag < 1 << 62 else tag}'s" if tag > 0 else "an untagged")
+        + (f"layer #{_layer_index(tag)}'s" if tag > 0 else "an untagged")
         + " dispatch"
         for tag, ranks in by_tag.items()
     )
