@@ -33,7 +33,8 @@ checks of its inputs (shapes, dtypes, ``T ≤ max_tokens``) raise on that rank o
 ids are not range checked, and a rank that skips a layer (or calls the layers in another
 order) is refused where its call meets another layer's dispatch by the backends whose
 counts reach the host (each dispatch carries its layer's index, ``AllToAll.call_tag``);
-``symm_ll`` and ``symm_ht`` report it from the device at that rank's next call; nothing
+``symm_ll`` and ``symm_ht`` report it from the device at that rank's next call (the call
+that met it returns NaN rows for the tokens with an expert across the divide); nothing
 catches a rank that skips the step's last layer (the others wait in it until the group's
 timeout, or the bounded wait's). The layers of one step must be on the step's EP group.
 

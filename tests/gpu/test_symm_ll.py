@@ -283,9 +283,11 @@ def skipped_call_times_out(rank, world):
     return time.monotonic() - t0
 
 
-def skipped_layer_in_a_step(rank, world):
-    """Two symm_ll layers (one transport); inside a step, the last rank skips layer A and
-    meets the others' A with its B. Every rank's next call raises naming a rank in another
+def skipped_layer_in_a_step(rank, world, name):
+    """Two layers of backend ``name`` (one transport); inside a step, the last rank skips
+    layer A and meets the others' A with its B. In that call every token with an expert on
+    a rank in the other layer's call comes back NaN and the others match the oracle (the
+    layers hold the same weights); every rank's next call raises naming a rank in another
     layer's dispatch (the receivers' ERR_LAYER), and the layers then serve a step of both
     on every rank, equal to the oracle."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -293,27 +295,37 @@ def skipped_layer_in_a_step(rank, world):
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.05, torch.randn(E, H, I, generator=g) * 0.05
     layers = []
     for _ in range(2):
-        layer = epmoe.EPMoE(E, K, H, I, backend="symm_ll", device=dev, params_dtype=torch.bfloat16)
+        layer = epmoe.EPMoE(E, K, H, I, backend=name, device=dev, params_dtype=torch.bfloat16)
         layer.load_experts(w13.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16))
         layers.append(layer)
     a, b = layers
     x = torch.randn(6, H, generator=g).to(dev, torch.bfloat16)
-    logits = torch.randn(6, E, generator=g).to(dev)
-    odd = world - 1
+    logits = torch.randn(6, E, generator=g)
+    odd, per_rank = world - 1, E // world
+    logits[0, :per_rank] += 10  # token 0's experts all on rank 0, token 1's on the odd rank
+    logits[1, odd * per_rank : (odd + 1) * per_rank] += 10
+    logits = logits.to(dev)
+    ref = epmoe.reference.moe(x.float(), w13.to(dev), w2.to(dev), *epmoe.select_experts(logits, K))
     with epmoe.step(None, num_tokens=6):
         for layer in [b] if rank == odd else [a, b]:
             if layer is b and rank != odd:
                 torch.cuda.synchronize()  # (the error word is written by then)
                 with pytest.raises(RuntimeError, match="met another MoE layer's dispatch"):
                     layer(x, logits)
-            else:
-                layer(x, logits)
+                continue
+            out = layer(x, logits).float()
+            # the call across layers: NaN for every token with an expert across the divide
+            owners = epmoe.select_experts(logits, K)[1] // per_rank
+            crossed = ((owners == odd) != (rank == odd)).any(1)
+            assert bool(crossed.any()) and not bool(crossed.all()), crossed  # (both kinds)
+            assert torch.equal(out.isnan().any(1), crossed), (out.isnan().any(1), crossed)
+            assert not out[crossed].isfinite().any()
+            assert_close(out[~crossed], ref[~crossed], TOLERANCES[torch.bfloat16])
     torch.cuda.synchronize()
     if rank == odd:  # its next call (a step of both layers, below) raises first
         with pytest.raises(RuntimeError, match="met another MoE layer's dispatch"):
             a.comm.check(sync=True)
     torch.distributed.barrier()
-    ref = epmoe.reference.moe(x.float(), w13.to(dev), w2.to(dev), *epmoe.select_experts(logits, K))
     with epmoe.step(None, num_tokens=6):
         for layer in (a, b):
             assert_close(layer(x, logits).float(), ref, TOLERANCES[torch.bfloat16])
@@ -344,6 +356,7 @@ def test_a_rank_that_skips_a_call_is_named_within_the_timeout():
     assert seconds[0] < 5, seconds
 
 
-def test_a_rank_that_skips_a_layer_in_a_step_is_named_at_the_next_call():
+@pytest.mark.parametrize("name", ["symm_ll", "symm_ht"])
+def test_a_rank_that_skips_a_layer_in_a_step_is_named_at_the_next_call(name):
     requires_world(2)
-    run_on_ranks(skipped_layer_in_a_step, 2, isolated=True, timeout_s=120)
+    run_on_ranks(skipped_layer_in_a_step, 2, name, isolated=True, timeout_s=120)

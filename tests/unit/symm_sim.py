@@ -96,14 +96,26 @@ class Ranks:
             PREQUANT=False, COUNTED=counted, ROWS=rows, ROUTES=True, CHUNK=chunk,
         )  # fmt: skip
 
+    def want(self, r: int, inputs, tags: list[int] | None) -> torch.Tensor:
+        """What rank r's combine returns: each token's row times the sum of its router
+        weights; NaN for a token with an expert on a rank whose call ``tags`` differ from
+        r's (the receive poisons the weights of rows from another layer's call)."""
+        x, ids, w = inputs
+        want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
+        if tags is not None:
+            other = torch.tensor([tag != tags[r] for tag in tags], device=ids.device)
+            hit = ((ids >= 0) & other[self.owner[ids.clamp(min=0)].long()]).any(1)
+            want[hit] = float("nan")
+        return want
+
     def combine_receive(
         self, kernels, parity, r, inputs, grid: int, counted: bool, rows: int = 1, ranks: int = 1,
-        prefetch: int = 0,
+        prefetch: int = 0, tags: list[int] | None = None,
     ) -> None:  # fmt: skip
         """Rank r's combine receive (``rows`` tokens per program at a time, ``ranks`` ranks'
         partial rows loaded at once, ``prefetch`` steps ahead asked of the L2: the loop and
-        its masks run, the PTX prefetch does not under the interpreter), checked: each
-        token's rows times its router weights."""
+        its masks run, the PTX prefetch does not under the interpreter), checked against
+        ``want`` (``tags``: every rank's call tag)."""
         x, ids, w = inputs
         T, reg = x.shape[0], self.regions[parity]
         out = torch.empty(T, self.H)
@@ -114,10 +126,12 @@ class Ranks:
             BLOCK_H=128,
             COUNTED=counted, ROWS=rows, RANKS=ranks, PREFETCH=prefetch,
         )  # fmt: skip
-        want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
-        torch.testing.assert_close(out, want, msg=f"rank {r}")
+        want = self.want(r, inputs, tags)
+        torch.testing.assert_close(out, want, msg=f"rank {r}", equal_nan=True)
 
-    def combine_reduce(self, kernels, parity, r, inputs, y, grid: int, chunk: int) -> None:
+    def combine_reduce(
+        self, kernels, parity, r, inputs, y, grid: int, chunk: int, tags: list[int] | None = None
+    ) -> None:
         """Rank r's streamed-combine reducers in a launch of their own
         (``ht_combine_reduce_kernel``, after every rank's send), ``y`` its experts' rows
         (its own partial rows are read there), checked as ``combine_receive``."""
@@ -129,8 +143,8 @@ class Ranks:
             self.W, self.M, r, 10**9, reg.flags, reg.y, CHUNK=chunk, BLOCK_W=self.BLOCK_W,
             BLOCK_H=128, ROWS=4, RANKS=2 if self.W > 1 else 1,
         )  # fmt: skip
-        want = x * torch.where(ids >= 0, w, 0.0).sum(1, keepdim=True)
-        torch.testing.assert_close(out, want, msg=f"rank {r}")
+        want = self.want(r, inputs, tags)
+        torch.testing.assert_close(out, want, msg=f"rank {r}", equal_nan=True)
 
     def assert_reset(self, parity: int, call: int) -> None:
         """No error; every rank's ``expect`` and row flags back to 0 for the parity's next

@@ -391,7 +391,8 @@ def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W)
     local expert), combine returns each token's weighted rows, and every flag, count and
     counter the protocol resets is back to 0 for the parity's next call. Each call has its
     own tag (a layer's), and in the third the last rank is in another layer's call: every
-    receiver of its rows reports it (``ERR_LAYER``), and nothing else does."""
+    receiver of its rows reports it (``ERR_LAYER``), and nothing else does, and every token
+    with an expert across that divide comes back NaN (the others stay right)."""
     import triton.language as tl
 
     from epmoe.comm.symm import kernels as k
@@ -423,7 +424,9 @@ def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W)
                 sim.err.data_ptr(), H, M, W, 1, C, r, 10**9, tags[r], reg.flags, reg.x, reg.s,
                 reg.ids, K=K, BLOCK_K=2, BLOCK_H=128, IN_PLACE=True, **wire,
             )  # fmt: skip
-            assert st["recv_t"].tolist() == list(Ts)
+            # a source in another layer's call is marked -1 - T_s (its rows combine as NaN)
+            marked = [T if tags[s] == tags[r] else -1 - T for s, T in enumerate(Ts)]
+            assert st["recv_t"].tolist() == marked, (n, r)
             if n == 2 and r == 0:  # rank 0 (the first to receive) names the last rank
                 assert sim.err.item() == (k.ERR_LAYER << 24) | (k.OP_DISPATCH << 16) | (W - 1)
             assert sim.err.item() == 0 or n == 2, (n, r, hex(sim.err.item()))
@@ -440,6 +443,6 @@ def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W)
                 K=K, BLOCK_K=2, BLOCK_H=128, BLOCK_E=256,
             )  # fmt: skip
             assert not st["counts"].any(), (n, r)  # zeroed for the parity's next dispatch
-        for r in range(W):  # combine, receive half
-            sim.combine_receive(k, parity, r, inputs[r], max(Ts[r], 1), False)
+        for r in range(W):  # combine, receive half (NaN rows where a peer was in another call)
+            sim.combine_receive(k, parity, r, inputs[r], max(Ts[r], 1), False, tags=tags)
         sim.assert_reset(parity, n)

@@ -348,8 +348,18 @@ def _count_of(expect):
 def _check_tag(expect, tag, err_addr, s):
     """Report ``ERR_LAYER`` when source ``s``'s call tag, in the upper bits of its
     ``expect`` word, is not this rank's (the ranks are in different layers' calls)."""
-    if (expect >> 16) != tag:
+    if _other_call(expect, tag):
         _report(err_addr, ERR_LAYER, OP_DISPATCH, s)
+
+
+@triton.jit
+def _other_call(expect, tag):
+    """Whether the source of a written ``expect`` word is in another layer's call than this
+    rank (its call tag differs). Its rows then go through this rank's layer, whose experts
+    are not the ones they were sent to: the receive poisons their router weights with NaN,
+    so the rows the combine sends back, and every output row they reach, are NaN instead
+    of quietly wrong (the host raises ``ERR_LAYER`` at the rank's next call)."""
+    return (expect >> 16) != tag
 
 
 @triton.jit
@@ -712,7 +722,9 @@ def _dispatch_recv(
     flags = _at(base, off_flags, tl.int32)
     if t == 0:  # the count, for the combine, and the source's call tag against this one's
         expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
-        tl.store(recv_t_ptr + s, tl.maximum(_count_of(expect) - 1, 0))
+        T_s = tl.maximum(_count_of(expect) - 1, 0)
+        # a source in another layer's call is marked (-1 - T_s): its rows combine as NaN
+        tl.store(recv_t_ptr + s, tl.where((expect >= 1) & _other_call(expect, tag), -1 - T_s, T_s))
         if expect >= 1:
             _check_tag(expect, tag, err_addr, s)
     row = tl.cast(s, tl.int64) * M + t
@@ -871,7 +883,7 @@ def ll_dispatch_recv_kernel(
     so_ptr,  # FP8 and not IN_PLACE: [e_max, C, G] float32 scales (out)
     cnt_ptr,  # [e_max] int32 rows per local expert (out; zero on entry)
     pos_ptr,  # [W, M, K] int32 row of [e·C] each (source, token, k) went to, -1 (out)
-    recv_t_ptr,  # [W] int32 tokens each source dispatched (out)
+    recv_t_ptr,  # [W] int32 tokens each source dispatched (out; -1 - T_s: in another call)
     err_addr,
     # sizes
     H,
@@ -969,6 +981,9 @@ def _combine_send(
     pos = tl.load(pos_ptr + row * K + kk, mask=k_mask, other=-1).to(tl.int64)
     w = tl.load(_at(base_me, off_w, tl.float32) + row * K + kk, mask=k_mask, other=0.0)
     T_s = tl.load(recv_t_ptr + s)
+    if T_s < 0:  # the source was in another layer's call (_dispatch_recv): NaN rows back
+        T_s = -1 - T_s
+        w = tl.full((BLOCK_K,), float("nan"), tl.float32)
     src_flags = _at(base_s, off_flags, tl.int32)
     if t == 0:
         if s == 0:
@@ -1258,12 +1273,13 @@ def ll_combine_kernel(
 # token filled), and the send half of the combine copies each row's partial sum back.
 @triton.jit
 def _ht_dispatch_recv(
-    s, t, T_s, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
+    s, t, T_s, other, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
     M, W, me, timeout_ns, off_flags, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, COUNTED: tl.constexpr,
 ):  # fmt: skip
     """Row ``t`` of source ``s`` (which sent ``T_s`` tokens): its routing published, after
-    its flag (with ``COUNTED`` the caller waited once for the source's count instead)."""
+    its flag (with ``COUNTED`` the caller waited once for the source's count instead);
+    ``other``: the source is in another layer's call (NaN weights, see ``_other_call``)."""
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
     base = tl.load(bases_ptr + me)
@@ -1279,6 +1295,8 @@ def _ht_dispatch_recv(
             tl.atomic_xchg(flags + 2 * W + row, 0, sem="relaxed", scope="sys")  # consumed
         ids = tl.load(_at(base, off_ids, tl.int32) + row * K + kk, mask=k_mask, other=-1)
         w = tl.load(_at(base, off_w, tl.float32) + row * K + kk, mask=k_mask, other=0.0)
+        if other:
+            w = tl.full((BLOCK_K,), float("nan"), tl.float32)
     tl.store(ids_out_ptr + row * K + kk, ids.to(tl.int64), mask=k_mask)
     tl.store(w_out_ptr + row * K + kk, tl.where(ids >= 0, w, 0.0), mask=k_mask)
 
@@ -1315,6 +1333,7 @@ def ht_dispatch_recv_kernel(
     flags = _at(tl.load(bases_ptr + me), off_flags, tl.int32)
     expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
     T_s = tl.maximum(_count_of(expect) - 1, 0)
+    other = (expect >= 1) & _other_call(expect, tag)
     if COUNTED:
         _wait_at_least(_counts(flags, W, M) + s, T_s, timeout_ns, err_addr, OP_DISPATCH, s)
     if COUNTED and ROWS > 1:
@@ -1322,13 +1341,13 @@ def ht_dispatch_recv_kernel(
             tl.store(recv_t_ptr + s, T_s)
         for t0 in range(tl.program_id(1) * ROWS, M, tl.num_programs(1) * ROWS):
             _ht_publish_rows(
-                s, t0 + tl.arange(0, ROWS), T_s, bases_ptr, ids_out_ptr, w_out_ptr, M, me,
-                off_ids, off_w, K, BLOCK_K,
+                s, t0 + tl.arange(0, ROWS), T_s, other, bases_ptr, ids_out_ptr, w_out_ptr, M,
+                me, off_ids, off_w, K, BLOCK_K,
             )  # fmt: skip
     else:
         for t in range(tl.program_id(1), M, tl.num_programs(1)):
             _ht_dispatch_recv(
-                s, t, T_s, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
+                s, t, T_s, other, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
                 M, W, me, timeout_ns, off_flags, off_ids, off_w, K, BLOCK_K, COUNTED,
             )  # fmt: skip
     if (tl.program_id(1) == 0) & (expect >= 1):
@@ -1337,11 +1356,12 @@ def ht_dispatch_recv_kernel(
 
 @triton.jit
 def _ht_publish_rows(
-    s, tR, T_s, bases_ptr, ids_out_ptr, w_out_ptr, M, me, off_ids, off_w,
+    s, tR, T_s, other, bases_ptr, ids_out_ptr, w_out_ptr, M, me, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """``_ht_dispatch_recv`` of a counted dispatch for rows ``tR [R]`` of source ``s`` at
-    once (all of them arrived): their routing published, -1 / 0 on rows ``>= T_s``."""
+    once (all of them arrived): their routing published, -1 / 0 on rows ``>= T_s``; NaN
+    weights where ``other`` (the source is in another layer's call)."""
     kk = tl.arange(0, BLOCK_K)
     base = tl.load(bases_ptr + me)
     row = tl.cast(s, tl.int64) * M + tR.to(tl.int64)
@@ -1350,6 +1370,8 @@ def _ht_publish_rows(
     got = m & (tR < T_s)[:, None]
     ids = tl.load(_at(base, off_ids, tl.int32) + at, mask=got, other=-1)
     w = tl.load(_at(base, off_w, tl.float32) + at, mask=got, other=0.0)
+    if other:
+        w = tl.full(w.shape, float("nan"), tl.float32)
     tl.store(ids_out_ptr + at, ids.to(tl.int64), mask=m)
     tl.store(w_out_ptr + at, tl.where(ids >= 0, w, 0.0), mask=m)
 

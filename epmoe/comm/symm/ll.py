@@ -47,7 +47,8 @@ class LLTransport(SymmTransport):
     """``symm_ll``'s buffers for one shape, shared by layers: the symmetric regions
     (``common.SymmTransport``; the received rows stay there) and, per parity, the row index
     ``out [e_max, C]`` int32, ``counts [e_max]`` int32, ``pos [W, M, K]`` int32 and
-    ``recv_t [W]`` int32."""
+    ``recv_t [W]`` int32 (each source's token count; ``-1 - T_s`` for a source in another
+    layer's call, whose rows the combine then weights with NaN)."""
 
     name = "symm_ll"
     in_place = True
