@@ -8,7 +8,7 @@ contributes one record of ``RECORD_LEN`` int64, the same length for every operat
 rank that is in another operation (or another layer) still meets the others in the same
 collective and is named instead of crashing the transport:
 
-    [MAGIC, operation, layer index, call count, T, status, digest]
+    [MAGIC, operation, layer index, call count, T, status, digest, previous step]
 
 * operation: ``construction``, ``forward``, ``rebalance`` or ``step`` (a step record
   holds ``-1`` as layer index, the group's step number as call count, and its rank's
@@ -24,7 +24,12 @@ collective and is named instead of crashing the transport:
   ``IDS_OUT_OF_RANGE``, its routing chose ids outside ``[-1, E)``; ``COUNT_OUT_OF_RANGE``,
   its ``num_valid_tokens`` count lies outside ``[0, T]``);
 * digest: a 64-bit hash of the fields every rank must hold equal (construction: the
-  layer's configuration, see ``EPMoE``; rebalance: the new placement).
+  layer's configuration, see ``EPMoE``; rebalance: the new placement);
+* previous step (a step record; 0 in the others): a digest of the EPMoE layer calls this
+  rank made inside the group's previous step (``NO_PREVIOUS`` when there was none,
+  ``PREVIOUS_RAISED`` when that step ended in an exception on this rank, whose error was
+  raised then). Ranks whose calls differed are told at the next step (a rank that
+  skipped the step's last layer: see :meth:`StepAgreement.step`).
 
 Every rank reads the same gathered records and so takes the same decision, in this order:
 operation, layer index and call count (``RuntimeError`` naming the ranks and their values);
@@ -73,8 +78,9 @@ OPERATIONS = {
 STEP_INDEX = -1  # the layer index field of a step record (a step belongs to no layer)
 OK, REJECTED, IDS_OUT_OF_RANGE, COUNT_OUT_OF_RANGE = 0, 1, 2, 4
 DEVICE_CHECKS = IDS_OUT_OF_RANGE | COUNT_OUT_OF_RANGE  # the status bits set on the device
-_MAGIC, _OP, _INDEX, _COUNT, _T, _STATUS, _DIGEST = range(7)
-RECORD_LEN = 7
+_MAGIC, _OP, _INDEX, _COUNT, _T, _STATUS, _DIGEST, _PREVIOUS = range(8)
+RECORD_LEN = 8
+NO_PREVIOUS, PREVIOUS_RAISED = 0, -1  # the previous-step field's special values
 
 # The next layer index of each process group, by group object (entries go with their
 # group). Filled collectively: every rank of a group builds its layers in the same order,
@@ -208,7 +214,7 @@ class LayerAgreement:
         fields_digest = digest(fields) if fields is not None and error is None else 0
         count = self.calls if op != CONSTRUCTION else 0
         row = torch.tensor(
-            [MAGIC, op, self.index, count, T, status, fields_digest],
+            [MAGIC, op, self.index, count, T, status, fields_digest, NO_PREVIOUS],
             dtype=torch.int64,
             device=device,
         )
@@ -332,12 +338,28 @@ def pending_digest(layers) -> int:
     return (digest({str(i): e for i, e in enumerate(sorted(entries))}) & 0x7FFFFFFF) or 1
 
 
+class PreviousStepDiffers(RuntimeError):
+    """Raised by every rank of a step whose previous step's layer calls differed between
+    the ranks (``StepAgreement.step``)."""
+
+
+def previous_step_field(calls: tuple[int, ...] | None, raised: bool) -> int:
+    """The previous-step field of a step record: ``NO_PREVIOUS`` (no step before on this
+    group), ``PREVIOUS_RAISED``, or a positive 62-bit digest of ``calls`` (the layer
+    indices of the EPMoE calls made in it, in order)."""
+    if calls is None:
+        return NO_PREVIOUS
+    if raised:
+        return PREVIOUS_RAISED
+    return (digest({"calls": ",".join(map(str, calls))}) & ((1 << 62) - 1)) | (1 << 62)
+
+
 class StepAgreement(LayerAgreement):
     """The agreement of one DP step (:func:`epmoe.step`): the same record as a layer's,
-    ``[MAGIC, STEP, -1, step number, T, status, decode]``, so a rank in a step meets a
-    rank in a layer's own agreement (or in another step) in the same collective and both
-    are named. The step number counts the group's agreed steps (per group object, like
-    the layer index); a step that raises is not counted on any rank."""
+    ``[MAGIC, STEP, -1, step number, T, status, decode, previous step]``, so a rank in a
+    step meets a rank in a layer's own agreement (or in another step) in the same
+    collective and both are named. The step number counts the group's agreed steps (per
+    group object, like the layer index); a step that raises is not counted on any rank."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
@@ -353,6 +375,7 @@ class StepAgreement(LayerAgreement):
         step_id: int | None = None,
         pending: int = 0,
         graph_max_tokens: int | None = None,
+        previous: tuple[tuple[int, ...], bool] | None = None,
     ) -> tuple[list[int], list[bool]]:
         """Agree on a step: every rank's ``T`` (``error``: this rank's reason to refuse,
         e.g. a bad ``num_tokens``) and its ``decode`` wish, and that every rank is in the
@@ -365,7 +388,12 @@ class StepAgreement(LayerAgreement):
         told here, before a forward that would leave one rank in the rebuild's agreement
         and the other in a dispatch. ``graph_max_tokens``: this rank's bound for a CUDA-graph
         step (``None``: none); ranks that differ in it are told here too, since each would
-        decide alone whether the step replays its graphs."""
+        decide alone whether the step replays its graphs. ``previous``: the layer indices
+        of the EPMoE calls this rank made in the group's previous step and whether that
+        step raised here (``None``: no previous step). Ranks whose calls differed (and whose
+        previous step raised on none of them) raise here, naming each rank's calls: a
+        rank that skipped the step's last layer left the others in its dispatch, where
+        nothing else names it."""
         if self.world_size == 1:
             if error is not None:
                 raise error
@@ -381,6 +409,7 @@ class StepAgreement(LayerAgreement):
                 T if error is None else 0,
                 OK if error is None else REJECTED,
                 int(bool(decode)) | (pending << 1) | ((graph_max_tokens or 0) << 32),
+                previous_step_field(*previous) if previous is not None else NO_PREVIOUS,
             ],
             dtype=torch.int64,
             device=device,
@@ -412,13 +441,50 @@ class StepAgreement(LayerAgreement):
                 "on every rank (the largest graph bucket every rank captured, or None); this "
                 "step is not counted on any rank"
             )
+        previous_fields = [r[_PREVIOUS] for r in records]
+        if PREVIOUS_RAISED not in previous_fields and len(set(previous_fields)) > 1:
+            raise PreviousStepDiffers(self._previous_differences(count, previous))
         self._count()
         return [r[_T] for r in records], [bool(r[_DIGEST] & 1) for r in records]
+
+    def _previous_differences(self, count, previous) -> str:
+        """The message for ranks whose previous steps' layer calls differed; collective
+        (every rank calls it alike: one exchange of the calls, only then)."""
+        calls: list = [None] * self.world_size
+        dist.all_gather_object(calls, list(previous[0]) if previous else None, group=self.group)
+        ran = [tuple(c) if c is not None else None for c in calls]
+        known = [c for c in ran if c is not None]
+        at = _first_difference(known) if len(set(known)) > 1 else 0
+
+        def what(c):
+            if c is None:
+                return "no step before this one"
+            n = len(c)
+            shown = ", ".join(_layer_name(i) for i in c[max(at - 2, 0) : at + 3])
+            head = "…, " if at > 2 else ""
+            tail = ", …" if at + 3 < n else ""
+            return f"{n} call{'s' if n != 1 else ''} ({head}{shown}{tail})"
+
+        return (
+            f"epmoe.step (step {count}): the EP ranks made different EPMoE layer calls in "
+            f"the step before it: {_listing(_by_value([what(c) for c in ran]), 'made')}; "
+            f"they first differ at call {at + 1}. A rank skipped a layer (or called one more) "
+            "inside that step: every rank must call every layer of a step, also with T = 0, "
+            "in the same order. Where it skipped the step's last layer, the others waited "
+            "in that layer's dispatch: a graph-safe backend's bounded wait timed out there "
+            "(its next call says so; rebuild the layers then). This step is not counted on "
+            "any rank, so the next one proceeds"
+        )
 
     def _count(self) -> None:
         self.calls += 1
         if self.group is not None:
             _next_step[self.group] = self.calls
+
+
+def _layer_name(index: int) -> str:
+    """``"#3"`` for a layer index, ``"a copy"`` for a copy's (see ``fork``)."""
+    return f"#{index}" if index < COPY_INDEX else "a copy"
 
 
 def _by_value(values: list) -> dict:

@@ -56,7 +56,7 @@ from epmoe.experts.base import check_activation
 from epmoe.placement import ExpertPlacement
 from epmoe.reference import dequantize_block, quantize_block
 from epmoe.routing import RoutingFunction, select_experts
-from epmoe.step_context import StepContext, current_step, group_ranks
+from epmoe.step_context import StepContext, current_step, group_ranks, record_call
 
 # Tokens per dispatch when max_num_tokens is None and the backend sets no limit of its
 # own: transports without fixed buffers still chunk so that a prefill of any length runs
@@ -1064,6 +1064,7 @@ class EPMoE(nn.Module):
         num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` outside the compiler (and inside ``epmoe::moe_forward``)."""
+        record_call(self)  # the active step's count of layer calls (compared by the next)
         if self._comm_pending:
             self._rebuild_comm()
         if step is not None and max_tokens_across_ranks is not None:

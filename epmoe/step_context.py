@@ -34,9 +34,12 @@ ids are not range checked, and a rank that skips a layer (or calls the layers in
 order) is refused where its call meets another layer's dispatch by the backends whose
 counts reach the host (each dispatch carries its layer's index, ``AllToAll.call_tag``);
 ``symm_ll`` and ``symm_ht`` report it from the device at that rank's next call (the call
-that met it returns NaN rows for the tokens with an expert across the divide); nothing
-catches a rank that skips the step's last layer (the others wait in it until the group's
-timeout, or the bounded wait's). The layers of one step must be on the step's EP group.
+that met it returns NaN rows for the tokens with an expert across the divide). Each rank
+also counts its layer calls in the step (``StepContext.calls``), and the next step's
+agreement compares them: that is what names a rank that skipped the step's **last**
+layer, where the graph-safe backends' bounded wait has left the others (the
+host-synchronising backends leave them in the dispatch's collective instead, until the
+group's timeout). The layers of one step must be on the step's EP group.
 
 Shape legend: T tokens on this rank · W EP world size.
 """
@@ -46,12 +49,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
 from epmoe import custom_op
-from epmoe.agreement import StepAgreement, pending_digest
+from epmoe.agreement import PreviousStepDiffers, StepAgreement, pending_digest
 from epmoe.comm.collectives import world_of
 from epmoe.distributed import default_device
 
@@ -60,6 +64,9 @@ __all__ = ["StepContext", "current_step", "group_ranks", "step"]
 _ACTIVE: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar(
     "epmoe_step", default=None
 )
+# Each group's last finished step on this rank: the layer indices of its calls and whether
+# it ended in an exception here, for the next step's agreement (entries go with the group)
+_PREVIOUS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -78,7 +85,9 @@ class StepContext:
     step number, the same on every rank), ``num_tokens`` (this rank's T),
     ``tokens_per_rank`` (every rank's T, rank order), ``max_tokens`` (their maximum: the
     ``max_tokens_across_ranks`` of every layer in the step), ``decode`` (agreed: the step
-    may run a captured CUDA graph), ``active`` (inside its ``with`` block)."""
+    may run a captured CUDA graph), ``active`` (inside its ``with`` block), ``calls``
+    (the layer indices of the ``EPMoE`` forwards this rank ran in the step, in order; a
+    replayed CUDA graph runs none; compared across ranks by the next step)."""
 
     group: dist.ProcessGroup | None
     rank: int
@@ -90,6 +99,7 @@ class StepContext:
     decode: bool
     ranks: tuple[int, ...]
     active: bool = True
+    calls: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def idle(self) -> bool:
@@ -125,6 +135,13 @@ class StepContext:
         return self.max_tokens
 
 
+def record_call(layer) -> None:
+    """Count a forward of ``layer`` in the active step, when there is one on its group."""
+    s = _ACTIVE.get()
+    if s is not None and s.active and s.ranks == layer._group_ranks:
+        s.calls.append(layer._agreement.index)
+
+
 def current_step() -> StepContext | None:
     """The step of the innermost active ``with epmoe.step(...)`` block, or ``None``."""
     return _ACTIVE.get()
@@ -152,7 +169,7 @@ def step(
     one process) and make it the active step of every ``EPMoE`` forward in the block.
 
     Collective: every rank of ``group`` opens every step, in the same order, also with
-    ``num_tokens=0``; one all-gather of 7 int64 per rank, read by the host (nothing with one
+    ``num_tokens=0``; one all-gather of 8 int64 per rank, read by the host (nothing with one
     rank). ``num_tokens``: this rank's T for every layer of the step (an int ≥ 0; anything
     else raises here on this rank, and on the others a ``RuntimeError`` naming it).
     ``decode``: this rank asks for a decode step; the step's ``decode`` is true when every
@@ -194,10 +211,15 @@ def step(
     agreement = StepAgreement(group)
     T = num_tokens if error is None else 0
     ranks = group_ranks(group)
-    tokens, decodes = agreement.step(
-        T, decode is True, error, default_device(group), step_id, _pending(ranks),
-        graph_max_tokens,
-    )  # fmt: skip
+    previous = _PREVIOUS.get(group) if group is not None else None
+    try:
+        tokens, decodes = agreement.step(
+            T, decode is True, error, default_device(group), step_id, _pending(ranks),
+            graph_max_tokens, previous,
+        )  # fmt: skip
+    except PreviousStepDiffers:
+        _PREVIOUS.pop(group, None)  # told once, on every rank alike: the next step proceeds
+        raise
     # this step's number: the caller's, else the group's count (counted once agreed)
     index = step_id if step_id is not None else agreement.calls - 1
     rank, world_size = world_of(group)
@@ -214,8 +236,12 @@ def step(
         ranks=ranks,
     )
     token = _ACTIVE.set(ctx)
+    raised = True
     try:
         yield ctx
+        raised = False
     finally:
         ctx.active = False
         _ACTIVE.reset(token)
+        if group is not None and world_size > 1:
+            _PREVIOUS[group] = (tuple(ctx.calls), raised)

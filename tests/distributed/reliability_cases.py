@@ -353,6 +353,61 @@ def out_of_step(rank: int, world: int) -> list[dict]:
     return rows
 
 
+def previous_step_calls(rank: int, world: int) -> list[dict]:
+    """Rank ODD makes one layer call more than the others inside a step, and that call
+    meets no one: it fails on that rank alone, before any dispatch (T above the step's
+    token count), and is caught inside the step. (What a rank that skips the step's last
+    layer leaves behind on the graph-safe backends, whose dispatch does not hold the host:
+    the others' timed-out wait, then the next step.) The next step raises on every rank,
+    naming each rank's calls, and the step after it proceeds. A step that ended in an
+    exception on one rank is not compared: its error was raised then."""
+    first, w13, w2 = _layer()
+    second, _, _ = _layer()
+    x, logits = rank_tokens(rank, 5, H, E, torch.float32, "cpu")
+    big_x, big_logits = rank_tokens(rank, 6, H, E, torch.float32, "cpu")
+    ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+    a, b = first._agreement.index, second._agreement.index
+    too_many = "above the step's largest token count"
+
+    def step_with_an_extra_call(catch: bool) -> None:
+        with epmoe.step(None, num_tokens=5):
+            first(x, logits)
+            if rank == ODD:
+                try:
+                    second(big_x, big_logits)  # raises on this rank only
+                except ValueError:
+                    if not catch:
+                        raise
+                else:
+                    raise AssertionError("T = 6 in a step of 5 tokens was accepted")
+
+    sweep, rows = Sweep(), []
+    case = "one rank made one layer call more in the step before"
+    with sweep.case(case):
+        step_with_an_extra_call(catch=True)
+        seconds, error, _ = _timed(lambda: _step_of([first, second], x, logits))
+        rows.append(_row(case, rank, seconds, error))
+        others = re.escape(_others(world))
+        pattern = (
+            rf"different EPMoE layer calls in the step before it: {others} made 1 "
+            rf"call \(#{a}\), rank {ODD} made 2 calls \(#{a}, #{b}\); they first differ at "
+            r"call 2\. A rank skipped a layer .* not counted on any rank"
+        )
+        _check(error, seconds, RuntimeError, pattern)
+    with sweep.case("then a step of both layers on every rank"):
+        for out in _step_of([first, second], x, logits):
+            assert_close(out, ref, 1e-5, name=f"rank {rank} in a step")
+    case = "the extra call raised out of the step on that rank: not compared"
+    with sweep.case(case):
+        seconds, error, _ = _timed(lambda: step_with_an_extra_call(catch=False))
+        rows.append(_row(case, rank, seconds, error))
+        _check(error, seconds, ValueError if rank == ODD else None, too_many)
+        for out in _step_of([first, second], x, logits):
+            assert_close(out, ref, 1e-5, name=f"rank {rank} in the next step")
+    sweep.check()
+    return rows
+
+
 def _step_of(layers, x, logits) -> list[torch.Tensor]:
     """One ``epmoe.step`` calling ``layers`` in order on the same input."""
     with epmoe.step(None, num_tokens=x.shape[0]):

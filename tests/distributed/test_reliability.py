@@ -69,6 +69,11 @@ def test_one_rank_out_of_step():
     _run(rc.out_of_step)
 
 
+def test_one_rank_made_another_count_of_layer_calls_in_the_step_before():
+    """Ranks whose previous step's layer calls differed are named at the next step."""
+    _run(rc.previous_step_calls)
+
+
 def test_a_late_rank_is_named_after_the_group_timeout():
     """Only a timeout can tell a rank that never arrives: on a group with a 3 s timeout the
     others raise after it naming the late rank. Isolated: the group is unusable after."""

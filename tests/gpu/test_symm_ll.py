@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gp
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import epmoe  # noqa: E402
+from epmoe.agreement import PreviousStepDiffers  # noqa: E402
 from epmoe.bench.comm import wire_spec  # noqa: E402
 from epmoe.comm import backend_class, create_backend  # noqa: E402
 from epmoe.comm.base import FP8_DTYPE, Layout  # noqa: E402
@@ -283,14 +285,9 @@ def skipped_call_times_out(rank, world):
     return time.monotonic() - t0
 
 
-def skipped_layer_in_a_step(rank, world, name):
-    """Two layers of backend ``name`` (one transport); inside a step, the last rank skips
-    layer A and meets the others' A with its B. In that call every token with an expert on
-    a rank in the other layer's call comes back NaN and the others match the oracle (the
-    layers hold the same weights); every rank's next call raises naming a rank in another
-    layer's dispatch (the receivers' ERR_LAYER), and the layers then serve a step of both
-    on every rank, equal to the oracle."""
-    dev = torch.device("cuda", torch.cuda.current_device())
+def _two_layers(name, dev):
+    """Two bf16 layers of backend ``name`` (one transport) with the same weights, and
+    the weights."""
     g = torch.Generator().manual_seed(0)
     w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.05, torch.randn(E, H, I, generator=g) * 0.05
     layers = []
@@ -298,37 +295,89 @@ def skipped_layer_in_a_step(rank, world, name):
         layer = epmoe.EPMoE(E, K, H, I, backend=name, device=dev, params_dtype=torch.bfloat16)
         layer.load_experts(w13.to(dev, torch.bfloat16), w2.to(dev, torch.bfloat16))
         layers.append(layer)
-    a, b = layers
+    return layers, w13.to(dev), w2.to(dev)
+
+
+def skipped_layer_in_a_step(rank, world, name):
+    """Two layers of backend ``name`` (one transport); inside a step, the last rank skips
+    layer A and meets the others' A with its B. In that call every token with an expert on
+    a rank in the other layer's call comes back NaN and the others match the oracle (the
+    layers hold the same weights); every rank's next call raises naming a rank in another
+    layer's dispatch (the receivers' ERR_LAYER): on the others their B, inside the step,
+    on the last rank the next step's first call. The layers then serve a step of both on
+    every rank, equal to the oracle (the step that raised is not compared with the others'
+    by the next step's agreement)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    (a, b), w13, w2 = _two_layers(name, dev)
+    g = torch.Generator().manual_seed(1)
     x = torch.randn(6, H, generator=g).to(dev, torch.bfloat16)
     logits = torch.randn(6, E, generator=g)
     odd, per_rank = world - 1, E // world
     logits[0, :per_rank] += 10  # token 0's experts all on rank 0, token 1's on the odd rank
     logits[1, odd * per_rank : (odd + 1) * per_rank] += 10
     logits = logits.to(dev)
-    ref = epmoe.reference.moe(x.float(), w13.to(dev), w2.to(dev), *epmoe.select_experts(logits, K))
-    with epmoe.step(None, num_tokens=6):
-        for layer in [b] if rank == odd else [a, b]:
-            if layer is b and rank != odd:
-                torch.cuda.synchronize()  # (the error word is written by then)
-                with pytest.raises(RuntimeError, match="met another MoE layer's dispatch"):
-                    layer(x, logits)
-                continue
-            out = layer(x, logits).float()
-            # the call across layers: NaN for every token with an expert across the divide
-            owners = epmoe.select_experts(logits, K)[1] // per_rank
-            crossed = ((owners == odd) != (rank == odd)).any(1)
-            assert bool(crossed.any()) and not bool(crossed.all()), crossed  # (both kinds)
-            assert torch.equal(out.isnan().any(1), crossed), (out.isnan().any(1), crossed)
-            assert not out[crossed].isfinite().any()
-            assert_close(out[~crossed], ref[~crossed], TOLERANCES[torch.bfloat16])
-    torch.cuda.synchronize()
-    if rank == odd:  # its next call (a step of both layers, below) raises first
+    ref = epmoe.reference.moe(x.float(), w13, w2, *epmoe.select_experts(logits, K))
+
+    def crossed_step():
+        with epmoe.step(None, num_tokens=6):
+            for layer in [b] if rank == odd else [a, b]:
+                if layer is b and rank != odd:
+                    torch.cuda.synchronize()  # (the error word is written by then)
+                out = layer(x, logits).float()  # the others' B raises
+                # the call across layers: NaN for every token with an expert across the divide
+                owners = epmoe.select_experts(logits, K)[1] // per_rank
+                crossed = ((owners == odd) != (rank == odd)).any(1)
+                assert bool(crossed.any()) and not bool(crossed.all()), crossed  # (both kinds)
+                assert torch.equal(out.isnan().any(1), crossed), (out.isnan().any(1), crossed)
+                assert not out[crossed].isfinite().any()
+                assert_close(out[~crossed], ref[~crossed], TOLERANCES[torch.bfloat16])
+
+    if rank == odd:
+        crossed_step()
+        torch.cuda.synchronize()
+    else:
         with pytest.raises(RuntimeError, match="met another MoE layer's dispatch"):
-            a.comm.check(sync=True)
+            crossed_step()
+    if rank == odd:  # its first call raises (out of the step: not compared by the next)
+        with pytest.raises(RuntimeError, match="another MoE layer's"), epmoe.step(None, 6):
+            a(x, logits)
+    else:
+        with epmoe.step(None, num_tokens=6):
+            pass
     torch.distributed.barrier()
     with epmoe.step(None, num_tokens=6):
         for layer in (a, b):
             assert_close(layer(x, logits).float(), ref, TOLERANCES[torch.bfloat16])
+    return True
+
+
+def skipped_last_layer_in_a_step(rank, world, name):
+    """Inside a step the last rank skips the step's last layer B: the others' dispatch of B
+    waits for it until the bounded wait gives up (1 s here), and the next step's agreement
+    raises on every rank, naming each rank's calls in the step before it. The others' next
+    call of the transport then names the last rank (the timeout: rebuild the layers)."""
+    os.environ["EPMOE_COMM_TIMEOUT_S"] = "1"  # (read when the transport is built)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    (a, b), _, _ = _two_layers(name, dev)
+    ia, ib = a._agreement.index, b._agreement.index
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, H, generator=g).to(dev, torch.bfloat16)
+    logits = torch.randn(6, E, generator=g).to(dev)
+    odd = world - 1
+    with epmoe.step(None, num_tokens=6):
+        for layer in [a] if rank == odd else [a, b]:
+            layer(x, logits)
+    others = "rank 0" if world == 2 else f"ranks {list(range(odd))}"
+    calls = (
+        rf"{re.escape(others)} made 2 calls \(#{ia}, #{ib}\), rank {odd} made 1 call "
+        rf"\(#{ia}\); they first differ at call 2"
+    )
+    with pytest.raises(PreviousStepDiffers, match=calls), epmoe.step(None, num_tokens=6):
+        pass
+    if rank != odd:
+        with pytest.raises(RuntimeError, match=rf"timed out waiting for rank {odd}"):
+            b.comm.check(sync=True)
+    torch.distributed.barrier()
     return True
 
 
@@ -360,3 +409,9 @@ def test_a_rank_that_skips_a_call_is_named_within_the_timeout():
 def test_a_rank_that_skips_a_layer_in_a_step_is_named_at_the_next_call(name):
     requires_world(2)
     run_on_ranks(skipped_layer_in_a_step, 2, name, isolated=True, timeout_s=120)
+
+
+@pytest.mark.parametrize("name", ["symm_ll", "symm_ht"])
+def test_a_rank_that_skips_the_last_layer_of_a_step_is_named_at_the_next_step(name):
+    requires_world(2)
+    run_on_ranks(skipped_last_layer_in_a_step, 2, name, isolated=True, timeout_s=120)
