@@ -443,7 +443,15 @@ class StepAgreement(LayerAgreement):
             )
         previous_fields = [r[_PREVIOUS] for r in records]
         if PREVIOUS_RAISED not in previous_fields and len(set(previous_fields)) > 1:
-            raise PreviousStepDiffers(self._previous_differences(count, previous))
+            try:
+                message = self._previous_differences(count, previous)
+            except Exception as exc:  # (raised alike on every rank all the same)
+                message = (
+                    f"epmoe.step (step {count}): the EP ranks made different EPMoE layer calls "
+                    f"in the step before it (naming them failed: {exc!r}); this step is not "
+                    "counted on any rank"
+                )
+            raise PreviousStepDiffers(message)
         self._count()
         return [r[_T] for r in records], [bool(r[_DIGEST] & 1) for r in records]
 

@@ -1064,7 +1064,6 @@ class EPMoE(nn.Module):
         num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` outside the compiler (and inside ``epmoe::moe_forward``)."""
-        record_call(self)  # the active step's count of layer calls (compared by the next)
         if self._comm_pending:
             self._rebuild_comm()
         if step is not None and max_tokens_across_ranks is not None:
@@ -1112,8 +1111,10 @@ class EPMoE(nn.Module):
         # dispatch → experts → combine, chunk by chunk (one dispatch held at a time, within
         # any backend's max_in_flight); the shared experts run while the first is in flight.
         # The tag lets a backend that reads its counts on the host refuse a dispatch that
-        # meets another layer's (a rank that skipped a layer inside a step)
+        # meets another layer's (a rank that skipped a layer inside a step); the step counts
+        # the calls that got this far (the next step's agreement compares the counts)
         comm.call_tag = layer_call_tag(self._agreement.index)
+        record_call(self, step if step is not None else current_step())
         outs, shared_TH = [], None
         for c in range(num_chunks):
             lo, hi = min(c * M, T), min((c + 1) * M, T)

@@ -86,8 +86,9 @@ class StepContext:
     ``tokens_per_rank`` (every rank's T, rank order), ``max_tokens`` (their maximum: the
     ``max_tokens_across_ranks`` of every layer in the step), ``decode`` (agreed: the step
     may run a captured CUDA graph), ``active`` (inside its ``with`` block), ``calls``
-    (the layer indices of the ``EPMoE`` forwards this rank ran in the step, in order; a
-    replayed CUDA graph runs none; compared across ranks by the next step)."""
+    (the layer indices of the ``EPMoE`` forwards this rank ran in the step that reached
+    their dispatch, in order, those of steps opened inside it included; a replayed CUDA
+    graph runs none; compared across ranks by the next step)."""
 
     group: dist.ProcessGroup | None
     rank: int
@@ -135,9 +136,9 @@ class StepContext:
         return self.max_tokens
 
 
-def record_call(layer) -> None:
-    """Count a forward of ``layer`` in the active step, when there is one on its group."""
-    s = _ACTIVE.get()
+def record_call(layer, s: StepContext | None) -> None:
+    """Count a forward of ``layer`` that reached its dispatch in step ``s`` (the one it
+    ran in: given, else the active one), when ``s`` is active and on the layer's group."""
     if s is not None and s.active and s.ranks == layer._group_ranks:
         s.calls.append(layer._agreement.index)
 
@@ -235,6 +236,7 @@ def step(
         decode=all(decodes) and (graph_max_tokens is None or max_tokens <= graph_max_tokens),
         ranks=ranks,
     )
+    outer = _ACTIVE.get()
     token = _ACTIVE.set(ctx)
     raised = True
     try:
@@ -242,6 +244,10 @@ def step(
         raised = False
     finally:
         ctx.active = False
-        _ACTIVE.reset(token)
         if group is not None and world_size > 1:
             _PREVIOUS[group] = (tuple(ctx.calls), raised)
+            if outer is not None and outer.active and outer.ranks == ranks:
+                # a step inside a step (a capture inside a served step): its calls are the
+                # outer step's too, which the next step after the outer one compares
+                outer.calls.extend(ctx.calls)
+        _ACTIVE.reset(token)

@@ -11,6 +11,7 @@ table the test prints.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 import time
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
+from epmoe.agreement import PreviousStepDiffers
 from epmoe.comm.collectives import ARRIVAL_GRACE_S
 from epmoe.reference import assert_close
 from tests.distributed.cases import full_weights, rank_tokens
@@ -354,13 +356,14 @@ def out_of_step(rank: int, world: int) -> list[dict]:
 
 
 def previous_step_calls(rank: int, world: int) -> list[dict]:
-    """Rank ODD makes one layer call more than the others inside a step, and that call
-    meets no one: it fails on that rank alone, before any dispatch (T above the step's
-    token count), and is caught inside the step. (What a rank that skips the step's last
-    layer leaves behind on the graph-safe backends, whose dispatch does not hold the host:
-    the others' timed-out wait, then the next step.) The next step raises on every rank,
-    naming each rank's calls, and the step after it proceeds. A step that ended in an
-    exception on one rank is not compared: its error was raised then."""
+    """Each rank counts the layer calls of a step that reached their dispatch, and the next
+    step compares the counts. A rank with a call more (what a forward whose dispatch met no
+    one leaves behind: a rank that skipped the step's last layer, on the graph-safe
+    backends, whose dispatch does not hold the host; on gloo every dispatch is a collective,
+    so the extra call is added to the step's count here) is named at the next step on every
+    rank, also from a step opened inside the step, and the step after it proceeds. A call
+    refused on one rank before its dispatch (and retried) is not counted, and a step that
+    ended in an exception on one rank is not compared: its error was raised then."""
     first, w13, w2 = _layer()
     second, _, _ = _layer()
     x, logits = rank_tokens(rank, 5, H, E, torch.float32, "cpu")
@@ -369,41 +372,59 @@ def previous_step_calls(rank: int, world: int) -> list[dict]:
     a, b = first._agreement.index, second._agreement.index
     too_many = "above the step's largest token count"
 
-    def step_with_an_extra_call(catch: bool) -> None:
-        with epmoe.step(None, num_tokens=5):
-            first(x, logits)
-            if rank == ODD:
-                try:
-                    second(big_x, big_logits)  # raises on this rank only
-                except ValueError:
-                    if not catch:
-                        raise
-                else:
-                    raise AssertionError("T = 6 in a step of 5 tokens was accepted")
+    def refused_on_odd() -> None:  # T = 6 in a step of 5 tokens: raises on this rank only
+        if rank == ODD:
+            try:
+                second(big_x, big_logits)
+            except ValueError as exc:
+                assert too_many in str(exc), exc
+            else:
+                raise AssertionError("T = 6 in a step of 5 tokens was accepted")
 
-    sweep, rows = Sweep(), []
-    case = "one rank made one layer call more in the step before"
-    with sweep.case(case):
-        step_with_an_extra_call(catch=True)
-        seconds, error, _ = _timed(lambda: _step_of([first, second], x, logits))
-        rows.append(_row(case, rank, seconds, error))
-        others = re.escape(_others(world))
-        pattern = (
-            rf"different EPMoE layer calls in the step before it: {others} made 1 "
-            rf"call \(#{a}\), rank {ODD} made 2 calls \(#{a}, #{b}\); they first differ at "
-            r"call 2\. A rank skipped a layer .* not counted on any rank"
-        )
-        _check(error, seconds, RuntimeError, pattern)
-    with sweep.case("then a step of both layers on every rank"):
+    def both_layers() -> None:
         for out in _step_of([first, second], x, logits):
             assert_close(out, ref, 1e-5, name=f"rank {rank} in a step")
-    case = "the extra call raised out of the step on that rank: not compared"
+
+    others = re.escape(_others(world))
+    named = (
+        rf"different EPMoE layer calls in the step before it: {others} made 1 call \(#{a}\), "
+        rf"rank {ODD} made 2 calls \(#{a}, #{b}\); they first differ at call 2\. A rank "
+        r"skipped a layer .* not counted on any rank"
+    )
+    sweep, rows = Sweep(), []
+    with sweep.case("a call refused on one rank before its dispatch, then retried"):
+        with epmoe.step(None, num_tokens=5):
+            refused_on_odd()
+            for out in (first(x, logits), second(x, logits)):
+                assert_close(out, ref, 1e-5, name=f"rank {rank}")
+        both_layers()  # (the refused call is not counted: the next step proceeds)
+    for nested in (False, True):
+        case = "one rank's step counted a call more" + (" (in a step inside it)" if nested else "")
+        with sweep.case(case):
+            with epmoe.step(None, num_tokens=5) as s:
+                first(x, logits)
+                with epmoe.step(None, num_tokens=5) if nested else contextlib.nullcontext(s) as t:
+                    if rank == ODD:
+                        t.calls.append(b)  # a forward of `second` whose dispatch met no one
+            seconds, error, _ = _timed(lambda: _step_of([first, second], x, logits))
+            rows.append(_row(case, rank, seconds, error))
+            _check(error, seconds, PreviousStepDiffers, named)
+        with sweep.case("then a step of both layers on every rank" + (" (2)" if nested else "")):
+            both_layers()
+    case = "the step raised on that rank: not compared"
     with sweep.case(case):
-        seconds, error, _ = _timed(lambda: step_with_an_extra_call(catch=False))
+
+        def raising_step() -> None:
+            with epmoe.step(None, num_tokens=5) as s:
+                first(x, logits)
+                if rank == ODD:
+                    s.calls.append(b)
+                    second(big_x, big_logits)  # raises on this rank, out of the step
+
+        seconds, error, _ = _timed(raising_step)
         rows.append(_row(case, rank, seconds, error))
         _check(error, seconds, ValueError if rank == ODD else None, too_many)
-        for out in _step_of([first, second], x, logits):
-            assert_close(out, ref, 1e-5, name=f"rank {rank} in the next step")
+        both_layers()
     sweep.check()
     return rows
 
