@@ -356,6 +356,74 @@ def test_launcher_adds_programmatic_dependent_launch_where_enabled(monkeypatch):
     assert "PDL" not in plain.plain[0][3] and "launch_pdl" not in plain.plain[0][3]
 
 
+def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specialisation(
+    monkeypatch,
+):
+    """``_Launcher.bind`` after a launch: the bound launch passes every fixed argument as
+    bound and the variable ones as given (tensors as addresses); it launches nothing and
+    returns False where a variable argument specialises otherwise (dtype, alignment, an
+    int's class), during a capture of a kernel with PDL, or on another device; no binding
+    before the first launch, nor without the direct path (the interpreter)."""
+    from epmoe.comm.symm import common
+
+    monkeypatch.setattr(common, "_current_raw_stream", lambda: 7)
+    device = [0]
+    monkeypatch.setattr(common, "_device_index", lambda: device[0])
+    fn = _FakeKernel()
+    launcher = common._Launcher(fn)
+    launcher.direct = True
+    fixed = torch.zeros(4)
+    assert (
+        launcher.bind((3,), torch.zeros(4), 5, fixed, variable=(0, 1), num_warps=4, BLOCK=16)
+        is None
+    )
+    launcher((3,), torch.zeros(4), 5, fixed, num_warps=4, BLOCK=16)  # compiles
+    bound = launcher.bind((3,), torch.zeros(4), 5, fixed, variable=(0, 1), num_warps=4, BLOCK=16)
+    assert bound is not None
+    y = torch.ones(8)
+    assert bound(9, y, 37) is True
+    (run,) = fn.compiled.runs
+    assert run == (
+        9,
+        1,
+        1,
+        7,
+        "function",
+        "metadata",
+        None,
+        None,
+        None,
+        y.data_ptr(),
+        37,
+        fixed.data_ptr(),
+        16,
+    )
+    assert bound(9, y.to(torch.float64), 37) is False  # another dtype
+    assert bound(9, y[1:], 37) is False  # not 16-byte aligned
+    assert bound(9, y, 32) is False  # a multiple of 16: another specialisation
+    assert bound(9, y, 1) is False
+    device[0] = 1
+    assert bound(9, y, 37) is False
+    assert len(fn.compiled.runs) == 1  # none of those launched
+    launcher.direct = False
+    assert launcher.bind((3,), y, 5, fixed, variable=(0,), num_warps=4, BLOCK=16) is None
+    # a kernel with PDL: bound with PDL off, and not used while a graph is captured
+    device[0] = 0
+    capturing = [False]
+    monkeypatch.setattr(common, "pdl_enabled", lambda index: True)
+    monkeypatch.setattr(common, "_capturing", lambda: capturing[0])
+    fn = _FakeKernel()
+    fn.arg_names = [*_FakeKernel.arg_names, "PDL"]
+    launcher = common._Launcher(fn)
+    launcher.direct = launcher.pdl = True
+    launcher((3,), y, 5, fixed, num_warps=4, BLOCK=16)
+    bound = launcher.bind((3,), y, 5, fixed, variable=(0,), num_warps=4, BLOCK=16)
+    assert bound(3, y) is True and fn.compiled.runs[-1][-2:] == (16, False)
+    capturing[0] = True
+    assert bound(3, y) is False
+    assert launcher.bind((3,), y, 5, fixed, variable=(0,), num_warps=4, BLOCK=16) is None
+
+
 def test_pdl_setting_is_checked_and_off_without_a_gpu(monkeypatch):
     from epmoe.comm.symm import common
 

@@ -190,26 +190,41 @@ class SymmLLBackend(SymmBackend):
         )  # fmt: skip
 
     def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
-        """The blocking dispatch: send and receive in one kernel launch."""
-        k = kernels()
+        """The blocking dispatch: send and receive in one kernel launch (bound once per
+        parity: a call fills in its tensors, ``T`` and the tag; see ``common._Bound``)."""
         tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
-        spec, W, T = self.spec, self.world_size, x.shape[0]
-        reg = tr.regions[b]
-        stamps = self.stamps_dispatch
+        T, tag, stamps = x.shape[0], self.kernel_tag, self.stamps_dispatch
         try:
-            launch(k.ll_dispatch_kernel)(
-                (1 + T + W * tr.M,),
-                x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
-                tr.out[b], tr.out_scale[b], tr.counts[b], tr.pos[b], tr.recv_t[b],
-                tr.counts[b] if stamps is None else stamps,
-                T, tr.H, spec.num_physical, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
-                self.kernel_tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
-                IN_PLACE=tr.in_place, STAMPS=stamps is not None, num_warps=tr.num_warps, **c,
-            )  # fmt: skip
+            bound = self._bound.get(("dispatch", b))
+            if (
+                bound is None
+                or stamps is not None
+                or not bound(1 + T + self.world_size * tr.M, x, ids, w, T, tag)
+            ):
+                self._launch_dispatch(tr, x, ids, w, b, c, T, tag, stamps)
         except BaseException:
             tr.give_back(b)
             raise
         return self._dispatch_result(tr, b, ids, T)
+
+    def _launch_dispatch(self, tr, x, ids, w, b, c, T, tag, stamps) -> None:
+        """The fused dispatch through ``launch`` (and bound for the parity's next calls,
+        without timeline stamps)."""
+        spec, W, reg = self.spec, self.world_size, tr.regions[b]
+        args = (
+            x, ids, w, self._owner_P, self._local_P, tr.bases, tr.err_addr,
+            tr.out[b], tr.out_scale[b], tr.counts[b], tr.pos[b], tr.recv_t[b],
+            tr.counts[b] if stamps is None else stamps,
+            T, tr.H, spec.num_physical, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
+            tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
+        )  # fmt: skip
+        grid = (1 + T + W * tr.M,)
+        meta = dict(IN_PLACE=tr.in_place, STAMPS=stamps is not None, num_warps=tr.num_warps)
+        launch(kernels().ll_dispatch_kernel)(grid, *args, **meta, **c)
+        if stamps is None:  # (x, ids, w, T, tag vary; the rest is the parity's)
+            self._bound[("dispatch", b)] = launch(kernels().ll_dispatch_kernel).bind(
+                grid, *args, variable=(0, 1, 2, 13, 22), **meta, **c
+            )
 
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The split dispatch: the send kernel now, the receive kernel at ``wait()``."""
@@ -236,24 +251,35 @@ class SymmLLBackend(SymmBackend):
 
     # ------------------------------------------------------------------ combine
     def combine(self, expert_out, result) -> torch.Tensor:
-        """The blocking combine: send and receive in one kernel launch."""
-        k = kernels()
+        """The blocking combine: send and receive in one kernel launch (bound once per
+        parity, as ``dispatch``)."""
         h, y, c = self._combine_prologue(expert_out, result)
-        tr, spec, W, T, b = h.transport, self.spec, self.world_size, h.num_tokens, h.parity
+        tr, T, b, stamps = h.transport, h.num_tokens, h.parity, self.stamps_combine
+        out = torch.empty(T, tr.H, dtype=self.spec.dtype, device=tr.device)
+        bound = self._bound.get(("combine", b))
+        programs = self.world_size * tr.M + max(1, T)
+        if bound is None or stamps is not None or not bound(programs, y, out, h.ids_TK, out, T):
+            self._launch_combine(tr, h, y, out, c, stamps)
+        self._combine_done(h)
+        return out
+
+    def _launch_combine(self, tr, h, y, out, c, stamps) -> None:
+        """The fused combine through ``launch`` (and bound, as ``_launch_dispatch``)."""
+        spec, W, T, b = self.spec, self.world_size, h.num_tokens, h.parity
         reg = tr.regions[b]
-        out = torch.empty(T, tr.H, dtype=spec.dtype, device=tr.device)
-        stamps = self.stamps_combine
-        launch(k.ll_combine_kernel)(
-            (W * tr.M + max(1, T),),
+        args = (
             y, tr.bases, tr.pos[b], tr.recv_t[b], tr.counts[b], out, h.ids_TK, self._owner_P,
             tr.err_addr, out if stamps is None else stamps,
             tr.e_max, T, tr.H, spec.num_physical, tr.M, W, self.rank, tr.timeout_ns,
             reg.flags, reg.w, reg.y,
-            BLOCK_W=pow2(W), BLOCK_E=BLOCK_E, STAMPS=stamps is not None,
-            num_warps=tr.num_warps, **c,
         )  # fmt: skip
-        self._combine_done(h)
-        return out
+        grid = (W * tr.M + max(1, T),)
+        meta = dict(BLOCK_W=pow2(W), BLOCK_E=BLOCK_E, STAMPS=stamps is not None)
+        launch(kernels().ll_combine_kernel)(grid, *args, num_warps=tr.num_warps, **meta, **c)
+        if stamps is None:  # (y, out, ids, T vary; the rest is the parity's)
+            self._bound[("combine", b)] = launch(kernels().ll_combine_kernel).bind(
+                grid, *args, variable=(0, 5, 6, 9, 11), num_warps=tr.num_warps, **meta, **c
+            )
 
     def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
         """The split combine: the send kernel now, the receive kernel at ``wait()``."""
