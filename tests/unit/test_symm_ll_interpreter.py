@@ -362,8 +362,11 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
     """``_Launcher.bind`` after a launch: the bound launch passes every fixed argument as
     bound and the variable ones as given (tensors as addresses); it launches nothing and
     returns False where a variable argument specialises otherwise (dtype, alignment, an
-    int's class), during a capture of a kernel with PDL, or on another device; no binding
-    before the first launch, nor without the direct path (the interpreter)."""
+    int's class, or its width where the kernel does not specialise it), during a capture
+    of a kernel with PDL, or on another device; no binding before the first launch, nor
+    without the direct path (the interpreter)."""
+    from types import SimpleNamespace
+
     from epmoe.comm.symm import common
 
     monkeypatch.setattr(common, "_current_raw_stream", lambda: 7)
@@ -422,6 +425,134 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
     capturing[0] = True
     assert bound(3, y) is False
     assert launcher.bind((3,), y, 5, fixed, variable=(0,), num_warps=4, BLOCK=16) is None
+    # an int Triton does not specialise (do_not_specialize): only its width is checked
+    capturing[0] = False
+    fn = _FakeKernel()
+    fn.params = [SimpleNamespace(name=n, has_default=False, do_not_specialize=n == "n")
+                 for n in _FakeKernel.arg_names]  # fmt: skip
+    launcher = common._Launcher(fn)
+    launcher.direct = True
+    launcher((3,), y, 5, fixed, num_warps=4, BLOCK=16)
+    bound = launcher.bind((3,), y, 5, fixed, variable=(0, 1), num_warps=4, BLOCK=16)
+    assert bound(3, y, 16) is True and bound(3, y, 1) is True  # (other int classes)
+    assert bound(3, y, 2**40) is False  # another width
+    with pytest.raises(TypeError, match="takes 2 arguments, got 1"):
+        bound(3, y)
+
+
+def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
+    """The GPU's direct and bound launch paths (off under the interpreter) run here: each
+    launched address is turned back into the tensor it came from (by argument position)
+    and the kernel runs under the interpreter. Blocking dispatch and combine with T
+    changing (0, 1, 16, 32 and between) and the tag changing every call, float32 and FP8
+    on the wire, rows in place and copied, match the oracle; after the first calls every
+    launch is bound (T and the tag are unspecialised ints: no call refused)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from epmoe.comm.symm import common
+
+    monkeypatch.setattr(common, "_current_raw_stream", lambda: 0)
+    monkeypatch.setattr(common, "_capturing", lambda: False)
+    k = common.kernels()
+    addresses: dict = {}  # (kernel, position, address) -> the tensor launched there
+    counts = dict(bound=0, refused=0)
+
+    def remember(name, args, positions=None):
+        for i, a in zip(positions or range(len(args)), args):
+            if isinstance(a, torch.Tensor):
+                addresses[(name, i, a.data_ptr())] = a
+
+    class Compiled:
+        function = packed_metadata = "unused"
+
+        def __init__(self, real, n):
+            self.real, self.n = real, n
+
+        def run(self, programs, _y, _z, _stream, _f, _m, _a, _b, _c, *values):
+            name = self.real.__name__
+            args = [addresses.get((name, i, v), v) for i, v in enumerate(values[: self.n])]
+            consts = dict(zip(self.real.arg_names[self.n :], values[self.n :]))
+            self.real[(programs,)](*args, num_warps=4, **consts)
+
+    # as their @triton.jit(do_not_specialize=...) declare (the interpreter drops it)
+    loose = {"ll_dispatch_kernel": {"T", "tag"}, "ll_combine_kernel": {"T"}}
+    for real, n in ((k.ll_dispatch_kernel, 28), (k.ll_combine_kernel, 21)):
+        name = real.__name__
+        signature = inspect.signature(real.fn).parameters.values()
+        params = [
+            SimpleNamespace(
+                name=q.name, has_default=q.default is not inspect.Parameter.empty,
+                default=q.default, do_not_specialize=q.name in loose[name],
+            )
+            for q in signature
+        ]  # fmt: skip
+
+        class Proxy:
+            __name__, arg_names = name, real.arg_names
+
+            def __init__(self, real, n, params):
+                self.real, self.n, self.params = real, n, params
+
+            def __getitem__(self, grid):
+                def first(*args, num_warps, **consts):  # Triton's own path: it compiles
+                    self.real[grid](*args, num_warps=num_warps, **consts)
+                    return Compiled(self.real, self.n)
+
+                return first
+
+        class Launcher(common._Launcher):
+            def __call__(self, grid, *args, name=name, **kw):
+                remember(name, args)
+                return super().__call__(grid, *args, **kw)
+
+            def bind(self, grid, *args, name=name, **kw):
+                remember(name, args)
+                bound = super().bind(grid, *args, **kw)
+                return None if bound is None else Bound(name, bound)
+
+        launcher = Launcher(Proxy(real, n, params))
+        launcher.direct = launcher.pdl = True
+        monkeypatch.setitem(common._LAUNCHERS, real, launcher)
+
+    class Bound:
+        def __init__(self, name, bound):
+            self.name, self.bound = name, bound
+
+        def __call__(self, programs, *variable):
+            remember(self.name, variable, self.bound.slots)
+            ok = self.bound(programs, *variable)
+            counts["bound" if ok else "refused"] += 1
+            return ok
+
+    E, K, H, M = 8, 3, 256, 32
+    placement = epmoe.ExpertPlacement.linear(E, 1)
+    Ts = [5, 7, 3, 16, 32, 1, 1, 2, 0, 13]
+    for fp8, in_place in ((False, True), (True, False)):
+        spec = CommSpec(H, K, placement.rank_offsets, M, torch.float32, torch.device("cpu"),
+                        dispatch_dtype=FP8_DTYPE if fp8 else None)  # fmt: skip
+        comm = _backend(spec, in_place)
+        counts.update(bound=0, refused=0)
+        for step, T in enumerate(Ts):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(T, H, generator=g)
+            ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+            w = torch.softmax(torch.randn(T, K, generator=g), -1)
+            comm.call_tag = step + 1
+            res = comm.dispatch(x, ids, w)
+            assert res.counts.tolist() == [int((ids == e).sum()) for e in range(E)], step
+            rows, scale = res.expert_rows()  # identity experts (FP8 rows dequantized)
+            y = rows.float() * (scale.repeat_interleave(128, -1)[..., :H] if fp8 else 1)
+            out = comm.combine(y, res)
+            want = x
+            if fp8:
+                q, scale = quantize_groups(x)
+                want = q.float() * scale.repeat_interleave(128, -1)[:, :H]
+            want = want * w.sum(1, keepdim=True)
+            assert_close(out, want, 0.1 if fp8 else 1e-5, name=f"fp8={fp8} T={T}")
+        # the first call of each parity binds (dispatch and combine): the rest are bound
+        assert counts == dict(bound=2 * (len(Ts) - 2), refused=0), counts
+        comm.close()
 
 
 def test_pdl_setting_is_checked_and_off_without_a_gpu(monkeypatch):

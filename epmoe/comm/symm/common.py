@@ -631,6 +631,13 @@ class _Launcher:
         # trailing parameters a call may leave out, as Triton's own path fills them in
         self.defaults = {p.name: p.default for p in getattr(fn, "params", ()) if p.has_default}
         self.compiled: dict[tuple, object] = {}
+        # positions of the ints Triton does not specialise on (beyond their width): a bound
+        # launch checks only that (a count changing from 15 to 16 rows keeps its binding)
+        self.unspecialized = {
+            i
+            for i, p in enumerate(getattr(fn, "params", ()))
+            if getattr(p, "do_not_specialize", False)
+        }
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
         self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
@@ -715,7 +722,20 @@ class _Launcher:
             return None
         values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
         values += [consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]]
-        return _Bound(kernel, values, variable, tuple(parts[i] for i in variable), dev, self.pdl)
+        checks = tuple(
+            (_WIDTH, _int32(args[i]))
+            if type(args[i]) is int and i in self.unspecialized
+            else parts[i]
+            for i in variable
+        )
+        return _Bound(kernel, values, variable, checks, dev, self.pdl)
+
+
+_WIDTH = "int width"  # a bound int argument's check: only whether it fits int32
+
+
+def _int32(a: int) -> bool:
+    return -(2**31) <= a < 2**31
 
 
 class _Bound:
@@ -725,9 +745,9 @@ class _Bound:
     7.5 µs of host time against 17 through ``_Launcher`` on one H200 (docs/benchmarks.md):
     what an eager decode step waits for. A call returns ``False``, launching nothing,
     where an argument no longer specialises as when bound (a tensor's dtype or 16-byte
-    alignment, an int's class), on another current device, or during a capture of a
-    kernel with ``PDL``: the caller then launches through ``_Launcher`` (and may bind
-    again)."""
+    alignment, an int's class, or only its width where Triton does not specialise it), on
+    another current device, or during a capture of a kernel with ``PDL``: the caller then
+    launches through ``_Launcher`` (and may bind again)."""
 
     __slots__ = ("kernel", "values", "slots", "parts", "dev", "pdl")
 
@@ -737,6 +757,10 @@ class _Bound:
 
     def __call__(self, programs: int, *variable) -> bool:
         """Launch ``programs`` programs with ``variable`` at the bound positions."""
+        if len(variable) != len(self.slots):
+            raise TypeError(
+                f"a bound launch takes {len(self.slots)} arguments, got {len(variable)}"
+            )
         if (self.pdl and _capturing()) or _device_index() != self.dev:
             return False
         values = self.values
@@ -746,6 +770,10 @@ class _Bound:
                 if a.dtype != part[0] or (ptr & 15 == 0) != part[1]:
                     return False
                 values[slot] = ptr
+            elif part[0] is _WIDTH and type(a) is int:
+                if _int32(a) != part[1]:
+                    return False
+                values[slot] = a
             elif _specialization(a) != part:
                 return False
             else:
