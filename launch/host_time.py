@@ -19,7 +19,7 @@ import time
 import torch
 
 import epmoe
-from epmoe.bench.comm import identity_expert_out, wire_spec
+from epmoe.bench.comm import identity_expert_out, warm_up_on_side_stream, wire_spec
 from epmoe.comm import backend_class
 from epmoe.comm.base import Layout, check_dispatch_args
 from epmoe.comm.symm.common import _on_device, kernels, launch
@@ -121,12 +121,7 @@ def layer_eager_and_graph(dev: torch.device) -> None:
                 f"{start.elapsed_time(end) / 50 * 1e3:.0f} µs per forward back to back, "
                 f"host {_us(host):.0f} µs per call"
             )
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                layer(x, logits, max_tokens_across_ranks=T)
-        torch.cuda.current_stream().wait_stream(side)
+        warm_up_on_side_stream(lambda: layer(x, logits, max_tokens_across_ranks=T), 3)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             layer(x, logits, max_tokens_across_ranks=T)
