@@ -559,8 +559,12 @@ def _specialization(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15 == 0
     if type(a) is int:
-        return a == 1, a & 15 == 0, -(2**31) <= a < 2**31
+        return a == 1, a & 15 == 0, _int32(a)
     return a
+
+
+def _int32(a: int) -> bool:
+    return -(2**31) <= a < 2**31
 
 
 def _device_index() -> int:
@@ -667,7 +671,7 @@ class _Launcher:
         else:
             parts = tuple(map(_specialization, args))
         self._memo = (args, parts)
-        key = (dev, num_warps, tuple(consts.items()), parts)
+        key = _cache_key(dev, num_warps, consts, parts)
         kernel = self.compiled.get(key)
         if kernel is None:
             tensors = [name for name, value in consts.items() if isinstance(value, torch.Tensor)]
@@ -680,10 +684,7 @@ class _Launcher:
             self.compiled[key] = self.fn[grid](*args, **num_warps_and, **consts)
             return
         try:
-            values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
-            values += [
-                consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]
-            ]
+            values = self._values(args, consts)
             stream = _current_raw_stream()
             g = (*grid, 1, 1)
             kernel.run(
@@ -701,6 +702,13 @@ class _Launcher:
             )
             self.fn[grid](*args, **num_warps_and, **consts)
 
+    def _values(self, args: tuple, consts: dict) -> list:
+        """The compiled kernel's arguments: each tensor as its address, the other
+        arguments as given, then the constexprs in order (defaults where not given)."""
+        values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
+        values += [consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]]
+        return values
+
     def bind(
         self, grid: tuple[int, ...], *args, variable: tuple[int, ...], num_warps: int, **consts
     ) -> _Bound | None:
@@ -717,11 +725,10 @@ class _Launcher:
                 return None
             consts["PDL"] = False
         parts = tuple(map(_specialization, args))
-        kernel = self.compiled.get((dev, num_warps, tuple(consts.items()), parts))
+        kernel = self.compiled.get(_cache_key(dev, num_warps, consts, parts))
         if kernel is None:
             return None
-        values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
-        values += [consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]]
+        values = self._values(args, consts)
         checks = tuple(
             (_WIDTH, _int32(args[i]))
             if type(args[i]) is int and i in self.unspecialized
@@ -731,11 +738,12 @@ class _Launcher:
         return _Bound(kernel, values, variable, checks, dev, self.pdl)
 
 
+def _cache_key(dev: int, num_warps: int, consts: dict, parts: tuple) -> tuple:
+    """A compiled kernel's key in ``_Launcher.compiled`` (launches and bindings alike)."""
+    return dev, num_warps, tuple(consts.items()), parts
+
+
 _WIDTH = "int width"  # a bound int argument's check: only whether it fits int32
-
-
-def _int32(a: int) -> bool:
-    return -(2**31) <= a < 2**31
 
 
 class _Bound:

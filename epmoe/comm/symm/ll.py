@@ -220,9 +220,10 @@ class SymmLLBackend(SymmBackend):
         )  # fmt: skip
         grid = (1 + T + W * tr.M,)
         meta = dict(IN_PLACE=tr.in_place, STAMPS=stamps is not None, num_warps=tr.num_warps)
-        launch(kernels().ll_dispatch_kernel)(grid, *args, **meta, **c)
+        launcher = launch(kernels().ll_dispatch_kernel)
+        launcher(grid, *args, **meta, **c)
         if stamps is None:  # (x, ids, w, T, tag vary; the rest is the parity's)
-            self._bound[("dispatch", b)] = launch(kernels().ll_dispatch_kernel).bind(
+            self._bound[("dispatch", b)] = launcher.bind(
                 grid, *args, variable=(0, 1, 2, 13, 22), **meta, **c
             )
 
@@ -275,9 +276,10 @@ class SymmLLBackend(SymmBackend):
         )  # fmt: skip
         grid = (W * tr.M + max(1, T),)
         meta = dict(BLOCK_W=pow2(W), BLOCK_E=BLOCK_E, STAMPS=stamps is not None)
-        launch(kernels().ll_combine_kernel)(grid, *args, num_warps=tr.num_warps, **meta, **c)
+        launcher = launch(kernels().ll_combine_kernel)
+        launcher(grid, *args, num_warps=tr.num_warps, **meta, **c)
         if stamps is None:  # (y, out, ids, T vary; the rest is the parity's)
-            self._bound[("combine", b)] = launch(kernels().ll_combine_kernel).bind(
+            self._bound[("combine", b)] = launcher.bind(
                 grid, *args, variable=(0, 5, 6, 9, 11), num_warps=tr.num_warps, **meta, **c
             )
 
