@@ -26,7 +26,9 @@ record per mode:
   times, in the same order);
 * ``eager_b2b``: the same calls back to back, ``--iters`` round trips queued with no
   barrier and no host wait between them, an event between phases: the time per phase in a
-  steady stream of calls (the GPU's, or the host's launch time where that is longer);
+  steady stream of calls (the GPU's, or the host's launch time where that is longer; the
+  events are made beforehand, :func:`epmoe.bench.common.timing_events`, so that their own
+  host time does not count);
 * ``graph_b2b``: ``STREAM_ROUNDS`` round trips captured in one CUDA graph with timing
   events recorded inside it between phases, replayed ``STREAM_REPLAYS`` times: the GPU's
   time per phase with no host in the way. The events inside the graph cost time of their
@@ -81,6 +83,7 @@ from epmoe.bench.common import (
     over_ranks,
     progress,
     time_fn,
+    timing_events,
     write_json,
 )
 from epmoe.comm import available_backends, backend_class, create_backend
@@ -259,14 +262,15 @@ def time_phases(
         torch.cuda.synchronize(device)
     times: list[list[float]] = [[] for _ in phases]
     for _ in range(iters):
+        if cuda:  # (made before ``before``: a barrier aligns the ranks as the timing starts)
+            events, stream = timing_events(len(phases) + 1, device)
         if before is not None:
             before()
         if cuda:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(phases) + 1)]
-            events[0].record()
+            events[0].record(stream)
             for phase, event in zip(phases, events[1:]):
                 phase()
-                event.record()
+                event.record(stream)
             events[-1].synchronize()
             for i in range(len(phases)):
                 times[i].append(events[i].elapsed_time(events[i + 1]))
@@ -300,13 +304,13 @@ def time_stream(
     torch.cuda.synchronize(device)
     if before is not None:
         before()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters * len(phases) + 1)]
-    events[0].record()
+    events, stream = timing_events(iters * len(phases) + 1, device)
+    events[0].record(stream)
     i = 1
     for _ in range(iters):
         for phase in phases:
             phase()
-            events[i].record()
+            events[i].record(stream)
             i += 1
     events[-1].synchronize()
     times: list[list[float]] = [[] for _ in phases]

@@ -23,6 +23,22 @@ from epmoe.distributed import default_device
 T = TypeVar("T")
 
 
+def timing_events(count: int, device: torch.device) -> tuple[list[torch.cuda.Event], Any]:
+    """``count`` timing events, each recorded once already, and the current stream of
+    ``device`` to record them on: ``event.record(stream)``.
+
+    An event's first record creates it in the driver and ``record()`` without a stream
+    builds a Python ``Stream`` object: together 16 µs of host time per record on one
+    H200's host (docs/benchmarks.md), which a host-bound phase timed between two events
+    would count as its own (the GPU reaches the event only once the host has queued it)."""
+    stream = torch.cuda.current_stream(device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(count)]
+    for event in events:
+        event.record(stream)
+    torch.cuda.synchronize(device)
+    return events, stream
+
+
 def time_fn(
     fn: Callable[[], Any],
     *,
@@ -52,26 +68,24 @@ def time_fn(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     if back_to_back and device.type == "cuda" and barrier is None:
-        events = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(iters + 1)
-        ]
+        flat, stream = timing_events(2 * (iters + 1), device)
+        events = list(zip(flat[::2], flat[1::2]))
         for start, end in events:
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
         events[-1][1].synchronize()  # (the stream the events were recorded on)
         return [start.elapsed_time(end) for start, end in events[1:]]
     times: list[float] = []
     for _ in range(iters):
+        if device.type == "cuda":  # (made before the barrier, which aligns the ranks)
+            (start, end), stream = timing_events(2, device)
         if barrier is not None:
             barrier()
         if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             end.synchronize()
             times.append(start.elapsed_time(end))
         else:
