@@ -493,15 +493,21 @@ def check_dispatch_args(
     Host-side checks only (types, shapes, dtypes; no device synchronisation), so graph-safe
     backends call it too. The range of the ids is a device value: see :func:`ids_out_of_range`.
     """
-    check_tensor("hidden_states", hidden_TH)
-    check_tensor("topk_ids", topk_ids_TK)
-    check_tensor("topk_weights", topk_weights_TK)
-    if hidden_TH.dim() != 2 or hidden_TH.shape[1] != spec.hidden_size:
-        raise ValueError(
-            f"hidden_states must be [T, {spec.hidden_size}], got {tuple(hidden_TH.shape)}"
-        )
-    T = hidden_TH.shape[0]
-    if topk_ids_TK.shape != (T, spec.top_k) or topk_weights_TK.shape != (T, spec.top_k):
+    # (an eager decode step waits for this host time: each attribute is read once)
+    Tensor = torch.Tensor
+    if not (
+        isinstance(hidden_TH, Tensor)
+        and isinstance(topk_ids_TK, Tensor)
+        and isinstance(topk_weights_TK, Tensor)
+    ):
+        check_tensor("hidden_states", hidden_TH)
+        check_tensor("topk_ids", topk_ids_TK)
+        check_tensor("topk_weights", topk_weights_TK)
+    shape = hidden_TH.shape
+    if len(shape) != 2 or shape[1] != spec.hidden_size:
+        raise ValueError(f"hidden_states must be [T, {spec.hidden_size}], got {tuple(shape)}")
+    T, K = shape[0], spec.top_k
+    if topk_ids_TK.shape != (T, K) or topk_weights_TK.shape != (T, K):
         raise ValueError(
             f"topk_ids and topk_weights must be [T={T}, K={spec.top_k}], got "
             f"{tuple(topk_ids_TK.shape)} and {tuple(topk_weights_TK.shape)}"

@@ -292,7 +292,7 @@ def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch
     driver lookup per tensor), other arguments as given and the constexprs in order."""
     from epmoe.comm.symm import common
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda: 7)
+    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 7)
     monkeypatch.setattr(common, "_device_index", lambda: 0)
     fn = _FakeKernel()
     launcher = common._Launcher(fn)
@@ -317,7 +317,7 @@ def test_launcher_fills_in_defaults_and_refuses_tensors_as_keywords(monkeypatch)
 
     from epmoe.comm.symm import common
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda: 7)
+    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 7)
     monkeypatch.setattr(common, "_device_index", lambda: 0)
     fn = _FakeKernel()
     fn.arg_names = [*_FakeKernel.arg_names, "ROWS"]
@@ -369,7 +369,7 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
 
     from epmoe.comm.symm import common
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda: 7)
+    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 7)
     device = [0]
     monkeypatch.setattr(common, "_device_index", lambda: device[0])
     fn = _FakeKernel()
@@ -452,7 +452,7 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
 
     from epmoe.comm.symm import common
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda: 0)
+    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 0)
     monkeypatch.setattr(common, "_capturing", lambda: False)
     k = common.kernels()
     addresses: dict = {}  # (kernel, position, address) -> the tensor launched there

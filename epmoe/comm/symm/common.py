@@ -249,14 +249,29 @@ class SymmTransport:
         self._row_views = {}
 
 
-@dataclass(frozen=True)
 class SymmHandle:
-    parity: int
-    ids_TK: torch.Tensor  # physical ids of this rank's tokens (combine recomputes owners)
-    num_tokens: int  # T
-    transport: SymmTransport  # whose parity this result holds
-    generation: int  # the parity's dispatch count when this result took it
-    chunk: int = 0  # symm_ht: tokens per count of the streamed combine its dispatch set up
+    """A dispatch result's state for its combine (opaque to callers). A plain class with
+    slots, not a frozen dataclass: one is built per dispatch, and a frozen dataclass's
+    ``__init__`` costs about 2 µs of an eager decode call's host time more.
+
+    ``parity``; ``ids_TK``: physical ids of this rank's tokens (combine recomputes owners);
+    ``num_tokens`` T; ``transport``: whose parity this result holds; ``generation``: the
+    parity's dispatch count when this result took it; ``chunk``: ``symm_ht``'s tokens per
+    count of the streamed combine its dispatch set up."""
+
+    __slots__ = ("parity", "ids_TK", "num_tokens", "transport", "generation", "chunk")
+
+    def __init__(
+        self,
+        parity: int,
+        ids_TK: torch.Tensor,
+        num_tokens: int,
+        transport: SymmTransport,
+        generation: int,
+        chunk: int = 0,
+    ) -> None:
+        self.parity, self.ids_TK, self.num_tokens = parity, ids_TK, num_tokens
+        self.transport, self.generation, self.chunk = transport, generation, chunk
 
     def __repr__(self) -> str:
         return f"SymmHandle(parity={self.parity}, num_tokens={self.num_tokens})"
@@ -383,12 +398,16 @@ class SymmBackend(AllToAll):
         is what an eager decode step waits for: the transport is looked up once per call.)"""
         spec, tr = self.spec, self._live()
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
-        _on_device(tr.device, hidden_states=hidden_TH, topk_ids=topk_ids_TK)
-        _on_device(tr.device, topk_weights=topk_weights_TK)
+        dev = tr.device
+        if hidden_TH.device != dev or topk_ids_TK.device != dev or topk_weights_TK.device != dev:
+            _on_device(
+                dev, hidden_states=hidden_TH, topk_ids=topk_ids_TK, topk_weights=topk_weights_TK
+            )
         tr.check()
         x = hidden_TH.contiguous()
         ids = topk_ids_TK.contiguous()
-        w = topk_weights_TK.to(torch.float32).contiguous()
+        w = topk_weights_TK  # (a no-op .to() costs as much host time as all the checks)
+        w = (w if w.dtype == torch.float32 else w.float()).contiguous()
         consts = self._dispatch_consts
         if consts is None:
             from epmoe.reference import FP8_EPS, FP8_MAX
@@ -479,7 +498,8 @@ class SymmBackend(AllToAll):
         transport once checked), contiguous expert outputs, the kernels' meta-parameters."""
         spec, tr = self.spec, self._live()
         check_combine_args(expert_out, result)
-        _on_device(tr.device, expert_out=expert_out)
+        if expert_out.device != tr.device:
+            _on_device(tr.device, expert_out=expert_out)
         h: SymmHandle = result.handle
         if not isinstance(h, SymmHandle):
             raise TypeError("combine needs the DispatchResult of this backend's dispatch")
@@ -582,11 +602,14 @@ def _capturing() -> bool:
         return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _current_raw_stream() -> int:
-    """The current CUDA stream's handle, as Triton's own launcher reads it (a C call;
-    ``torch.cuda.current_stream()`` costs several µs of Python per launch)."""
+def _current_raw_stream(dev: int | None = None) -> int:
+    """The current CUDA stream's handle on device ``dev`` (the current device if None), as
+    Triton's own launcher reads it (a C call; ``torch.cuda.current_stream()`` costs several
+    µs of Python per launch)."""
     try:
-        return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        return torch._C._cuda_getCurrentRawStream(
+            torch._C._cuda_getDevice() if dev is None else dev
+        )
     except AttributeError:  # another torch: the public path
         return torch.cuda.current_stream().cuda_stream
 
@@ -685,7 +708,7 @@ class _Launcher:
             return
         try:
             values = self._values(args, consts)
-            stream = _current_raw_stream()
+            stream = _current_raw_stream(dev)
             g = (*grid, 1, 1)
             kernel.run(
                 g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
@@ -774,22 +797,21 @@ class _Bound:
         values = self.values
         for slot, part, a in zip(self.slots, self.parts, variable):
             if type(a) is torch.Tensor:
-                ptr = a.data_ptr()
-                if a.dtype != part[0] or (ptr & 15 == 0) != part[1]:
+                if a.dtype is not part[0]:  # (torch dtypes are singletons)
                     return False
-                values[slot] = ptr
-            elif part[0] is _WIDTH and type(a) is int:
-                if _int32(a) != part[1]:
+                a = a.data_ptr()
+                if (not a & 15) is not part[1]:
                     return False
-                values[slot] = a
+            elif part[0] is _WIDTH:
+                if type(a) is not int or _int32(a) is not part[1]:
+                    return False
             elif _specialization(a) != part:
                 return False
-            else:
-                values[slot] = a
+            values[slot] = a
         k = self.kernel
         try:
             k.run(
-                programs, 1, 1, _current_raw_stream(), k.function, k.packed_metadata,
+                programs, 1, 1, _current_raw_stream(self.dev), k.function, k.packed_metadata,
                 None, None, None, *values,
             )  # fmt: skip
         except TypeError:  # another launcher interface (refused before launching): the
