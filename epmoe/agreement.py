@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.base import COPY_INDEX
+from epmoe.comm.base import COPY_INDEX, ranks_by_value, ranks_phrase
 from epmoe.comm.collectives import all_gather_rows, world_of
 
 __all__ = ["RECORD_LEN", "LayerAgreement", "StepAgreement", "describe_placement"]
@@ -233,7 +233,7 @@ class LayerAgreement:
         if any(r[_MAGIC] != MAGIC for r in records):
             others = [r for r in range(W) if records[r][_MAGIC] != MAGIC]
             raise RuntimeError(
-                f"{where}: {_ranks(others)} in a collective that is not an EPMoE agreement; "
+                f"{where}: {ranks_phrase(others)} in a collective that is not an EPMoE agreement; "
                 "the ranks are out of step"
             )
         places = [
@@ -262,7 +262,7 @@ class LayerAgreement:
                     "another did not: change every rank's model alike"
                 )
             raise RuntimeError(
-                f"{where}: the EP ranks are in {what}: {_listing(_by_value(places), 'in')}. "
+                f"{where}: the EP ranks are in {what}: {_listing(ranks_by_value(places), 'in')}. "
                 f"A rank skipped a call or made an extra one: {rule}. "
                 "This call is not counted on any rank, so the next one proceeds"
             )
@@ -281,12 +281,12 @@ class LayerAgreement:
                     op, "arguments"
                 )
                 its = "its" if len(rejected) == 1 else "their"
-                why.append(f"{_ranks(rejected, 'rejected')} {its} {what}")
+                why.append(f"{ranks_phrase(rejected, 'rejected')} {its} {what}")
             if bad_ids:
-                who = _ranks(bad_ids).rsplit(" ", 1)[0]  # "rank 1" / "ranks [1, 2]"
+                who = ranks_phrase(bad_ids).rsplit(" ", 1)[0]  # "rank 1" / "ranks [1, 2]"
                 why.append(f"the routing of {who} chose expert ids outside [-1, E)")
             if bad_counts:
-                who = _ranks(bad_counts).rsplit(" ", 1)[0]
+                who = ranks_phrase(bad_counts).rsplit(" ", 1)[0]
                 why.append(f"the num_valid_tokens of {who} lay outside [0, T]")
             raise RuntimeError(
                 f"{where}: another rank of the EP group refused this call: "
@@ -303,7 +303,7 @@ class LayerAgreement:
         names = sorted({n for t in texts for n in t})
         lines = []
         for name in names:
-            values = _by_value([t.get(name, "<missing>") for t in texts])
+            values = ranks_by_value([t.get(name, "<missing>") for t in texts])
             if len(values) > 1:
                 start = _first_difference(list(values))
                 shown = {_shorten(v, start): ranks for v, ranks in values.items()}
@@ -426,7 +426,7 @@ class StepAgreement(LayerAgreement):
                 _next_step[self.group] = self.calls
         pendings = [(r[_DIGEST] >> 1) & 0x7FFFFFFF for r in records]
         if len(set(pendings)) > 1:
-            differ = _by_value(["pending" if p else "none" for p in pendings])
+            differ = ranks_by_value(["pending" if p else "none" for p in pendings])
             raise RuntimeError(
                 f"epmoe.step (step {count}): the EP ranks' EPMoE layers differ in a change not "
                 f"yet agreed on (model.to(dtype) or copy.deepcopy): "
@@ -437,8 +437,8 @@ class StepAgreement(LayerAgreement):
         if len(set(bounds)) > 1:
             raise RuntimeError(
                 f"epmoe.step (step {count}): the EP ranks opened it with different "
-                f"graph_max_tokens: {_listing(_by_value(bounds), 'have')}. Pass the same bound "
-                "on every rank (the largest graph bucket every rank captured, or None); this "
+                f"graph_max_tokens: {_listing(ranks_by_value(bounds), 'have')}. Pass the same "
+                "bound on every rank (the largest graph bucket every rank captured, or None); this "
                 "step is not counted on any rank"
             )
         previous_fields = [r[_PREVIOUS] for r in records]
@@ -475,7 +475,7 @@ class StepAgreement(LayerAgreement):
 
         return (
             f"epmoe.step (step {count}): the EP ranks made different EPMoE layer calls in "
-            f"the step before it: {_listing(_by_value([what(c) for c in ran]), 'made')}; "
+            f"the step before it: {_listing(ranks_by_value([what(c) for c in ran]), 'made')}; "
             f"they first differ at call {at + 1}. A rank skipped a layer (or called one more) "
             "inside that step: every rank must call every layer of a step, also with T = 0, "
             "in the same order. Where it skipped the step's last layer, the others waited "
@@ -495,28 +495,12 @@ def _layer_name(index: int) -> str:
     return f"#{index}" if index < COPY_INDEX else "a copy"
 
 
-def _by_value(values: list) -> dict:
-    """value → the ranks holding it, in order of first appearance."""
-    out: dict = {}
-    for rank, value in enumerate(values):
-        out.setdefault(value, []).append(rank)
-    return out
-
-
-def _ranks(ranks: list[int], verb: str = "are") -> str:
-    """``"ranks [0, 2] are"`` / ``"rank 1 is"`` (verb given in its plural form)."""
-    singular = {"are": "is", "have": "has"}.get(verb, verb)
-    if len(ranks) == 1:
-        return f"rank {ranks[0]} {singular}"
-    return f"ranks {ranks} {verb}"
-
-
 def _listing(groups: Mapping, verb: str) -> str:
     """``"ranks [0, 2] have X, rank 1 has Y"`` from value → ranks; ``verb`` ``"have"``
     or ``"in"`` (``"ranks [0, 2] are in X"``)."""
     if verb == "in":
-        return ", ".join(f"{_ranks(r)} in {value}" for value, r in groups.items())
-    return ", ".join(f"{_ranks(r, verb)} {value}" for value, r in groups.items())
+        return ", ".join(f"{ranks_phrase(r)} in {value}" for value, r in groups.items())
+    return ", ".join(f"{ranks_phrase(r, verb)} {value}" for value, r in groups.items())
 
 
 def _first_difference(texts: list[str]) -> int:

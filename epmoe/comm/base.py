@@ -605,19 +605,32 @@ def _layer_index(call_tag: int) -> int:
     return call_tag - 1 if call_tag < COPY_INDEX else call_tag
 
 
+def ranks_by_value(values: list) -> dict:
+    """value → the ranks holding it, in order of first appearance."""
+    out: dict = {}
+    for rank, value in enumerate(values):
+        out.setdefault(value, []).append(rank)
+    return out
+
+
+def ranks_phrase(ranks: list[int], verb: str = "are") -> str:
+    """``"ranks [0, 2] are"`` / ``"rank 1 is"`` (verb given in its plural form)."""
+    singular = {"are": "is", "have": "has"}.get(verb, verb)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} {singular}"
+    return f"ranks {ranks} {verb}"
+
+
 def call_tag_error(backend: str, tags_W: list[int]) -> RuntimeError | None:
     """The error every rank raises when the ranks' ``call_tag`` differ in one dispatch
     (gathered with the counts), else ``None``."""
     if len(set(tags_W)) <= 1:
         return None
-    by_tag: dict[int, list[int]] = {}
-    for r, tag in enumerate(tags_W):
-        by_tag.setdefault(tag, []).append(r)
     where = "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {ranks[0] if len(ranks) == 1 else ranks} in "
+        f"{ranks_phrase(ranks, 'in')} "
         + (f"layer #{_layer_index(tag)}'s" if tag > 0 else "an untagged")
         + " dispatch"
-        for tag, ranks in by_tag.items()
+        for tag, ranks in ranks_by_value(tags_W).items()
     )
     return RuntimeError(
         f"{backend} dispatch: the EP ranks are in different MoE layers' dispatches ({where}): "
