@@ -345,10 +345,10 @@ def _count_of(expect):
 
 
 @triton.jit
-def _check_tag(expect, tag, err_addr, s):
-    """Report ``ERR_LAYER`` when source ``s``'s call tag, in the upper bits of its
-    ``expect`` word, is not this rank's (the ranks are in different layers' calls)."""
-    if _other_call(expect, tag):
+def _report_other_call(other, err_addr, s):
+    """Report ``ERR_LAYER`` when source ``s`` is in another layer's call (``other``: its
+    ``expect`` word was written and ``_other_call``)."""
+    if other:
         _report(err_addr, ERR_LAYER, OP_DISPATCH, s)
 
 
@@ -724,9 +724,9 @@ def _dispatch_recv(
         expect = _wait_at_least(flags + s, 1, timeout_ns, err_addr, OP_DISPATCH, s)
         T_s = tl.maximum(_count_of(expect) - 1, 0)
         # a source in another layer's call is marked (-1 - T_s): its rows combine as NaN
-        tl.store(recv_t_ptr + s, tl.where((expect >= 1) & _other_call(expect, tag), -1 - T_s, T_s))
-        if expect >= 1:
-            _check_tag(expect, tag, err_addr, s)
+        other = (expect >= 1) & _other_call(expect, tag)
+        tl.store(recv_t_ptr + s, tl.where(other, -1 - T_s, T_s))
+        _report_other_call(other, err_addr, s)
     row = tl.cast(s, tl.int64) * M + t
     # masked by whether the token came, not branched on it (see _wait_token): a program
     # whose token does not come does the same steps with nothing to write
@@ -1350,8 +1350,8 @@ def ht_dispatch_recv_kernel(
                 s, t, T_s, other, bases_ptr, ids_out_ptr, w_out_ptr, recv_t_ptr, err_addr,
                 M, W, me, timeout_ns, off_flags, off_ids, off_w, K, BLOCK_K, COUNTED,
             )  # fmt: skip
-    if (tl.program_id(1) == 0) & (expect >= 1):
-        _check_tag(expect, tag, err_addr, s)
+    if tl.program_id(1) == 0:
+        _report_other_call(other, err_addr, s)
 
 
 @triton.jit
