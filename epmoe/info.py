@@ -164,6 +164,16 @@ def expert_kernels() -> dict[str, str | None]:
     return {"tl.dot": None, "wgmma": wgmma_unavailable(0)}
 
 
+def _switch(name: str, on: str, off: str, who: str) -> dict[str, Any]:
+    """A 0/1 environment switch that is on by default: its value, whether it is valid, and
+    what it does (``on`` / ``off``; ``who`` refuses any other value)."""
+    raw = os.environ.get(name)
+    ok = raw is None or raw.strip() in ("", "0", "1")
+    enabled = raw is None or raw.strip() in ("", "1")
+    note = on if enabled else off if ok else f"{raw!r} is neither 0 nor 1: {who} will refuse it"
+    return {"value": raw, "recommended": "unset (1)", "ok": ok, "note": note}
+
+
 def settings() -> dict[str, dict[str, Any]]:
     """The environment variables that matter, each with its value here (``None``: unset),
     the recommended value, whether it is fine as it is, and a note saying what it does."""
@@ -207,21 +217,18 @@ def settings() -> dict[str, dict[str, Any]]:
             else f"{raw!r} is neither in_place nor copy: symm_ll will refuse it"
         ),
     }
-    raw = os.environ.get("EPMOE_SYMM_PDL")
-    ok = raw is None or raw.strip() in ("", "0", "1")
-    on = raw is None or raw.strip() in ("", "1")
-    out["EPMOE_SYMM_PDL"] = {
-        "value": raw,
-        "recommended": "unset (1)",
-        "ok": ok,
-        "note": (
-            "symm kernels in CUDA graphs launch with programmatic dependent launch on sm_90+"
-            if on
-            else "symm kernels never launch with programmatic dependent launch"
-            if ok
-            else f"{raw!r} is neither 0 nor 1: symm kernels will refuse it"
-        ),
-    }
+    out["EPMOE_SYMM_PDL"] = _switch(
+        "EPMOE_SYMM_PDL",
+        "symm kernels in CUDA graphs launch with programmatic dependent launch on sm_90+",
+        "symm kernels never launch with programmatic dependent launch",
+        "symm kernels",
+    )
+    out["EPMOE_FUSED_ROUTING"] = _switch(
+        "EPMOE_FUSED_ROUTING",
+        "EPMoE routes and places tokens with one Triton kernel on CUDA",
+        "EPMoE routes with torch kernels (about a dozen launches per forward)",
+        "EPMoE on CUDA",
+    )
     raw = os.environ.get("EPMOE_TRITON_AUTOTUNE")
     off = raw is not None and raw.strip().lower() in ("0", "false", "no", "off")
     out["EPMOE_TRITON_AUTOTUNE"] = {

@@ -55,7 +55,12 @@ from epmoe.experts import ExpertWeights, create_experts
 from epmoe.experts.base import check_activation
 from epmoe.placement import ExpertPlacement
 from epmoe.reference import dequantize_block, quantize_block
-from epmoe.routing import RoutingFunction, select_experts
+from epmoe.routing import (
+    FUSED_ROUTING_MAX_EXPERTS,
+    RoutingFunction,
+    fused_routing_enabled,
+    select_experts,
+)
 from epmoe.step_context import StepContext, current_step, group_ranks, record_call
 
 # Tokens per dispatch when max_num_tokens is None and the backend sets no limit of its
@@ -375,7 +380,9 @@ class EPMoE(nn.Module):
                         f"e_score_correction_bias must be [E={num_experts}], got "
                         f"{tuple(e_score_correction_bias.shape)}"
                     )
-                e_score_correction_bias = e_score_correction_bias.to(self.device, torch.float32)
+                e_score_correction_bias = e_score_correction_bias.to(
+                    self.device, torch.float32
+                ).contiguous()
             self.register_buffer("e_score_correction_bias", e_score_correction_bias)
             # check the routing options now rather than at the first forward (T = 0 is cheap)
             select_experts(
@@ -961,8 +968,48 @@ class EPMoE(nn.Module):
     def route(self, router_logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router weights ``[T, K]`` float32 and *physical* expert ids ``[T, K]`` int64.
         On the device, no host synchronisation (the ids are not range checked here)."""
+        weights_TK, logical_TK, physical_TK = self._route(router_logits_TE)
+        return weights_TK, physical_TK if physical_TK is not None else self._to_physical(logical_TK)
+
+    def _route(
+        self, router_logits_TE: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Router weights ``[T, K]`` float32, *logical* expert ids ``[T, K]`` int64 and,
+        where one kernel gives them too, the physical ids (else None: ``_to_physical``).
+
+        On CUDA the built-in routing and the placement run as one Triton kernel
+        (``kernels.route.fused_route``, unless ``EPMOE_FUSED_ROUTING=0``): about a dozen
+        torch kernels fewer per forward, each of which an eager step waited for the host
+        to launch. A custom routing function, and the CPU, take the torch path."""
+        routing = self.routing
+        if self._fused_routing(router_logits_TE):
+            from epmoe.kernels.route import fused_route
+
+            return fused_route(
+                router_logits_TE,
+                self.top_k,
+                self.placement.maps_on(self.device),
+                rank=self.rank,
+                prefer_local=self.prefer_local_replica,
+                renormalize=routing["renormalize"],
+                scoring_func=routing["scoring_func"],
+                num_expert_group=routing["num_expert_group"],
+                topk_group=routing["topk_group"],
+                e_score_correction_bias=self.e_score_correction_bias,
+                routed_scaling_factor=routing["routed_scaling_factor"],
+            )
         weights_TK, logical_TK = self._select(router_logits_TE)
-        return weights_TK, self._to_physical(logical_TK)
+        return weights_TK, logical_TK, None
+
+    def _fused_routing(self, router_logits_TE: torch.Tensor) -> bool:
+        """Whether ``_route`` takes the fused kernel for these logits."""
+        return (
+            router_logits_TE.is_cuda
+            and router_logits_TE.device == self.device  # (its maps and bias live there)
+            and self.routing["custom_routing_function"] is None
+            and self.num_experts <= FUSED_ROUTING_MAX_EXPERTS
+            and fused_routing_enabled()
+        )
 
     def _select(self, router_logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router weights ``[T, K]`` float32 and *logical* expert ids ``[T, K]`` int64."""
@@ -1075,7 +1122,7 @@ class EPMoE(nn.Module):
             max_tokens_across_ranks = step.max_tokens_for(self, T)
         valid_error = self._valid_tokens_error(num_valid_tokens, hidden_states)
         if max_tokens_across_ranks is None:
-            weights_TK, logical_TK, max_T = self._route_and_agree(
+            weights_TK, logical_TK, physical_TK, max_T = self._route_and_agree(
                 hidden_states, router_logits, valid_error, num_valid_tokens
             )
         else:  # graph-safe path: no collective, no host sync; raises on this rank only
@@ -1087,14 +1134,14 @@ class EPMoE(nn.Module):
             if error is not None:
                 raise error
             max_T = max_tokens_across_ranks
-            weights_TK, logical_TK = self._select(router_logits)
+            weights_TK, logical_TK, physical_TK = self._route(router_logits)
         comm, M = self._comm_for(max_T)
         num_chunks = max(math.ceil(max_T / M), 1)
         T = hidden_states.shape[0]
 
         # place (device only; the recorder counts into its device-side ring)
         x_TH = hidden_states.to(self.params_dtype)
-        ids_TK = self._to_physical(logical_TK)
+        ids_TK = physical_TK if physical_TK is not None else self._to_physical(logical_TK)
         if num_valid_tokens is not None:  # padding rows: no expert (on the device)
             if num_valid_tokens.dtype == torch.bool:
                 real_T = num_valid_tokens
@@ -1179,15 +1226,15 @@ class EPMoE(nn.Module):
         router_logits: torch.Tensor,
         extra_error: Exception | None = None,
         num_valid_tokens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int]:
         """Check this rank's inputs, route (router weights ``[T, K]``, logical ids
-        ``[T, K]``), flag ids outside ``[-1, E)`` and a ``num_valid_tokens`` count outside
-        ``[0, T]`` on the device, then agree with the other ranks (see :meth:`forward`).
-        Returns the weights, the ids and the step's largest T; raises on every rank when any
-        rank's checks failed or the ranks are out of step (``extra_error``: another
-        argument's error, agreed the same way)."""
+        ``[T, K]``, physical ids where ``_route`` gives them), flag ids outside ``[-1, E)``
+        and a ``num_valid_tokens`` count outside ``[0, T]`` on the device, then agree with
+        the other ranks (see :meth:`forward`). Returns the weights, the ids and the step's
+        largest T; raises on every rank when any rank's checks failed or the ranks are out
+        of step (``extra_error``: another argument's error, agreed the same way)."""
         error = self._input_error(hidden_states, router_logits) or extra_error
-        weights_TK = logical_TK = flags = None
+        weights_TK = logical_TK = physical_TK = flags = None
         if error is None:
             try:
                 router_logits = router_logits.to(self.device)
@@ -1199,7 +1246,7 @@ class EPMoE(nn.Module):
                 )
         if error is None:
             try:  # the routing options, a custom routing function
-                weights_TK, logical_TK = self._select(router_logits)
+                weights_TK, logical_TK, physical_TK = self._route(router_logits)
             except Exception as exc:
                 error = exc
             else:
@@ -1226,7 +1273,7 @@ class EPMoE(nn.Module):
             )
 
         max_T = self._agreement.forward(T, error, flags, self.device, device_error)
-        return weights_TK, logical_TK, max_T
+        return weights_TK, logical_TK, physical_TK, max_T
 
     def _hint_error(
         self, hidden_states, router_logits, max_tokens_across_ranks

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,6 +46,19 @@ DISTRIBUTIONS = ("uniform", "zipf", "hot")
 
 # (router_logits [T, E], top_k, renormalize) -> (weights [T, K], ids [T, K])
 RoutingFunction = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+
+# the fused routing kernel (kernels.route) holds a row of scores in registers: up to this E
+FUSED_ROUTING_MAX_EXPERTS = 4096
+
+
+def fused_routing_enabled() -> bool:
+    """Whether ``EPMoE`` routes on CUDA with one fused kernel (``kernels.route``; the same
+    choice as ``select_experts`` then ``to_physical``, up to ties): unless
+    ``EPMOE_FUSED_ROUTING=0``."""
+    raw = os.environ.get("EPMOE_FUSED_ROUTING", "1").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"EPMOE_FUSED_ROUTING must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def _check_positive_int(name: str, value: object) -> int:

@@ -19,7 +19,7 @@ KEYS = {"epmoe", "host", "platform", "versions", "gpus", "peer_access", "topolog
 VERSION_KEYS = {"python", "torch", "triton", "cuda_runtime", "nccl", "nvshmem", "nvshmem4py",
                 "deep_ep", "pplx_kernels"}  # fmt: skip
 SETTINGS = {"NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-            "EPMOE_COMM_TIMEOUT_S", "EPMOE_SYMM_LL_ROWS", "EPMOE_SYMM_PDL",
+            "EPMOE_COMM_TIMEOUT_S", "EPMOE_SYMM_LL_ROWS", "EPMOE_SYMM_PDL", "EPMOE_FUSED_ROUTING",
             "EPMOE_TRITON_AUTOTUNE"}  # fmt: skip
 
 
@@ -93,3 +93,11 @@ def test_topology_drops_terminal_styling(monkeypatch, tmp_path):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert info.topology() == "\tGPU0\tGPU1\nGPU0\t X \tNV18"
+
+
+def test_info_flags_an_epmoe_fused_routing_that_is_neither_0_nor_1():
+    settings = json.loads(_info("--json", EPMOE_FUSED_ROUTING="on").stdout)["settings"]
+    assert settings["EPMOE_FUSED_ROUTING"]["ok"] is False
+    assert "neither 0 nor 1" in settings["EPMOE_FUSED_ROUTING"]["note"]
+    settings = json.loads(_info("--json", EPMOE_FUSED_ROUTING="0").stdout)["settings"]
+    assert settings["EPMOE_FUSED_ROUTING"]["ok"] is True
