@@ -1,0 +1,119 @@
+"""The decode layer with routing by torch kernels against the fused routing kernel.
+
+One GPU (W = 1), ``symm_ll``, Triton experts, bf16, 128 tokens with the hint, two shapes
+(a Qwen3-30B-A3B-like layer with softmax routing; a DeepSeek-V3-like one with sigmoid,
+bias, grouped top-k and scaling). ``EPMOE_FUSED_ROUTING=0`` and ``1`` alternate twice;
+each prints the eager GPU µs per forward back to back, the host µs per call, the CUDA
+kernels per forward, and the µs per replay of the forward captured in a CUDA graph; then
+the largest difference of the two outputs. Run from the repository root::
+
+    source launch/gpu_env.sh; python3 launch/routing_ab.py
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import epmoe
+from epmoe.bench.comm import warm_up_on_side_stream
+
+T, K = 128, 8
+DSV3_ROUTING = dict(
+    scoring_func="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5
+)
+SHAPES = (  # name, H, I, E, routing options
+    ("small (Qwen3-30B-A3B-like: H 2048, I 768, E 128, softmax)", 2048, 768, 128, {}),
+    ("DeepSeek-V3-like (H 7168, I 2048, E 128, sigmoid, bias, 8 groups / 4, x2.5)",
+     7168, 2048, 128, DSV3_ROUTING),
+)  # fmt: skip
+
+
+def _layer(H: int, I: int, E: int, routing: dict, dev: torch.device) -> epmoe.EPMoE:
+    bias = torch.rand(E, device=dev) * 0.1 if routing else None
+    layer = epmoe.EPMoE(
+        E, K, H, I, backend="symm_ll", experts="triton", device=dev,
+        params_dtype=torch.bfloat16, e_score_correction_bias=bias, **routing,
+    )  # fmt: skip
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    w2 = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    layer.load_experts(w13, w2)
+    return layer
+
+
+def _measure(f: Callable[[], torch.Tensor]) -> str:
+    """Eager back to back, host per call, kernels per forward, graph replay."""
+    for _ in range(20):
+        f()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    host = []
+    start.record()
+    for _ in range(100):
+        t0 = time.perf_counter_ns()
+        f()
+        host.append(time.perf_counter_ns() - t0)
+    end.record()
+    end.synchronize()
+    eager = start.elapsed_time(end) / 100 * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = sum(1 for ev in prof.events() if ev.device_type == cuda) / 5
+    warm_up_on_side_stream(f, 3)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        f()
+    replays = []
+    for _ in range(6):
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        replays.append(start.elapsed_time(end) / 20 * 1e3)
+    return (
+        f"eager {eager:.0f} µs per forward, host {statistics.median(host) / 1e3:.0f} µs per "
+        f"call, {kernels:.0f} CUDA kernels per forward, graph "
+        f"{statistics.median(replays[1:]):.1f} µs per replay"
+    )
+
+
+def main() -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for name, H, I, E, routing in SHAPES:
+        layer = _layer(H, I, E, routing, dev)
+        x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+        logits = torch.randn(T, E, device=dev)
+
+        def f(layer=layer, x=x, logits=logits) -> torch.Tensor:
+            return layer(x, logits, max_tokens_across_ranks=T)
+
+        print(name)
+        outs = {}
+        with torch.no_grad():
+            for round_ in (1, 2):
+                for fused in ("0", "1"):
+                    os.environ["EPMOE_FUSED_ROUTING"] = fused
+                    outs[fused] = f().float()
+                    print(
+                        f"  round {round_} EPMOE_FUSED_ROUTING={fused}: {_measure(f)}", flush=True
+                    )
+        diff = (outs["0"] - outs["1"]).abs().max().item()
+        print(
+            f"  outputs differ by at most {diff:.3g} (largest {outs['0'].abs().max().item():.3g})"
+        )
+        del layer, f
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
