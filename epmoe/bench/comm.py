@@ -302,9 +302,10 @@ def time_stream(
         for phase in phases:
             phase()
     torch.cuda.synchronize(device)
+    # (made before ``before``: a barrier aligns the ranks as the timing starts)
+    events, stream = timing_events(iters * len(phases) + 1, device)
     if before is not None:
         before()
-    events, stream = timing_events(iters * len(phases) + 1, device)
     events[0].record(stream)
     i = 1
     for _ in range(iters):
