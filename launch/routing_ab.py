@@ -88,6 +88,8 @@ def _measure(f: Callable[[], torch.Tensor]) -> str:
 
 
 def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("launch/routing_ab.py measures CUDA kernels: run it on a GPU machine")
     dev = torch.device("cuda", torch.cuda.current_device())
     for name, H, I, E, routing in SHAPES:
         layer = _layer(H, I, E, routing, dev)
