@@ -980,7 +980,8 @@ class EPMoE(nn.Module):
         On CUDA the built-in routing and the placement run as one Triton kernel
         (``kernels.route.fused_route``, unless ``EPMOE_FUSED_ROUTING=0``): about a dozen
         torch kernels fewer per forward, each of which an eager step waited for the host
-        to launch. A custom routing function, and the CPU, take the torch path."""
+        to launch. A custom routing function, logits on another device than the layer's,
+        and the CPU take the torch path."""
         routing = self.routing
         if self._fused_routing(router_logits_TE):
             from epmoe.kernels.route import fused_route
