@@ -66,7 +66,7 @@ for s in "${STEPS[@]}"; do
             >"$OUT/tests.log" 2>&1
         ;;
     gpu)
-        EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
+        EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-480}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu >"$OUT/gpu.log" 2>&1
         ;;
     dist)
