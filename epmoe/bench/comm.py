@@ -261,9 +261,9 @@ def time_phases(
     if cuda:
         torch.cuda.synchronize(device)
     times: list[list[float]] = [[] for _ in phases]
+    if cuda:  # (recorded again each iteration, after the last one's were waited for)
+        events, stream = timing_events(len(phases) + 1, device)
     for _ in range(iters):
-        if cuda:  # (made before ``before``: a barrier aligns the ranks as the timing starts)
-            events, stream = timing_events(len(phases) + 1, device)
         if before is not None:
             before()
         if cuda:

@@ -77,9 +77,9 @@ def time_fn(
         events[-1][1].synchronize()  # (the stream the events were recorded on)
         return [start.elapsed_time(end) for start, end in events[1:]]
     times: list[float] = []
+    if device.type == "cuda":  # (recorded again each run, after the last run's were waited for)
+        (start, end), stream = timing_events(2, device)
     for _ in range(iters):
-        if device.type == "cuda":  # (made before the barrier, which aligns the ranks)
-            (start, end), stream = timing_events(2, device)
         if barrier is not None:
             barrier()
         if device.type == "cuda":
