@@ -51,12 +51,14 @@ def split_dispatch(wire: torch.dtype, dev: torch.device) -> None:
         t = [time.perf_counter_ns()]
         check_dispatch_args(spec, x, ids, w, True)
         t.append(time.perf_counter_ns())
-        _on_device(tr.device, hidden_states=x, topk_ids=ids)
-        _on_device(tr.device, topk_weights=w)
+        dev = tr.device  # (as _dispatch_prologue: the named error only on a mismatch)
+        if x.device != dev or ids.device != dev or w.device != dev:
+            _on_device(dev, hidden_states=x, topk_ids=ids, topk_weights=w)
         t.append(time.perf_counter_ns())
         tr.check()
         t.append(time.perf_counter_ns())
-        xc, ic, wc = x.contiguous(), ids.contiguous(), w.to(torch.float32).contiguous()
+        xc, ic = x.contiguous(), ids.contiguous()
+        wc = (w if w.dtype == torch.float32 else w.float()).contiguous()
         t.append(time.perf_counter_ns())
         c, b = comm._dispatch_consts, tr.take_parity()
         t.append(time.perf_counter_ns())
