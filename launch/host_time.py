@@ -2,8 +2,8 @@
 
 One GPU (W = 1), DeepSeek-V3's hidden size and top-8, 128 tokens. Prints, per wire dtype,
 the median host µs of each step of ``dispatch`` (its checks, device checks, contiguous
-inputs, parity, the kernel launch through ``_Launcher``, the result) and of whole
-``dispatch`` / ``combine`` calls (whose launches are bound per parity, ``_Bound``); then
+inputs, parity, the kernel launch through ``Launcher``, the result) and of whole
+``dispatch`` / ``combine`` calls (whose launches are bound per parity, ``BoundLaunch``); then
 an EPMoE layer (128 local experts, Triton experts, bf16) eagerly back to back with and
 without ``max_tokens_across_ranks``, its host time per call, and the same forward
 replayed from a CUDA graph. Run from the repository root::

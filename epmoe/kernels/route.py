@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from epmoe.kernels.launcher import launch
 from epmoe.placement import PlacementMaps
 from epmoe.routing import FUSED_ROUTING_MAX_EXPERTS
 
@@ -171,6 +172,11 @@ def fused_route(
         )
     if not 1 <= K <= E:  # (the kernel's picks rely on it: an id past E would be read)
         raise ValueError(f"top_k={K} must lie in [1, E={E}]")
+    if maps.first_replica.device != dev:  # (the launch passes bare addresses)
+        raise ValueError(
+            f"maps are on {maps.first_replica.device} but router_logits_TE on {dev}: pass "
+            f"placement.maps_on(router_logits_TE.device)"
+        )
     bias = e_score_correction_bias
     if bias is not None and tuple(bias.shape) != (E,):
         raise ValueError(f"e_score_correction_bias must be [E={E}], got {tuple(bias.shape)}")
@@ -188,8 +194,8 @@ def fused_route(
         bias = bias.to(device=dev, dtype=torch.float32).contiguous()
     replicated = maps.max_replicas > 1
     BLOCK_G, BLOCK_N = _pow2(G), _pow2(E // G)
-    route_kernel[(T,)](
-        logits, logits if bias is None else bias, maps.first_replica,
+    launch(route_kernel)(
+        (T,), logits, logits if bias is None else bias, maps.first_replica,
         maps.logical_to_physical, maps.replica_count, maps.local_physical,
         weights, logical, physical,
         logits.stride(0), rank, float(routed_scaling_factor),

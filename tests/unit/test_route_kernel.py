@@ -215,13 +215,16 @@ def test_with_bf16_logits_and_their_ties_the_choice_is_a_top_k_of_the_scores():
     torch.testing.assert_close(w, chosen / chosen.sum(1, keepdim=True), rtol=2e-6, atol=1e-7)
 
 
-def test_top_k_outside_one_to_e_and_a_bias_of_the_wrong_shape_are_refused():
+def test_top_k_outside_one_to_e_a_bias_of_the_wrong_shape_and_maps_elsewhere_are_refused():
     maps = ExpertPlacement.linear(4, 1).maps_on(DEVICE)
     logits = _logits(2, 4, seed=0)
     with pytest.raises(ValueError, match=r"top_k=5 must lie in \[1, E=4\]"):
         route.fused_route(logits, 5, maps)
     with pytest.raises(ValueError, match=r"e_score_correction_bias must be \[E=4\]"):
         route.fused_route(logits, 2, maps, e_score_correction_bias=torch.zeros(3))
+    # the launch passes bare addresses: maps on another device than the logits are refused
+    with pytest.raises(ValueError, match=r"maps are on meta but router_logits_TE on .*maps_on"):
+        route.fused_route(logits, 2, ExpertPlacement.linear(4, 1).maps_on("meta"))
 
 
 def test_the_layer_takes_the_kernel_only_for_built_in_routing_on_its_own_cuda_device(

@@ -270,7 +270,7 @@ class _FakeCompiled:
 
 
 class _FakeKernel:
-    """A ``@triton.jit`` function as ``_Launcher`` sees it: names, and ``[grid](...)``."""
+    """A ``@triton.jit`` function as ``Launcher`` sees it: names, and ``[grid](...)``."""
 
     arg_names = ["x_ptr", "n", "maybe_ptr", "BLOCK"]
 
@@ -290,12 +290,12 @@ def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch
     """The first launch of a specialisation goes through Triton (it compiles); later ones
     call the compiled kernel's launcher directly with each tensor as its address (no
     driver lookup per tensor), other arguments as given and the constexprs in order."""
-    from epmoe.comm.symm import common
+    from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 7)
-    monkeypatch.setattr(common, "_device_index", lambda: 0)
+    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: 0)
     fn = _FakeKernel()
-    launcher = common._Launcher(fn)
+    launcher = launcher_mod.Launcher(fn)
     launcher.direct = True  # (the interpreter turns it off: this is the GPU path)
     x = torch.zeros(4)
     launcher((3,), x, 5, None, num_warps=4, BLOCK=16)
@@ -315,14 +315,14 @@ def test_launcher_fills_in_defaults_and_refuses_tensors_as_keywords(monkeypatch)
     fresh one would miss the cache, and be kept by it, every call) is refused by name."""
     from types import SimpleNamespace
 
-    from epmoe.comm.symm import common
+    from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 7)
-    monkeypatch.setattr(common, "_device_index", lambda: 0)
+    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: 0)
     fn = _FakeKernel()
     fn.arg_names = [*_FakeKernel.arg_names, "ROWS"]
     fn.params = [SimpleNamespace(name="ROWS", has_default=True, default=4)]
-    launcher = common._Launcher(fn)
+    launcher = launcher_mod.Launcher(fn)
     launcher.direct = True
     for _ in range(2):
         launcher((3,), torch.zeros(4), 5, None, num_warps=4, BLOCK=16)
@@ -336,21 +336,21 @@ def test_launcher_adds_programmatic_dependent_launch_where_enabled(monkeypatch):
     """A kernel with a ``PDL`` constexpr gets ``PDL=True`` and Triton's ``launch_pdl``
     while a CUDA graph is captured where ``pdl_enabled`` (sm_90+, ``EPMOE_SYMM_PDL`` not
     0), else ``PDL=False`` (eagerly always); kernels without it are launched as before."""
-    from epmoe.comm.symm import common
+    from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(common, "_device_index", lambda: 0)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: 0)
     for on, capturing, enabled in ((True, True, True), (False, True, False), (True, False, False)):
-        monkeypatch.setattr(common, "pdl_enabled", lambda index, on=on: on)
-        monkeypatch.setattr(common, "_capturing", lambda capturing=capturing: capturing)
+        monkeypatch.setattr(launcher_mod, "pdl_enabled", lambda index, on=on: on)
+        monkeypatch.setattr(launcher_mod, "_capturing", lambda capturing=capturing: capturing)
         fn = _FakeKernel()
         fn.arg_names = [*_FakeKernel.arg_names, "PDL"]
-        launcher = common._Launcher(fn)
+        launcher = launcher_mod.Launcher(fn)
         launcher.direct = launcher.pdl = True  # (the interpreter turns both off)
         launcher((3,), torch.zeros(4), 5, None, num_warps=4, BLOCK=16)
         ((_, _, _, consts),) = fn.plain
         assert consts["PDL"] is enabled and consts.get("launch_pdl", False) is enabled
     plain = _FakeKernel()
-    launcher = common._Launcher(plain)
+    launcher = launcher_mod.Launcher(plain)
     launcher.direct = True
     launcher((3,), torch.zeros(4), 5, None, num_warps=4, BLOCK=16)
     assert "PDL" not in plain.plain[0][3] and "launch_pdl" not in plain.plain[0][3]
@@ -359,7 +359,7 @@ def test_launcher_adds_programmatic_dependent_launch_where_enabled(monkeypatch):
 def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specialisation(
     monkeypatch,
 ):
-    """``_Launcher.bind`` after a launch: the bound launch passes every fixed argument as
+    """``Launcher.bind`` after a launch: the bound launch passes every fixed argument as
     bound and the variable ones as given (tensors as addresses); it launches nothing and
     returns False where a variable argument specialises otherwise (dtype, alignment, an
     int's class, or its width where the kernel does not specialise it), during a capture
@@ -367,13 +367,13 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
     without the direct path (the interpreter)."""
     from types import SimpleNamespace
 
-    from epmoe.comm.symm import common
+    from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 7)
+    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
     device = [0]
-    monkeypatch.setattr(common, "_device_index", lambda: device[0])
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: device[0])
     fn = _FakeKernel()
-    launcher = common._Launcher(fn)
+    launcher = launcher_mod.Launcher(fn)
     launcher.direct = True
     fixed = torch.zeros(4)
     assert (
@@ -413,11 +413,11 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
     # a kernel with PDL: bound with PDL off, and not used while a graph is captured
     device[0] = 0
     capturing = [False]
-    monkeypatch.setattr(common, "pdl_enabled", lambda index: True)
-    monkeypatch.setattr(common, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(launcher_mod, "pdl_enabled", lambda index: True)
+    monkeypatch.setattr(launcher_mod, "_capturing", lambda: capturing[0])
     fn = _FakeKernel()
     fn.arg_names = [*_FakeKernel.arg_names, "PDL"]
-    launcher = common._Launcher(fn)
+    launcher = launcher_mod.Launcher(fn)
     launcher.direct = launcher.pdl = True
     launcher((3,), y, 5, fixed, num_warps=4, BLOCK=16)
     bound = launcher.bind((3,), y, 5, fixed, variable=(0,), num_warps=4, BLOCK=16)
@@ -430,7 +430,7 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
     fn = _FakeKernel()
     fn.params = [SimpleNamespace(name=n, has_default=False, do_not_specialize=n == "n")
                  for n in _FakeKernel.arg_names]  # fmt: skip
-    launcher = common._Launcher(fn)
+    launcher = launcher_mod.Launcher(fn)
     launcher.direct = True
     launcher((3,), y, 5, fixed, num_warps=4, BLOCK=16)
     bound = launcher.bind((3,), y, 5, fixed, variable=(0, 1), num_warps=4, BLOCK=16)
@@ -451,9 +451,10 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
     from types import SimpleNamespace
 
     from epmoe.comm.symm import common
+    from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(common, "_current_raw_stream", lambda dev=None: 0)
-    monkeypatch.setattr(common, "_capturing", lambda: False)
+    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 0)
+    monkeypatch.setattr(launcher_mod, "_capturing", lambda: False)
     k = common.kernels()
     addresses: dict = {}  # (kernel, position, address) -> the tensor launched there
     counts = dict(bound=0, refused=0)
@@ -501,7 +502,7 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
 
                 return first
 
-        class Launcher(common._Launcher):
+        class Launcher(launcher_mod.Launcher):
             def __call__(self, grid, *args, name=name, **kw):
                 remember(name, args)
                 return super().__call__(grid, *args, **kw)
@@ -513,7 +514,7 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
 
         launcher = Launcher(Proxy(real, n, params))
         launcher.direct = launcher.pdl = True
-        monkeypatch.setitem(common._LAUNCHERS, real, launcher)
+        monkeypatch.setitem(launcher_mod._LAUNCHERS, real, launcher)
 
     class Bound:
         def __init__(self, name, bound):
@@ -556,14 +557,14 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
 
 
 def test_pdl_setting_is_checked_and_off_without_a_gpu(monkeypatch):
-    from epmoe.comm.symm import common
+    from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(common, "_PDL", {})
-    assert common.pdl_enabled(-1) is False
-    monkeypatch.setattr(common, "_PDL", {})
+    monkeypatch.setattr(launcher_mod, "_PDL", {})
+    assert launcher_mod.pdl_enabled(-1) is False
+    monkeypatch.setattr(launcher_mod, "_PDL", {})
     monkeypatch.setenv("EPMOE_SYMM_PDL", "yes")
     with pytest.raises(ValueError, match="EPMOE_SYMM_PDL must be 0 or 1"):
-        common.pdl_enabled(0)
+        launcher_mod.pdl_enabled(0)
 
 
 def test_tensors_on_another_device_are_refused_naming_the_argument():

@@ -191,7 +191,8 @@ class SymmLLBackend(SymmBackend):
 
     def dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> DispatchResult:
         """The blocking dispatch: send and receive in one kernel launch (bound once per
-        parity: a call fills in its tensors, ``T`` and the tag; see ``common._Bound``)."""
+        parity: a call fills in its tensors, ``T`` and the tag; see
+        ``kernels.launcher.BoundLaunch``)."""
         tr, x, ids, w, b, c = self._dispatch_prologue(hidden_TH, topk_ids_TK, topk_weights_TK)
         T, tag, stamps = x.shape[0], self.kernel_tag, self.stamps_dispatch
         try:

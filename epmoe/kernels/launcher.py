@@ -1,0 +1,271 @@
+"""Launch Triton kernels with little host overhead: ``launch(fn)`` and its bound launches.
+
+``kernel[grid](...)`` costs 20-26 µs of host time per call on an H200 host (Triton binds
+and specialises every argument again each time); an eager decode step launches a dozen
+kernels, so that is most of its host time. ``Launcher`` keeps each compiled kernel and
+calls its launcher directly (17 µs); ``BoundLaunch`` keeps all the arguments of a launch
+but a few, which each call fills in (7.5 µs; docs/benchmarks.md). The symm backends and
+the layer's routing and recording kernels launch through it. Importing this module
+compiles nothing and touches no device.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+_LAUNCHERS: dict[object, Launcher] = {}
+
+
+def launch(fn) -> Launcher:
+    launcher = _LAUNCHERS.get(fn)
+    if launcher is None:
+        launcher = _LAUNCHERS[fn] = Launcher(fn)
+    return launcher
+
+
+def _specialization(a):
+    """What Triton compiles ``a`` (a kernel argument) for, beyond constexprs."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15 == 0
+    if type(a) is int:
+        return a == 1, a & 15 == 0, _int32(a)
+    return a
+
+
+def _int32(a: int) -> bool:
+    return -(2**31) <= a < 2**31
+
+
+def _device_index() -> int:
+    try:
+        return torch._C._cuda_getDevice()
+    except (AttributeError, RuntimeError):  # no CUDA (the interpreter)
+        return -1
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (a C call)."""
+    try:
+        return torch._C._cuda_isCurrentStreamCapturing()
+    except (AttributeError, RuntimeError):  # another torch, or no CUDA
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _current_raw_stream(dev: int | None = None) -> int:
+    """The current CUDA stream's handle on device ``dev`` (the current device if None), as
+    Triton's own launcher reads it (a C call; ``torch.cuda.current_stream()`` costs several
+    µs of Python per launch)."""
+    try:
+        return torch._C._cuda_getCurrentRawStream(
+            torch._C._cuda_getDevice() if dev is None else dev
+        )
+    except AttributeError:  # another torch: the public path
+        return torch.cuda.current_stream().cuda_stream
+
+
+_PDL: dict[int, bool] = {}
+
+
+def pdl_enabled(device_index: int) -> bool:
+    """Whether the symm kernels captured into CUDA graphs launch with programmatic
+    dependent launch on this device: sm_90 or newer, unless ``EPMOE_SYMM_PDL=0``. A kernel
+    so launched may start while the kernel before it on the stream finishes (each program
+    waits for it first, see ``kernels._after_prior``), which takes 0.2-0.7 µs off each
+    phase of a replayed decode graph (docs/benchmarks.md). Eager launches never use it:
+    there the host sets the pace, and one eager run with it stalled (6.6 ms per phase at
+    512 tokens, not understood), so it stays where it was measured to help."""
+    enabled = _PDL.get(device_index)
+    if enabled is None:
+        raw = os.environ.get("EPMOE_SYMM_PDL", "1").strip() or "1"
+        if raw not in ("0", "1"):
+            raise ValueError(f"EPMOE_SYMM_PDL must be 0 or 1, got {raw!r}")
+        enabled = raw == "1" and device_index >= 0
+        if enabled:
+            enabled = torch.cuda.get_device_capability(device_index)[0] >= 9
+        _PDL[device_index] = enabled
+    return enabled
+
+
+class Launcher:
+    """Launch one Triton kernel with little host overhead.
+
+    ``kernel[grid](...)`` re-binds and re-specialises every argument on every call, which
+    costs tens of µs of host time per launch: more than the transfer itself at decode sizes.
+    The first launch for a specialisation (constexprs, pointer alignment, small-int
+    flags) goes through Triton and keeps the compiled kernel; later ones call its launcher
+    directly, with each tensor passed as its address: given a tensor, Triton's launcher
+    calls its ``data_ptr`` and then asks the driver which device address it maps to
+    (``cuPointerGetAttribute``, once per tensor argument and launch), where an address
+    goes straight through. The callers check that every tensor is on the kernel's device
+    (``_on_device``). Any surprise from the launcher's interface falls back to the plain
+    path.
+    """
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.names = fn.arg_names
+        # trailing parameters a call may leave out, as Triton's own path fills them in
+        self.defaults = {p.name: p.default for p in getattr(fn, "params", ()) if p.has_default}
+        self.compiled: dict[tuple, object] = {}
+        # positions of the ints Triton does not specialise on (beyond their width): a bound
+        # launch checks only that (a count changing from 15 to 16 rows keeps its binding)
+        self.unspecialized = {
+            i
+            for i, p in enumerate(getattr(fn, "params", ()))
+            if getattr(p, "do_not_specialize", False)
+        }
+        self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
+        self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
+        self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
+
+    def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
+        num_warps_and = dict(num_warps=num_warps)
+        dev = _device_index()
+        if self.pdl:
+            consts["PDL"] = pdl = pdl_enabled(dev) and _capturing()
+            if pdl:
+                num_warps_and["launch_pdl"] = True
+        if not self.direct:
+            self.fn[grid](*args, **num_warps_and, **consts)
+            return
+        # what Triton specialises a compiled kernel on: pointer dtype and 16-byte alignment,
+        # int width and the values 1 and multiples of 16 (constexprs by value), and the
+        # device (a compiled kernel is loaded per device). Most arguments are the same
+        # objects as in the previous launch (the transport's buffers, sizes, offsets): their
+        # part is reused, only new objects (the caller's inputs) are looked at again
+        # (a memo of the last two calls would skip the parity-alternating buffers too, 3 µs
+        # of a round trip on a CPU core, but would keep the caller's tensors a call longer)
+        memo = self._memo
+        if memo is not None and len(memo[0]) == len(args):
+            parts = tuple(
+                part if a is b else _specialization(a) for a, b, part in zip(args, memo[0], memo[1])
+            )
+        else:
+            parts = tuple(map(_specialization, args))
+        self._memo = (args, parts)
+        key = _cache_key(dev, num_warps, consts, parts)
+        kernel = self.compiled.get(key)
+        if kernel is None:
+            tensors = [name for name, value in consts.items() if isinstance(value, torch.Tensor)]
+            if tensors:  # (a key holding a fresh tensor would miss, and keep it, every call)
+                name = getattr(self.fn, "__name__", self.fn)
+                raise TypeError(
+                    f"{name}: pass {tensors} positionally (keyword arguments are compile-time "
+                    "constants of the launch cache)"
+                )
+            self.compiled[key] = self.fn[grid](*args, **num_warps_and, **consts)
+            return
+        try:
+            values = self._values(args, consts)
+            stream = _current_raw_stream(dev)
+            g = (*grid, 1, 1)
+            kernel.run(
+                g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata,
+                None, None, None, *values,
+            )  # fmt: skip
+        except TypeError as exc:  # another Triton launcher interface: keep the plain path
+            self.direct = False
+            warnings.warn(
+                f"epmoe: launching {getattr(self.fn, '__name__', self.fn)} through Triton's "
+                f"plain path from now on (its direct launcher refused the call: {exc}); eager "
+                "calls get slower",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.fn[grid](*args, **num_warps_and, **consts)
+
+    def _values(self, args: tuple, consts: dict) -> list:
+        """The compiled kernel's arguments: each tensor as its address, the other
+        arguments as given, then the constexprs in order (defaults where not given)."""
+        values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
+        values += [consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]]
+        return values
+
+    def bind(
+        self, grid: tuple[int, ...], *args, variable: tuple[int, ...], num_warps: int, **consts
+    ) -> BoundLaunch | None:
+        """The launch ``self(grid, *args, num_warps=..., **consts)`` with every argument but
+        those at positions ``variable`` fixed (see ``BoundLaunch``), or ``None`` where it cannot be
+        bound: no direct path (the interpreter), no compiled kernel for these arguments yet
+        (launch them once first), a grid of more than one dimension, or inside a CUDA-graph
+        capture of a kernel with ``PDL``."""
+        if not self.direct or len(grid) != 1:
+            return None
+        dev = _device_index()
+        if self.pdl:
+            if pdl_enabled(dev) and _capturing():
+                return None
+            consts["PDL"] = False
+        parts = tuple(map(_specialization, args))
+        kernel = self.compiled.get(_cache_key(dev, num_warps, consts, parts))
+        if kernel is None:
+            return None
+        values = self._values(args, consts)
+        checks = tuple(
+            (_WIDTH, _int32(args[i]))
+            if type(args[i]) is int and i in self.unspecialized
+            else parts[i]
+            for i in variable
+        )
+        return BoundLaunch(kernel, values, variable, checks, dev, self.pdl)
+
+
+def _cache_key(dev: int, num_warps: int, consts: dict, parts: tuple) -> tuple:
+    """A compiled kernel's key in ``Launcher.compiled`` (launches and bindings alike)."""
+    return dev, num_warps, tuple(consts.items()), parts
+
+
+_WIDTH = "int width"  # a bound int argument's check: only whether it fits int32
+
+
+class BoundLaunch:
+    """One kernel's launch with its arguments bound but a few: a backend binds its fused
+    dispatch and combine once per parity (the transport's buffers, sizes and offsets), and
+    each call fills in only the caller's tensors and counts. Launching through it cost
+    7.5 µs of host time against 17 through ``Launcher`` on one H200 (docs/benchmarks.md):
+    what an eager decode step waits for. A call returns ``False``, launching nothing,
+    where an argument no longer specialises as when bound (a tensor's dtype or 16-byte
+    alignment, an int's class, or only its width where Triton does not specialise it), on
+    another current device, or during a capture of a kernel with ``PDL``: the caller then
+    launches through ``Launcher`` (and may bind again)."""
+
+    __slots__ = ("kernel", "values", "slots", "parts", "dev", "pdl")
+
+    def __init__(self, kernel, values, slots, parts, dev: int, pdl: bool) -> None:
+        self.kernel, self.values, self.slots, self.parts = kernel, values, slots, parts
+        self.dev, self.pdl = dev, pdl
+
+    def __call__(self, programs: int, *variable) -> bool:
+        """Launch ``programs`` programs with ``variable`` at the bound positions."""
+        if len(variable) != len(self.slots):
+            raise TypeError(
+                f"a bound launch takes {len(self.slots)} arguments, got {len(variable)}"
+            )
+        if (self.pdl and _capturing()) or _device_index() != self.dev:
+            return False
+        values = self.values
+        for slot, part, a in zip(self.slots, self.parts, variable):
+            if type(a) is torch.Tensor:
+                if a.dtype is not part[0]:  # (torch dtypes are singletons)
+                    return False
+                a = a.data_ptr()
+                if (not a & 15) is not part[1]:
+                    return False
+            elif part[0] is _WIDTH:
+                if type(a) is not int or _int32(a) is not part[1]:
+                    return False
+            elif _specialization(a) != part:
+                return False
+            values[slot] = a
+        k = self.kernel
+        try:
+            k.run(
+                programs, 1, 1, _current_raw_stream(self.dev), k.function, k.packed_metadata,
+                None, None, None, *values,
+            )  # fmt: skip
+        except TypeError:  # another launcher interface (refused before launching): the
+            return False  # caller's path through Launcher handles it
+        return True
