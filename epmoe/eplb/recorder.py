@@ -7,13 +7,23 @@ ring buffer whose write position is itself a device tensor, so ``record`` does n
 synchronisation and keeps no Python state that changes per step. A CUDA graph that captured
 a forward therefore records every replay into the next ring row (a Python step counter
 would be frozen at its capture-time value and every replay would overwrite one row). The
-window is summed, and reduced across EP ranks, only when a re-plan asks for it.
+window is summed, and reduced across EP ranks, only when a re-plan asks for it. On CUDA, up
+to ``FUSED_RECORD_MAX_IDS`` ids (decode steps), the whole ``record`` is one kernel
+(``kernels.record``, unless ``EPMOE_FUSED_ROUTING=0``), where the torch ops below take seven.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from epmoe.routing import fused_routing_enabled
+
+# ``record`` takes the one-program kernel up to this many ids (T·K). One H200, P = 256, in a
+# CUDA graph: 3.0 µs at 1024 ids against 16-17 for the torch ops, but 34.7 at 32768 against
+# 18.8 (one program's atomics take about 1 µs per 1024 ids): prefill chunks keep the torch
+# ops (docs/benchmarks.md)
+FUSED_RECORD_MAX_IDS = 8192
 
 
 class LoadRecorder:
@@ -63,6 +73,16 @@ class LoadRecorder:
         """Count one step's physical expert ids ``[T, K]`` int32/int64 (``-1`` ignored) into
         the next ring row. On the device, no host synchronisation, CUDA-graph capturable."""
         if not self.enabled:
+            return
+        if (
+            self.counts_SP.is_cuda
+            and physical_ids_TK.device == self.counts_SP.device
+            and physical_ids_TK.numel() <= FUSED_RECORD_MAX_IDS
+            and fused_routing_enabled()
+        ):
+            from epmoe.kernels.record import record_load
+
+            record_load(physical_ids_TK, self.counts_SP, self.steps)  # one launch
             return
         # shift by one so that -1 (no expert) lands in bin 0, dropped; scatter_add, unlike
         # bincount on CUDA, never reads min/max back to the host
