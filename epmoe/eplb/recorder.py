@@ -71,7 +71,9 @@ class LoadRecorder:
 
     def record(self, physical_ids_TK: torch.Tensor) -> None:
         """Count one step's physical expert ids ``[T, K]`` int32/int64 (``-1`` ignored) into
-        the next ring row. On the device, no host synchronisation, CUDA-graph capturable."""
+        the next ring row. On the device, no host synchronisation, CUDA-graph capturable.
+        Ids outside ``[-1, P)`` are the caller's error (the layer refuses them first): the
+        one-kernel path does not count them, the torch ops fail on them."""
         if not self.enabled:
             return
         if (

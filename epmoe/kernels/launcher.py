@@ -19,17 +19,21 @@ import torch
 _LAUNCHERS: dict[object, Launcher] = {}
 
 
-def launch(fn) -> Launcher:
+def launch(fn, *, memo: bool = True) -> Launcher:
+    """The launcher of the ``@triton.jit`` function ``fn`` (one per function, made on first
+    use; ``memo`` as for ``Launcher``, fixed then)."""
     launcher = _LAUNCHERS.get(fn)
     if launcher is None:
-        launcher = _LAUNCHERS[fn] = Launcher(fn)
+        launcher = _LAUNCHERS[fn] = Launcher(fn, memo=memo)
     return launcher
 
 
 def _specialization(a):
-    """What Triton compiles ``a`` (a kernel argument) for, beyond constexprs."""
+    """What Triton compiles ``a`` (a kernel argument) for, beyond constexprs; for a tensor
+    also its CUDA device index (-1 on the CPU), which the launch checks against the current
+    device before a tensor's address is ever passed as it is."""
     if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() & 15 == 0
+        return a.dtype, a.data_ptr() & 15 == 0, a.get_device()
     if type(a) is int:
         return a == 1, a & 15 == 0, _int32(a)
     return a
@@ -102,9 +106,14 @@ class Launcher:
     goes straight through. The callers check that every tensor is on the kernel's device
     (``_on_device``). Any surprise from the launcher's interface falls back to the plain
     path.
+
+    ``memo``: keep the previous launch's arguments, so that those passed again (the same
+    objects) are not looked at again. It keeps the caller's tensors alive until the next
+    launch: right for kernels whose arguments are mostly long-lived buffers (the symm
+    backends'), not for those that get fresh intermediates (the expert GEMMs').
     """
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, memo: bool = True) -> None:
         self.fn = fn
         self.names = fn.arg_names
         # trailing parameters a call may leave out, as Triton's own path fills them in
@@ -119,6 +128,7 @@ class Launcher:
         }
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
+        self.memo = memo
         self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
 
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
@@ -141,21 +151,17 @@ class Launcher:
         memo = self._memo
         if memo is not None and len(memo[0]) == len(args):
             parts = tuple(
-                part if a is b else _specialization(a) for a, b, part in zip(args, memo[0], memo[1])
+                part if a is b else self._part(i, a)
+                for i, (a, b, part) in enumerate(zip(args, memo[0], memo[1]))
             )
         else:
-            parts = tuple(map(_specialization, args))
-        self._memo = (args, parts)
+            parts = self._parts(args)
+        if self.memo:
+            self._memo = (args, parts)
         key = _cache_key(dev, num_warps, consts, parts)
         kernel = self.compiled.get(key)
         if kernel is None:
-            tensors = [name for name, value in consts.items() if isinstance(value, torch.Tensor)]
-            if tensors:  # (a key holding a fresh tensor would miss, and keep it, every call)
-                name = getattr(self.fn, "__name__", self.fn)
-                raise TypeError(
-                    f"{name}: pass {tensors} positionally (keyword arguments are compile-time "
-                    "constants of the launch cache)"
-                )
+            self._check_new(args, parts, consts, dev)
             self.compiled[key] = self.fn[grid](*args, **num_warps_and, **consts)
             return
         try:
@@ -176,6 +182,43 @@ class Launcher:
                 stacklevel=2,
             )
             self.fn[grid](*args, **num_warps_and, **consts)
+
+    def _part(self, i: int, a):
+        """Argument ``i``'s part of the cache key: an int Triton does not specialise on
+        (``do_not_specialize``) by its width only, else ``_specialization``."""
+        if type(a) is int and i in self.unspecialized:
+            return _WIDTH, _int32(a)
+        return _specialization(a)
+
+    def _parts(self, args: tuple) -> tuple:
+        return tuple(self._part(i, a) for i, a in enumerate(args))
+
+    def _check_new(self, args: tuple, parts: tuple, consts: dict, dev: int) -> None:
+        """Before a new specialisation is launched and kept: a tensor given as a keyword
+        (a constexpr of the cache key: a fresh one would miss, and be kept, every call), or
+        a tensor elsewhere than on the current CUDA device (a later launch would pass its
+        address as it is: a CPU tensor's, or another GPU's, read as garbage or a fault),
+        is refused, by name."""
+        name = getattr(self.fn, "__name__", self.fn)
+        tensors = [n for n, value in consts.items() if isinstance(value, torch.Tensor)]
+        if tensors:
+            raise TypeError(
+                f"{name}: pass {tensors} positionally (keyword arguments are compile-time "
+                "constants of the launch cache)"
+            )
+        for i, (a, part) in enumerate(zip(args, parts)):
+            if type(a) is torch.Tensor and part[2] != dev:
+                arg = self.names[i] if i < len(self.names) else f"argument {i}"
+                fix = (
+                    f"move it to cuda:{dev}"
+                    if part[2] < 0
+                    else f"call it under torch.cuda.device({str(a.device)!r}), or move it to "
+                    f"cuda:{dev}"
+                )
+                raise ValueError(
+                    f"{name}: {arg} is on {a.device}, but the kernel runs on the current CUDA "
+                    f"device, cuda:{dev}: {fix}"
+                )
 
     def _values(self, args: tuple, consts: dict) -> list:
         """The compiled kernel's arguments: each tensor as its address, the other
@@ -199,18 +242,12 @@ class Launcher:
             if pdl_enabled(dev) and _capturing():
                 return None
             consts["PDL"] = False
-        parts = tuple(map(_specialization, args))
+        parts = self._parts(args)
         kernel = self.compiled.get(_cache_key(dev, num_warps, consts, parts))
         if kernel is None:
             return None
         values = self._values(args, consts)
-        checks = tuple(
-            (_WIDTH, _int32(args[i]))
-            if type(args[i]) is int and i in self.unspecialized
-            else parts[i]
-            for i in variable
-        )
-        return BoundLaunch(kernel, values, variable, checks, dev, self.pdl)
+        return BoundLaunch(kernel, values, variable, [parts[i] for i in variable], dev, self.pdl)
 
 
 def _cache_key(dev: int, num_warps: int, consts: dict, parts: tuple) -> tuple:
@@ -227,10 +264,10 @@ class BoundLaunch:
     each call fills in only the caller's tensors and counts. Launching through it cost
     7.5 µs of host time against 17 through ``Launcher`` on one H200 (docs/benchmarks.md):
     what an eager decode step waits for. A call returns ``False``, launching nothing,
-    where an argument no longer specialises as when bound (a tensor's dtype or 16-byte
-    alignment, an int's class, or only its width where Triton does not specialise it), on
-    another current device, or during a capture of a kernel with ``PDL``: the caller then
-    launches through ``Launcher`` (and may bind again)."""
+    where an argument no longer specialises as when bound (a tensor's dtype, 16-byte
+    alignment or device, an int's class, or only its width where Triton does not specialise
+    it), on another current device, or during a capture of a kernel with ``PDL``: the
+    caller then launches through ``Launcher`` (and may bind again)."""
 
     __slots__ = ("kernel", "values", "slots", "parts", "dev", "pdl")
 
@@ -249,7 +286,7 @@ class BoundLaunch:
         values = self.values
         for slot, part, a in zip(self.slots, self.parts, variable):
             if type(a) is torch.Tensor:
-                if a.dtype is not part[0]:  # (torch dtypes are singletons)
+                if a.dtype is not part[0] or a.get_device() != part[2]:  # (dtypes: singletons)
                     return False
                 a = a.data_ptr()
                 if (not a & 15) is not part[1]:

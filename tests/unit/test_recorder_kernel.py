@@ -53,12 +53,13 @@ def test_each_step_overwrites_the_oldest_row_and_ignores_ids_outside_the_slots()
     steps = torch.zeros((), dtype=torch.int64, device=DEVICE)
     record.record_load(torch.tensor([[3, 3], [-1, 0]], device=DEVICE), counts_SP, steps)
     assert counts_SP.cpu().tolist() == [[1, 0, 0, 2], [99, 99, 99, 99]]
-    # a strided view (every other token), and an id past P that is dropped
-    ids = torch.tensor([[1, 1], [9, 9], [2, 4]], device=DEVICE)[::2]
+    # a strided view (every other token), and ids outside [-1, P) that are dropped: P
+    # itself (the first slot of the next row), past P, and below -1
+    ids = torch.tensor([[1, 1], [9, 9], [2, 4], [9, 9], [-2, 3]], device=DEVICE)[::2]
     record.record_load(ids, counts_SP, steps)
-    assert counts_SP.cpu().tolist() == [[1, 0, 0, 2], [0, 2, 1, 0]]
+    assert counts_SP.cpu().tolist() == [[1, 0, 0, 2], [0, 2, 1, 1]]
     record.record_load(torch.full((3, 2), -1, device=DEVICE), counts_SP, steps)
-    assert counts_SP.cpu().tolist() == [[0, 0, 0, 0], [0, 2, 1, 0]] and int(steps) == 3
+    assert counts_SP.cpu().tolist() == [[0, 0, 0, 0], [0, 2, 1, 1]] and int(steps) == 3
 
 
 def test_record_load_refuses_what_it_cannot_count_into():
@@ -117,3 +118,28 @@ def test_record_load_refuses_tensors_on_different_devices():
             meta,
             torch.zeros((), dtype=torch.int64, device=DEVICE),
         )
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the direct launch path runs on CUDA only")
+def test_cpu_tensors_after_a_cuda_launch_are_refused_not_launched():
+    """Once compiled for CUDA tensors of a dtype and alignment, the launch passes
+    addresses as they are: CPU tensors of the same kind must be refused by name (they
+    would fault the device), on the recorder's and on the routing kernel's launch."""
+    from epmoe.placement import ExpertPlacement
+
+    route = pytest.importorskip("epmoe.kernels.route")
+    for dev in ("cuda", "cpu"):
+        ids = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+        counts = torch.zeros(3, 5, dtype=torch.int64, device=dev)
+        steps = torch.zeros((), dtype=torch.int64, device=dev)
+        logits = torch.randn(4, 8, device=dev)
+        maps = ExpertPlacement.linear(8, 1).maps_on(dev)
+        if dev == "cuda":
+            record.record_load(ids, counts, steps)
+            route.fused_route(logits, 2, maps)
+            continue
+        with pytest.raises(ValueError, match="is on cpu, but the kernel runs on the current"):
+            record.record_load(ids, counts, steps)
+        with pytest.raises(ValueError, match="is on cpu, but the kernel runs on the current"):
+            route.fused_route(logits, 2, maps)
+    torch.cuda.synchronize()  # the device is still fine

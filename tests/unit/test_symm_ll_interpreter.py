@@ -269,6 +269,11 @@ class _FakeCompiled:
         self.runs.append(args)
 
 
+# The launcher tests run the GPU path with CPU tensors standing in for the device's: the
+# "current device" is theirs, -1 (a tensor on any other device is refused, see below)
+CPU = -1
+
+
 class _FakeKernel:
     """A ``@triton.jit`` function as ``Launcher`` sees it: names, and ``[grid](...)``."""
 
@@ -293,7 +298,7 @@ def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch
     from epmoe.kernels import launcher as launcher_mod
 
     monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
-    monkeypatch.setattr(launcher_mod, "_device_index", lambda: 0)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: CPU)
     fn = _FakeKernel()
     launcher = launcher_mod.Launcher(fn)
     launcher.direct = True  # (the interpreter turns it off: this is the GPU path)
@@ -318,7 +323,7 @@ def test_launcher_fills_in_defaults_and_refuses_tensors_as_keywords(monkeypatch)
     from epmoe.kernels import launcher as launcher_mod
 
     monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
-    monkeypatch.setattr(launcher_mod, "_device_index", lambda: 0)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: CPU)
     fn = _FakeKernel()
     fn.arg_names = [*_FakeKernel.arg_names, "ROWS"]
     fn.params = [SimpleNamespace(name="ROWS", has_default=True, default=4)]
@@ -332,13 +337,67 @@ def test_launcher_fills_in_defaults_and_refuses_tensors_as_keywords(monkeypatch)
         launcher((3,), torch.zeros(4), 5, num_warps=4, maybe_ptr=torch.zeros(1), BLOCK=16)
 
 
+def test_launcher_refuses_a_tensor_off_the_current_device_before_passing_its_address(
+    monkeypatch,
+):
+    """The direct path passes bare addresses: a CPU tensor, or one on another GPU than the
+    current device, would be read as garbage (or fault the device) by a kernel already
+    compiled for its dtype and alignment. Such a tensor gets a specialisation of its own,
+    and the launch refuses it by name, with the fix, before anything is launched; a bound
+    launch refuses it too (returns False)."""
+    from epmoe.kernels import launcher as launcher_mod
+
+    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
+    current = [CPU]
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: current[0])
+    fn = _FakeKernel()
+    launcher = launcher_mod.Launcher(fn)
+    launcher.direct = True
+    x = torch.zeros(4)
+    for _ in range(2):
+        launcher((3,), x, 5, None, num_warps=4, BLOCK=16)
+    bound = launcher.bind((3,), x, 5, None, variable=(0,), num_warps=4, BLOCK=16)
+    assert bound(3, x) is True and len(fn.compiled.runs) == 2
+    current[0] = 0  # the CPU tensors are now off the current device (cuda:0)
+    with pytest.raises(ValueError, match=r"x_ptr is on cpu, but .* cuda:0: move it to cuda:0"):
+        launcher((3,), x, 5, None, num_warps=4, BLOCK=16)
+    assert bound(3, x) is False
+    current[0] = 1  # a tensor on cuda:0 while cuda:1 is current: named, with the guard
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda", 0)))
+    with pytest.raises(ValueError, match=r"torch\.cuda\.device\('cuda:0'\)"):
+        launcher((3,), torch.zeros(4), 5, None, num_warps=4, BLOCK=16)
+    assert len(fn.plain) == 1 and len(fn.compiled.runs) == 2  # nothing more launched
+
+
+def test_ints_triton_does_not_specialise_share_one_compiled_launch(monkeypatch):
+    """An int declared ``do_not_specialize`` (a row count) keys the launch cache by its
+    width only: a count moving between 1, 5 and 16 (other classes for a specialised int)
+    launches directly after the first launch, as Triton compiles it once."""
+    from types import SimpleNamespace
+
+    from epmoe.kernels import launcher as launcher_mod
+
+    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: CPU)
+    fn = _FakeKernel()
+    fn.params = [SimpleNamespace(name=n, has_default=False, do_not_specialize=n == "n")
+                 for n in _FakeKernel.arg_names]  # fmt: skip
+    launcher = launcher_mod.Launcher(fn)
+    launcher.direct = True
+    for n in (5, 1, 16, 33, 2**40):
+        launcher((3,), torch.zeros(4), n, None, num_warps=4, BLOCK=16)
+    assert len(fn.plain) == 2  # the first launch, and the first 64-bit count
+    assert [run[10] for run in fn.compiled.runs] == [1, 16, 33]
+
+
 def test_launcher_adds_programmatic_dependent_launch_where_enabled(monkeypatch):
     """A kernel with a ``PDL`` constexpr gets ``PDL=True`` and Triton's ``launch_pdl``
     while a CUDA graph is captured where ``pdl_enabled`` (sm_90+, ``EPMOE_SYMM_PDL`` not
     0), else ``PDL=False`` (eagerly always); kernels without it are launched as before."""
     from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(launcher_mod, "_device_index", lambda: 0)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: CPU)
     for on, capturing, enabled in ((True, True, True), (False, True, False), (True, False, False)):
         monkeypatch.setattr(launcher_mod, "pdl_enabled", lambda index, on=on: on)
         monkeypatch.setattr(launcher_mod, "_capturing", lambda capturing=capturing: capturing)
@@ -370,7 +429,7 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
     from epmoe.kernels import launcher as launcher_mod
 
     monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
-    device = [0]
+    device = [CPU]
     monkeypatch.setattr(launcher_mod, "_device_index", lambda: device[0])
     fn = _FakeKernel()
     launcher = launcher_mod.Launcher(fn)
@@ -411,7 +470,7 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
     launcher.direct = False
     assert launcher.bind((3,), y, 5, fixed, variable=(0,), num_warps=4, BLOCK=16) is None
     # a kernel with PDL: bound with PDL off, and not used while a graph is captured
-    device[0] = 0
+    device[0] = CPU
     capturing = [False]
     monkeypatch.setattr(launcher_mod, "pdl_enabled", lambda index: True)
     monkeypatch.setattr(launcher_mod, "_capturing", lambda: capturing[0])
