@@ -225,8 +225,10 @@ def settings() -> dict[str, dict[str, Any]]:
     )
     out["EPMOE_FUSED_ROUTING"] = _switch(
         "EPMOE_FUSED_ROUTING",
-        "EPMoE routes and places tokens with one Triton kernel on CUDA",
-        "EPMoE routes with torch kernels (about a dozen launches per forward)",
+        "EPMoE routes and places tokens with one Triton kernel on CUDA, and records the "
+        "EPLB load of a decode step with another",
+        "EPMoE routes and records the EPLB load with torch kernels (about a dozen launches "
+        "per forward, seven more with EPLB)",
         "EPMoE on CUDA",
     )
     raw = os.environ.get("EPMOE_TRITON_AUTOTUNE")
