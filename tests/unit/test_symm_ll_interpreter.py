@@ -291,6 +291,18 @@ class _FakeKernel:
         return call
 
 
+def _direct(monkeypatch, fn, device: list[int]):
+    """``fn``'s ``Launcher`` on the direct (GPU) path, as the interpreter never takes it:
+    the stream handle faked (7), the current device read from ``device[0]``."""
+    from epmoe.kernels import launcher as launcher_mod
+
+    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
+    monkeypatch.setattr(launcher_mod, "_device_index", lambda: device[0])
+    launcher = launcher_mod.Launcher(fn)
+    launcher.direct = True
+    return launcher
+
+
 def test_launcher_passes_tensors_as_addresses_after_the_first_launch(monkeypatch):
     """The first launch of a specialisation goes through Triton (it compiles); later ones
     call the compiled kernel's launcher directly with each tensor as its address (no
@@ -345,14 +357,10 @@ def test_launcher_refuses_a_tensor_off_the_current_device_before_passing_its_add
     compiled for its dtype and alignment. Such a tensor gets a specialisation of its own,
     and the launch refuses it by name, with the fix, before anything is launched; a bound
     launch refuses it too (returns False)."""
-    from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
     current = [CPU]
-    monkeypatch.setattr(launcher_mod, "_device_index", lambda: current[0])
     fn = _FakeKernel()
-    launcher = launcher_mod.Launcher(fn)
-    launcher.direct = True
+    launcher = _direct(monkeypatch, fn, current)
     x = torch.zeros(4)
     for _ in range(2):
         launcher((3,), x, 5, None, num_warps=4, BLOCK=16)
@@ -376,15 +384,10 @@ def test_ints_triton_does_not_specialise_share_one_compiled_launch(monkeypatch):
     launches directly after the first launch, as Triton compiles it once."""
     from types import SimpleNamespace
 
-    from epmoe.kernels import launcher as launcher_mod
-
-    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
-    monkeypatch.setattr(launcher_mod, "_device_index", lambda: CPU)
     fn = _FakeKernel()
     fn.params = [SimpleNamespace(name=n, has_default=False, do_not_specialize=n == "n")
                  for n in _FakeKernel.arg_names]  # fmt: skip
-    launcher = launcher_mod.Launcher(fn)
-    launcher.direct = True
+    launcher = _direct(monkeypatch, fn, [CPU])
     for n in (5, 1, 16, 33, 2**40):
         launcher((3,), torch.zeros(4), n, None, num_warps=4, BLOCK=16)
     assert len(fn.plain) == 2  # the first launch, and the first 64-bit count
@@ -428,12 +431,9 @@ def test_a_bound_launch_fills_in_its_variable_arguments_and_refuses_a_new_specia
 
     from epmoe.kernels import launcher as launcher_mod
 
-    monkeypatch.setattr(launcher_mod, "_current_raw_stream", lambda dev=None: 7)
     device = [CPU]
-    monkeypatch.setattr(launcher_mod, "_device_index", lambda: device[0])
     fn = _FakeKernel()
-    launcher = launcher_mod.Launcher(fn)
-    launcher.direct = True
+    launcher = _direct(monkeypatch, fn, device)
     fixed = torch.zeros(4)
     assert (
         launcher.bind((3,), torch.zeros(4), 5, fixed, variable=(0, 1), num_warps=4, BLOCK=16)
