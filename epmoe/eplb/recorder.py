@@ -79,6 +79,7 @@ class LoadRecorder:
         if (
             self.counts_SP.is_cuda
             and physical_ids_TK.device == self.counts_SP.device
+            and physical_ids_TK.dtype in (torch.int32, torch.int64)  # (else cast below)
             and physical_ids_TK.numel() <= FUSED_RECORD_MAX_IDS
             and fused_routing_enabled()
         ):
