@@ -28,6 +28,16 @@ def launch(fn, *, memo: bool = True) -> Launcher:
     return launcher
 
 
+def check_cuda(what: str, device: torch.device, fn) -> None:
+    """Raise, naming ``what`` and the fix, unless ``device`` is CUDA or ``fn`` (a
+    ``@triton.jit`` function) was built for the Triton interpreter (CPU tensors)."""
+    if device.type != "cuda" and type(fn).__name__ != "InterpretedFunction":
+        raise RuntimeError(
+            f"{what} runs on CUDA tensors, got {device}: move them to a GPU, or set "
+            "TRITON_INTERPRET=1 before epmoe.kernels is imported (slow; for tests)"
+        )
+
+
 def _specialization(a):
     """What Triton compiles ``a`` (a kernel argument) for, beyond constexprs; for a tensor
     also its CUDA device index (-1 on the CPU), which the launch checks against the current

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe.kernels.launcher import launch
+from epmoe.kernels.launcher import check_cuda, launch
 
 BLOCK_N = 1024  # ids per loop iteration
 BLOCK_P = 1024  # ring entries zeroed per loop iteration
@@ -78,6 +78,7 @@ def record_load(ids: torch.Tensor, counts_SP: torch.Tensor, steps: torch.Tensor)
             f"record_load needs ids ({ids.device}), counts_SP ({counts_SP.device}) and steps "
             f"({steps.device}) on one device"
         )
+    check_cuda("record_load", ids.device, record_kernel)
     ids_N = ids.reshape(-1)
     if ids_N.numel() and ids_N.stride(0) != 1:
         ids_N = ids_N.contiguous()

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from epmoe.kernels.launcher import launch
+from epmoe.kernels.launcher import check_cuda, launch
 from epmoe.placement import PlacementMaps
 from epmoe.routing import FUSED_ROUTING_MAX_EXPERTS
 
@@ -172,6 +172,7 @@ def fused_route(
         )
     if not 1 <= K <= E:  # (the kernel's picks rely on it: an id past E would be read)
         raise ValueError(f"top_k={K} must lie in [1, E={E}]")
+    check_cuda("fused_route", dev, route_kernel)
     if maps.first_replica.device != dev:  # (the launch passes bare addresses)
         raise ValueError(
             f"maps are on {maps.first_replica.device} but router_logits_TE on {dev}: pass "

@@ -143,3 +143,20 @@ def test_cpu_tensors_after_a_cuda_launch_are_refused_not_launched():
         with pytest.raises(ValueError, match="is on cpu, but the kernel runs on the current"):
             route.fused_route(logits, 2, maps)
     torch.cuda.synchronize()  # the device is still fine
+
+
+def test_check_cuda_names_the_kernel_and_the_fix_off_cuda_unless_interpreted():
+    """Without CUDA and without the interpreter, Triton's own error says only "0 active
+    drivers": the wrappers say which kernel needs CUDA tensors, and what to do."""
+    from epmoe.kernels.launcher import check_cuda
+
+    class InterpretedFunction:  # what @triton.jit builds under TRITON_INTERPRET=1
+        pass
+
+    class JITFunction:
+        pass
+
+    check_cuda("record_load", torch.device("cpu"), InterpretedFunction())
+    check_cuda("record_load", torch.device("cuda", 0), JITFunction())
+    with pytest.raises(RuntimeError, match=r"record_load runs on CUDA tensors, got cpu: .*"):
+        check_cuda("record_load", torch.device("cpu"), JITFunction())
