@@ -28,10 +28,16 @@ def launch(fn, *, memo: bool = True) -> Launcher:
     return launcher
 
 
+def interpreted(fn) -> bool:
+    """Whether the ``@triton.jit`` function ``fn`` was built for the Triton interpreter
+    (``TRITON_INTERPRET=1`` when its module was imported: it runs on CPU tensors)."""
+    return type(fn).__name__ == "InterpretedFunction"
+
+
 def check_cuda(what: str, device: torch.device, fn) -> None:
     """Raise, naming ``what`` and the fix, unless ``device`` is CUDA or ``fn`` (a
     ``@triton.jit`` function) was built for the Triton interpreter (CPU tensors)."""
-    if device.type != "cuda" and type(fn).__name__ != "InterpretedFunction":
+    if device.type != "cuda" and not interpreted(fn):
         raise RuntimeError(
             f"{what} runs on CUDA tensors, got {device}: move them to a GPU, or set "
             "TRITON_INTERPRET=1 before epmoe.kernels is imported (slow; for tests)"

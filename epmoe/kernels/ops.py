@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from epmoe.distributed import num_sms
-from epmoe.kernels import align, grouped_gemm, quant, reduce
+from epmoe.kernels import align, grouped_gemm, launcher, quant, reduce
 from epmoe.kernels.configs import (
     FP8_GROUP,
     WGMMA_KERNELS,
@@ -99,7 +99,7 @@ class AlignedPairs:
 
 def interpreted() -> bool:
     """Whether the kernels were built for the Triton interpreter (CPU tensors)."""
-    return type(grouped_gemm.gate_up_kernel).__name__ == "InterpretedFunction"
+    return launcher.interpreted(grouped_gemm.gate_up_kernel)
 
 
 def _check_device(*tensors: torch.Tensor | None) -> torch.device:
