@@ -124,25 +124,35 @@ def test_record_load_refuses_tensors_on_different_devices():
 def test_cpu_tensors_after_a_cuda_launch_are_refused_not_launched():
     """Once compiled for CUDA tensors of a dtype and alignment, the launch passes
     addresses as they are: CPU tensors of the same kind must be refused by name (they
-    would fault the device), on the recorder's and on the routing kernel's launch."""
+    would fault the device). The wrappers refuse them first (``check_cuda``); the launch
+    itself refuses them too, for any caller that goes around the wrappers."""
+    from epmoe.kernels.launcher import launch
     from epmoe.placement import ExpertPlacement
 
     route = pytest.importorskip("epmoe.kernels.route")
-    for dev in ("cuda", "cpu"):
-        ids = torch.zeros(4, 2, dtype=torch.int64, device=dev)
+
+    def args(dev):
+        ids = torch.zeros(8, dtype=torch.int64, device=dev)
         counts = torch.zeros(3, 5, dtype=torch.int64, device=dev)
         steps = torch.zeros((), dtype=torch.int64, device=dev)
-        logits = torch.randn(4, 8, device=dev)
-        maps = ExpertPlacement.linear(8, 1).maps_on(dev)
-        if dev == "cuda":
-            record.record_load(ids, counts, steps)
-            route.fused_route(logits, 2, maps)
-            continue
-        with pytest.raises(ValueError, match="is on cpu, but the kernel runs on the current"):
-            record.record_load(ids, counts, steps)
-        with pytest.raises(ValueError, match="is on cpu, but the kernel runs on the current"):
-            route.fused_route(logits, 2, maps)
+        return ids, counts, steps, torch.randn(4, 8, device=dev)
+
+    ids, counts, steps, logits = args("cuda")
+    record.record_load(ids, counts, steps)
+    route.fused_route(logits, 2, ExpertPlacement.linear(8, 1).maps_on("cuda"))
+
+    ids, counts, steps, logits = args("cpu")
+    with pytest.raises(RuntimeError, match="record_load runs on CUDA tensors, got cpu"):
+        record.record_load(ids, counts, steps)
+    with pytest.raises(RuntimeError, match="fused_route runs on CUDA tensors, got cpu"):
+        route.fused_route(logits, 2, ExpertPlacement.linear(8, 1).maps_on("cpu"))
+    with pytest.raises(ValueError, match="ids_ptr is on cpu, but the kernel runs on the current"):
+        launch(record.record_kernel)(
+            (1,), ids, counts, steps, ids.numel(), P=5, S=3, BLOCK_N=record.BLOCK_N, BLOCK_P=8,
+            num_warps=8,
+        )  # fmt: skip
     torch.cuda.synchronize()  # the device is still fine
+    assert int(steps) == 0 and int(counts.sum()) == 0  # (the CPU tensors: untouched)
 
 
 def test_check_cuda_names_the_kernel_and_the_fix_off_cuda_unless_interpreted():
