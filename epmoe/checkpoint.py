@@ -131,6 +131,10 @@ def load_shard(
         if error is not None:
             error_msgs.append(error)
             return False
+    assign = local_metadata.get("assign_to_params_buffers", False)
+    if not assign and any(prefix + name in state_dict for name in layer.meta_slot_tensors()):
+        error_msgs.append(f"EPMoE at {_where(prefix)}: {layer._meta_error('load_state_dict')}")
+        return False
     cast = {}  # shards in another floating dtype, converted to the layer's
     for name, tensor in layer.slot_tensors().items():
         saved = state_dict.get(prefix + name)

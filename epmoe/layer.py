@@ -712,8 +712,22 @@ class EPMoE(nn.Module):
 
     @property
     def weights_loaded(self) -> bool:
-        """Whether every local slot has its weights (``load_experts`` / ``load_expert``)."""
-        return all(self._loaded)
+        """Whether every local slot has its weights (``load_experts`` / ``load_expert``):
+        never while they are on the meta device (a copy into one does nothing)."""
+        return all(self._loaded) and not self.meta_slot_tensors()
+
+    def meta_slot_tensors(self) -> list[str]:
+        """Names of the per-slot tensors (:meth:`slot_tensors`) on the meta device: a layer
+        built under ``accelerate.init_empty_weights()`` or ``torch.device("meta")``."""
+        return [name for name, t in self.slot_tensors().items() if t.is_meta]
+
+    def _meta_error(self, what: str) -> ValueError:
+        return ValueError(
+            f"{what}: this EPMoE's expert weights {self.meta_slot_tensors()} are on the meta "
+            "device (built under init_empty_weights() or torch.device('meta')), where a copy "
+            "does nothing: give them storage first (layer.to_empty(device=layer.device)), or "
+            "load a shard saved by EPMoE.state_dict with load_state_dict(sd, assign=True)"
+        )
 
     def slot_tensors(self) -> dict[str, torch.Tensor]:
         """The per-slot tensors that follow the placement, by attribute name, each
@@ -855,6 +869,8 @@ class EPMoE(nn.Module):
         dequantizes them); an FP8 layer quantizes full-precision ones. Not collective."""
         E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
         _check_weights("load_experts", w13=w13, w2=w2)
+        if self.meta_slot_tensors():
+            raise self._meta_error("load_experts")
         if tuple(w13.shape) != (E, 2 * I, H) or tuple(w2.shape) != (E, H, I):
             raise ValueError(
                 f"load_experts wants w13 [E, 2I, H] = {[E, 2 * I, H]} and w2 [E, H, I] = "
@@ -888,6 +904,8 @@ class EPMoE(nn.Module):
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert_id must be in [0, {self.num_experts}), got {expert_id}")
         _check_weights("load_expert", w13_e=w13_e, w2_e=w2_e)
+        if self.meta_slot_tensors():
+            raise self._meta_error("load_expert")
         if tuple(w13_e.shape) != tuple(self.w13.shape[1:]) or tuple(w2_e.shape) != tuple(
             self.w2.shape[1:]
         ):
@@ -1347,6 +1365,8 @@ class EPMoE(nn.Module):
                     "no tokens)"
                 )
         if not self.weights_loaded:
+            if self.meta_slot_tensors():
+                return self._meta_error("EPMoE.forward")
             return RuntimeError(
                 "expert weights are not loaded on this rank: call load_experts(w13, w2) or "
                 f"load_expert(...) for local experts {self.local_experts}"

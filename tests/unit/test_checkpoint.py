@@ -176,6 +176,43 @@ def test_a_partial_load_without_expert_weights_leaves_the_layer_alone():
     assert layer.weights_loaded  # loaded before, untouched
 
 
+def test_expert_weights_on_the_meta_device_are_never_taken_as_loaded():
+    """A layer built with its parameters on meta (``init_empty_weights()``): a copy into
+    them does nothing, so every load that copies says how to give them storage, the forward
+    refuses the layer, and ``assign=True`` or ``to_empty`` then load it for real."""
+    from epmoe.integrations.huggingface import _parameters_on_meta
+
+    saved, w13, w2 = make_layer()
+    state = saved.state_dict()
+
+    def on_meta():
+        with _parameters_on_meta():
+            layer = make_layer(load=False)[0]
+        assert layer.meta_slot_tensors() == ["w13", "w2"] and not layer.weights_loaded
+        return layer
+
+    layer = on_meta()
+    for load in (
+        lambda: layer.load_experts(w13, w2),
+        lambda: layer.load_expert(0, w13[0], w2[0]),
+    ):
+        with pytest.raises(ValueError, match=r"on the meta device .*layer.to_empty"):
+            load()
+    assert "assign=True" in load_error(layer, state)
+    with pytest.raises(ValueError, match=r"EPMoE.forward: .*\['w13', 'w2'\] are on the meta"):
+        layer(torch.zeros(2, H), torch.zeros(2, E))
+    assert not layer.weights_loaded
+
+    layer.load_state_dict(state, assign=True)
+    assert layer.weights_loaded and layer.w13.device.type == "cpu"
+    assert_matches_oracle(layer, w13, w2)
+
+    layer = on_meta().to_empty(device="cpu")
+    assert not layer.weights_loaded  # storage, but not the weights yet
+    layer.load_experts(w13, w2)
+    assert_matches_oracle(layer, w13, w2)
+
+
 def test_a_malformed_record_is_refused():
     state = make_layer()[0].state_dict()
     state["placement.rank"] = torch.tensor(3)  # W = 1 has no rank 3
