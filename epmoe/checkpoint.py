@@ -83,8 +83,10 @@ def placement_record(
     placement.num_local(rank)  # checks the rank
     return {
         prefix + RECORD_KEYS[0]: placement.physical_to_logical.clone(),
-        prefix + RECORD_KEYS[1]: torch.tensor(placement.rank_offsets, dtype=torch.int64),
-        prefix + RECORD_KEYS[2]: torch.tensor(rank, dtype=torch.int64),
+        prefix + RECORD_KEYS[1]: torch.tensor(
+            placement.rank_offsets, dtype=torch.int64, device="cpu"
+        ),
+        prefix + RECORD_KEYS[2]: torch.tensor(rank, dtype=torch.int64, device="cpu"),
     }
 
 
@@ -256,7 +258,7 @@ def gather_full_experts(layer: EPMoE, dst: int | None = None) -> dict[str, torch
     position = torch.empty_like(owner)
     for r in range(W):
         mine = (owner == r).nonzero().flatten()
-        position[mine] = torch.arange(mine.numel())
+        position[mine] = torch.arange(mine.numel(), device="cpu")
     rows = (owner * n_max + position).to(layer.device)
     send_slots = (first[owner == rank] - p.rank_offsets[rank]).to(layer.device)
 

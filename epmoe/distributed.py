@@ -5,12 +5,14 @@
 and gloo on CPU, and keeps a gloo group beside an NCCL world for CPU-side exchanges.
 
 It is also the one home of the device rules: ``default_device(group)`` (where a group's
-collectives put their tensors) and ``normalize_device(device)`` (one spelling per device).
+collectives put their tensors), ``normalize_device(device)`` (one spelling per device) and
+``cpu_by_default`` (host tables stay on the host under a caller's default-device context).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 
 import torch
@@ -144,3 +146,22 @@ def normalize_device(device: torch.device | str) -> torch.device:
             )
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def cpu_by_default(fn):
+    """Decorate ``fn`` to run with the CPU as the default device. epmoe passes ``device=``
+    for every tensor meant for the layer's device; a factory call without one makes a host
+    table (placements, plans, offsets). A caller's ``with torch.device("meta")`` or
+    ``torch.set_default_device("cuda")`` must not move those: on meta they hold no data,
+    on a GPU each later ``.item()`` / ``.tolist()`` would synchronise. For construction
+    and planning, not per-forward paths (entering the context costs µs)."""
+
+    @functools.wraps(fn)
+    def on_cpu(*args, **kwargs):
+        # (no torch function mode active: the default is the CPU; the fast path)
+        if torch._C._len_torch_function_stack() == 0 or torch.get_default_device().type == "cpu":
+            return fn(*args, **kwargs)
+        with torch.device("cpu"):
+            return fn(*args, **kwargs)
+
+    return on_cpu

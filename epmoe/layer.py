@@ -49,7 +49,7 @@ from epmoe.comm.base import (
     layer_call_tag,
 )
 from epmoe.comm.collectives import world_of
-from epmoe.distributed import default_device, normalize_device
+from epmoe.distributed import cpu_by_default, default_device, normalize_device
 from epmoe.eplb.recorder import LoadRecorder
 from epmoe.experts import ExpertWeights, create_experts
 from epmoe.experts.base import check_activation
@@ -133,7 +133,10 @@ class EPMoE(nn.Module):
     holding the layer) convert the weights and ``params_dtype``, and the communication
     backends are rebuilt for the new dtype at the next forward, after the ranks agree that
     each converted alike (FP8 weights and their scales keep their dtype). Another device is
-    refused: build the layer where it runs (``device=``). ``copy.deepcopy`` gives another
+    refused: build the layer where it runs (``device=``; a default-device context such as
+    ``with torch.device("meta")`` does not move it, and its host tables stay on the CPU;
+    ``accelerate.init_empty_weights()`` puts its weights on meta, to be loaded with
+    ``load_state_dict(..., assign=True)`` or after ``to_empty``). ``copy.deepcopy`` gives another
     layer with its own weights on the same process group, which builds its own backends at
     its first collective call (copy on every rank alike). ``epmoe.step`` tells ranks whose
     layers differ in such a pending change apart before any forward. There is no backward
@@ -178,6 +181,7 @@ class EPMoE(nn.Module):
             ``rows_in_place``. Every rank passes the same (part of the agreement).
     """
 
+    @cpu_by_default
     def __init__(
         self,
         num_experts: int,
@@ -436,7 +440,7 @@ class EPMoE(nn.Module):
         self._group_ranks = group_ranks(group)  # compared with an epmoe.step's group
         # the key of this layer in epmoe::moe_forward's registry (torch.compile)
         self._op_id = custom_op.register(self)
-        self._op_id_t = torch.tensor(self._op_id)  # (see custom_op.moe_forward)
+        self._op_id_t = torch.tensor(self._op_id, device="cpu")  # (custom_op.moe_forward)
 
     def __deepcopy__(self, memo: dict) -> EPMoE:
         """Another layer with copies of this one's weights, maps and buffers, on the same
@@ -462,7 +466,7 @@ class EPMoE(nn.Module):
         self.__dict__.setdefault("_comm_pending", False)  # (a layer saved before these)
         self.__dict__.setdefault("_comm_shared", False)
         self._op_id = custom_op.register(self)
-        self._op_id_t = torch.tensor(self._op_id)  # (see custom_op.moe_forward)
+        self._op_id_t = torch.tensor(self._op_id, device="cpu")  # (custom_op.moe_forward)
 
     def _fingerprint(
         self,
@@ -924,6 +928,7 @@ class EPMoE(nn.Module):
             self._loaded[s] = True
         return True
 
+    @cpu_by_default
     def rebalance(self, placement: ExpertPlacement):
         """Switch to ``placement`` while serving (an EPLB re-plan): move only the expert
         weights whose slots change (point-to-point between ranks), then install the new
@@ -1447,6 +1452,7 @@ class EPMoE(nn.Module):
             if why:
                 raise ValueError(f"EPMoE in {dtype}: backend {comm.name!r} cannot serve it: {why}")
 
+    @cpu_by_default
     def _rebuild_comm(self) -> None:
         """The first collective call after a dtype change or of a copy: the ranks agree
         that each changed alike, then build the backends for this layer's dtype and

@@ -119,7 +119,8 @@ class ExpertPlacement:
             )
         log2phy, logcnt = _algorithm().logical_to_physical(p2l[None], E)
         owner = torch.repeat_interleave(
-            torch.arange(W), torch.tensor([b - a for a, b in zip(offsets, offsets[1:])])
+            torch.arange(W, device="cpu"),
+            torch.tensor([b - a for a, b in zip(offsets, offsets[1:])], device="cpu"),
         )
         object.__setattr__(self, "num_experts", E)
         object.__setattr__(self, "ep_size", W)
@@ -142,7 +143,7 @@ class ExpertPlacement:
         _check_enough_experts(num_experts, ep_size, "linear")
         base, rem = divmod(num_experts, ep_size)
         counts = [base + (1 if r < rem else 0) for r in range(ep_size)]
-        return cls(num_experts, ep_size, torch.arange(num_experts), _offsets(counts))
+        return cls(num_experts, ep_size, torch.arange(num_experts, device="cpu"), _offsets(counts))
 
     @classmethod
     def round_robin(cls, num_experts: int, ep_size: int) -> ExpertPlacement:
@@ -151,7 +152,7 @@ class ExpertPlacement:
         num_experts = _check_positive_int("num_experts", num_experts)
         ep_size = _check_positive_int("ep_size", ep_size)
         _check_enough_experts(num_experts, ep_size, "round_robin")
-        per_rank = [torch.arange(r, num_experts, ep_size) for r in range(ep_size)]
+        per_rank = [torch.arange(r, num_experts, ep_size, device="cpu") for r in range(ep_size)]
         return cls(
             num_experts, ep_size, torch.cat(per_rank), _offsets([t.numel() for t in per_rank])
         )
@@ -324,8 +325,8 @@ class ExpertPlacement:
         a, b = self.rank_offsets[rank], self.rank_offsets[rank + 1]
         local = self.physical_to_logical[a:b]
         big = b - a
-        out = torch.full((self.num_experts,), big, dtype=torch.int64)
-        out.scatter_reduce_(0, local, torch.arange(b - a), reduce="amin")
+        out = torch.full((self.num_experts,), big, dtype=torch.int64, device="cpu")
+        out.scatter_reduce_(0, local, torch.arange(b - a, device="cpu"), reduce="amin")
         return out.masked_fill_(out == big, -1)
 
     # ---------------------------------------------------------------- per-step mapping
@@ -339,9 +340,9 @@ class ExpertPlacement:
         maps = self._maps.get(device)
         if maps is None:
             W, E, P = self.ep_size, self.num_experts, self.num_physical
-            local = torch.full((W * E,), P, dtype=torch.int64)  # P: "none yet"
+            local = torch.full((W * E,), P, dtype=torch.int64, device="cpu")  # P: "none yet"
             key = self.owner_rank * E + self.physical_to_logical
-            local.scatter_reduce_(0, key, torch.arange(P), reduce="amin")
+            local.scatter_reduce_(0, key, torch.arange(P, device="cpu"), reduce="amin")
             local = local.masked_fill_(local == P, -1).view(W, E)
             maps = PlacementMaps(
                 device=device,
@@ -412,7 +413,7 @@ class ExpertPlacement:
                 f"expert_load must be [E={self.num_experts}], got shape {tuple(load.shape)}"
             )
         per_slot = (load / self.replica_count)[self.physical_to_logical]
-        return torch.zeros(self.ep_size, dtype=torch.float64).index_add_(
+        return torch.zeros(self.ep_size, dtype=torch.float64, device="cpu").index_add_(
             0, self.owner_rank, per_slot
         )
 
@@ -496,7 +497,7 @@ def _tensor_arg(name: str, value: Any) -> torch.Tensor:
             f"{name} must be a tensor or a sequence of numbers, got {type(value).__name__}"
         )
     try:
-        return torch.as_tensor(value)
+        return torch.as_tensor(value, device="cpu")
     except (TypeError, ValueError, RuntimeError) as e:
         raise TypeError(
             f"{name} must be a tensor or a sequence of numbers, got {type(value).__name__} ({e})"

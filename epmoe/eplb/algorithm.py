@@ -31,6 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from epmoe.distributed import cpu_by_default
+
 __all__ = [
     "balanced_packing",
     "balancedness",
@@ -46,6 +48,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 
+@cpu_by_default
 def rebalance(
     weight_LE: torch.Tensor,
     num_replicas: int,
@@ -108,6 +111,7 @@ def rebalance(
 # --------------------------------------------------------------------------------------
 
 
+@cpu_by_default
 def gpu_loads(weight_LE: torch.Tensor, phy2log_LP: torch.Tensor, num_gpus: int) -> torch.Tensor:
     """Expected load of each GPU, ``[L, W]`` float64, when each expert's load is split
     evenly over its replicas. Slots are GPU-major, ``P / W`` per GPU."""
@@ -125,6 +129,7 @@ def gpu_loads(weight_LE: torch.Tensor, phy2log_LP: torch.Tensor, num_gpus: int) 
     return per_replica.gather(1, phy2log).view(L, num_gpus, -1).sum(-1)
 
 
+@cpu_by_default
 def balancedness(weight_LE: torch.Tensor, phy2log_LP: torch.Tensor, num_gpus: int) -> torch.Tensor:
     """Mean GPU load / max GPU load per layer, ``[L]`` float64 (1.0 is perfect; a layer
     without load counts as 1.0)."""
@@ -133,6 +138,7 @@ def balancedness(weight_LE: torch.Tensor, phy2log_LP: torch.Tensor, num_gpus: in
     return torch.where(mx > 0, loads.mean(-1) / mx.clamp(min=1e-300), torch.ones_like(mx))
 
 
+@cpu_by_default
 def logical_to_physical(
     phy2log_LP: torch.Tensor, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +166,7 @@ def logical_to_physical(
 # --------------------------------------------------------------------------------------
 
 
+@cpu_by_default
 def replicate_experts(
     weight_BE: torch.Tensor, num_physical: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +193,7 @@ def replicate_experts(
     return phy2log, cnt
 
 
+@cpu_by_default
 def balanced_packing(
     weight_BN: torch.Tensor, num_packs: int, refine: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -295,12 +295,12 @@ class EPLBManager:
 def measured_rank_load(placement: ExpertPlacement, physical_load_P: torch.Tensor) -> torch.Tensor:
     """Measured per-slot counts ``[P]`` summed per rank: ``[W]`` float64 on the CPU (each
     slot's count goes to the rank owning it)."""
-    load = torch.as_tensor(physical_load_P).detach().to("cpu", torch.float64)
+    load = torch.as_tensor(physical_load_P, device="cpu").detach().to(torch.float64)
     if load.shape != (placement.num_physical,):
         raise ValueError(
             f"physical_load_P must be [P={placement.num_physical}], got {tuple(load.shape)}"
         )
-    return torch.zeros(placement.ep_size, dtype=torch.float64).index_add_(
+    return torch.zeros(placement.ep_size, dtype=torch.float64, device="cpu").index_add_(
         0, placement.owner_rank, load
     )
 

@@ -572,3 +572,21 @@ def test_fp8_weights_are_never_converted_by_to():
     assert layer.w13 is w13 and layer.w13.dtype == torch.float8_e4m3fn
     assert layer.w13_scale.dtype == torch.float32
     assert torch.float8_e4m3fn not in seen, "an FP8 weight went through the conversion"
+
+
+def test_a_layer_built_under_a_meta_device_context_is_where_its_device_says():
+    """``with torch.device("meta")`` around construction (as model builders do) does not
+    move a layer given ``device=``, nor its host tables: it loads and matches the oracle."""
+    E, K, H, I = 8, 2, 16, 8
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    load = torch.arange(1, E + 1, dtype=torch.float64)
+    with torch.device("meta"):
+        placement = epmoe.ExpertPlacement.balanced(load, ep_size=1, num_redundant=2)
+        layer = epmoe.EPMoE(E, K, H, I, placement=placement, device="cpu", experts="torch",
+                            params_dtype=torch.float32)  # fmt: skip
+    assert layer.w13.device.type == "cpu" and not layer.meta_slot_tensors()
+    layer.load_experts(w13, w2)
+    x, logits = torch.randn(5, H, generator=g), torch.randn(5, E, generator=g)
+    ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+    assert_close(layer(x, logits), ref, 1e-5)

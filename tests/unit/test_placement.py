@@ -355,3 +355,33 @@ def test_equality_hash_pickle_and_repr() -> None:
     assert "num_experts=8" in repr(a) and "ep_size=2" in repr(a)
     with pytest.raises(AttributeError):
         a.num_experts = 9  # frozen
+
+
+@pytest.mark.parametrize("context", ["meta", "cpu"])
+def test_placements_and_plans_stay_on_the_host_under_a_default_device_context(context) -> None:
+    """Placements and plans are host tables: a caller's ``with torch.device("meta")`` (or
+    ``set_default_device``) around model construction must not move them."""
+    from epmoe.eplb import algorithm
+
+    load = torch.arange(1, 9, dtype=torch.float64) ** 2
+    want = ExpertPlacement.balanced(load, ep_size=2, num_redundant=2)
+    with torch.device(context):
+        p2l = [0, 1, 2, 3, 4, 5, 6, 7]
+        made = [
+            ExpertPlacement.linear(8, 2),
+            ExpertPlacement.round_robin(8, 3),
+            ExpertPlacement(8, 2, p2l, (0, 3, 8)),
+            ExpertPlacement.balanced(load, ep_size=2, num_redundant=2),
+        ]
+        assert made[3] == want
+        maps = made[0].maps_on("cpu")
+        expert_map, rank_load = made[1].expert_map(1), made[2].rank_load(load)
+        phy2log, _, logcnt = algorithm.rebalance(load[None], 10, 1, 1, 2)
+    for p in made:
+        check_invariants(p)
+        assert p.physical_to_logical.device.type == "cpu"
+    assert maps.logical_to_physical.device.type == "cpu"
+    assert expert_map.tolist() == [-1, 0, -1, -1, 1, -1, -1, 2]
+    assert rank_load.tolist() == [float(load[:3].sum()), float(load[3:].sum())]
+    assert phy2log.device.type == logcnt.device.type == "cpu"
+    assert phy2log[0].tolist() == want.physical_to_logical.tolist()

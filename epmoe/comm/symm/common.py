@@ -372,10 +372,13 @@ class SymmBackend(AllToAll):
         dev = spec.device
         sizes = [spec.num_local(r) for r in range(self.world_size)]
         self._owner_P = torch.repeat_interleave(
-            torch.arange(self.world_size, dtype=torch.int32), torch.tensor(sizes)
+            torch.arange(self.world_size, dtype=torch.int32, device="cpu"),
+            torch.tensor(sizes, device="cpu"),
         ).to(dev)
         # each physical expert's slot among its rank's experts (one lookup in the kernel)
-        self._local_P = torch.cat([torch.arange(n, dtype=torch.int32) for n in sizes]).to(dev)
+        self._local_P = torch.cat(
+            [torch.arange(n, dtype=torch.int32, device="cpu") for n in sizes]
+        ).to(dev)
         self._num_local = spec.num_local(self.rank)
 
     @property
@@ -545,7 +548,7 @@ def _on_device(device: torch.device, **tensors: torch.Tensor) -> None:
             )
 
 
-INV_FP8_MAX = float(torch.tensor(1.0 / 448.0, dtype=torch.float32))
+INV_FP8_MAX = float(torch.tensor(1.0 / 448.0, dtype=torch.float32, device="cpu"))
 
 
 def _tl_dtypes():
