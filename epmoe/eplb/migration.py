@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm.collectives import world_of
+from epmoe.distributed import default_device
 from epmoe.placement import ExpertPlacement
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -218,7 +219,8 @@ def migrate_slots(
             new ``[e_new, *X]`` tensors are returned and the inputs are left unchanged.
         check: first verify with one small all-reduce that every rank passed the same
             placements and tensor shapes (a mismatch raises ``RuntimeError`` on every rank
-            instead of hanging or corrupting weights).
+            instead of hanging or corrupting weights; a rank whose own arguments do not fit
+            raises its ``ValueError``, and the others a ``RuntimeError``, in the same call).
 
     Returns:
         One tensor per input, ``[e_new, *X]``, slot ``s`` holding the weights of logical
@@ -227,10 +229,18 @@ def migrate_slots(
     Every rank must call it, also ranks whose slots do not change.
     """
     tensors = list(tensors_eX)
-    _check_tensors(tensors, old, rank)
-    _check_group(group, old.ep_size, rank)
-    if check:
-        _agree(group, tensors[0].device, _fingerprint(old, new, tensors), ok=True)
+    error = None
+    try:
+        _check_tensors(tensors, old, rank)
+        _check_group(group, old.ep_size, rank)
+    except ValueError as exc:
+        if not check:
+            raise
+        error = exc
+    if check:  # (a rank whose arguments are wrong raises its error; the others name it)
+        device = default_device(group) if error else tensors[0].device
+        fingerprint = 0 if error else _fingerprint(old, new, tensors)
+        _agree(group, device, fingerprint, ok=True, error=error)
     plan = MigrationPlan.build(old, new)
     return _execute(plan, rank, tensors, group, in_place)
 
@@ -256,21 +266,28 @@ def rebalance_layer(
     (:meth:`EPMoE.rebalance`, through the layer's agreement): no second check.
     """
     start = time.perf_counter()
-    if not isinstance(new_placement, ExpertPlacement):
-        raise TypeError(
-            f"new_placement must be an ExpertPlacement, got {type(new_placement).__name__}; "
-            "build one with ExpertPlacement.balanced(...)"
-        )
     old = layer.placement
     slot_tensors = layer.slot_tensors()  # name -> [e_old, *X]
     tensors = list(slot_tensors.values())
     rank, group = layer.rank, layer.group
-    if not agreed:
-        if layer._comm_pending:  # (a converted layer or a copy: its own backends first)
-            layer._rebuild_comm()
-        layer.check_placement(new_placement)  # the same outcome on every rank: no hang
-        fingerprint = _fingerprint(old, new_placement, tensors)
-        _agree(group, layer.device, fingerprint, ok=layer.weights_loaded)
+    if not agreed and layer._comm_pending:  # (a converted layer or a copy: its own backends)
+        layer._rebuild_comm()
+    error = None
+    try:
+        if not isinstance(new_placement, ExpertPlacement):
+            raise TypeError(
+                f"new_placement must be an ExpertPlacement, got {type(new_placement).__name__}; "
+                "build one with ExpertPlacement.balanced(...)"
+            )
+        if not agreed:
+            layer.check_placement(new_placement)
+    except (TypeError, ValueError) as exc:
+        if agreed:
+            raise
+        error = exc
+    if not agreed:  # (a rank whose placement does not fit raises its error, the others name it)
+        fingerprint = 0 if error else _fingerprint(old, new_placement, tensors)
+        _agree(group, layer.device, fingerprint, ok=layer.weights_loaded, error=error)
     if new_placement == old:
         return MigrationStats(0, 0, 0, 0, 0, 0, time.perf_counter() - start)
 
@@ -413,16 +430,29 @@ def _fingerprint(
 
 
 def _agree(
-    group: dist.ProcessGroup | None, device: torch.device, fingerprint: int, ok: bool
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    fingerprint: int,
+    ok: bool,
+    error: BaseException | None = None,
 ) -> None:
-    """Raise on every rank if the ranks' fingerprints differ or some rank is not ``ok``
-    (its weights are not loaded). One all-reduce of three int64."""
+    """Raise on every rank if some rank failed its own checks (``error``: raised there, the
+    others name it), the ranks' fingerprints differ, or some rank is not ``ok`` (its
+    weights are not loaded). One all-reduce of four int64, before anything moves."""
+    mine = (fingerprint, -fingerprint, int(not ok), int(error is not None))
     if world_of(group)[1] == 1:
-        flags = (fingerprint, -fingerprint, int(not ok))
+        flags = mine
     else:
-        t = torch.tensor([fingerprint, -fingerprint, int(not ok)], dtype=torch.int64, device=device)
+        t = torch.tensor(mine, dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         flags = tuple(t.tolist())
+    if error is not None:
+        raise error
+    if flags[3]:
+        raise RuntimeError(
+            "another EP rank refused this migration (its own error says why: a placement it "
+            "cannot take, or tensors or a group that do not fit it); nothing was moved"
+        )
     if flags[0] != -flags[1]:
         raise RuntimeError(
             "EP ranks disagree on the migration: their old or new placements (or the shapes "

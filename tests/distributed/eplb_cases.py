@@ -214,6 +214,23 @@ def check_rebalance_errors(rank, world, device="cpu"):
     # rank 0 (no weights) says why; the others name it, in the same call
     with pytest.raises(RuntimeError, match="not loaded" if rank == 0 else "rank 0 rejected"):
         fresh.rebalance(ExpertPlacement.round_robin(E, world))
+    # the migration's own entry points: a rank whose arguments do not fit raises its error
+    # in the same call as the others, which name it (before, they waited in the all-reduce)
+    from epmoe.eplb.migration import rebalance_layer
+
+    linear, uneven = ExpertPlacement.linear(E, world), ExpertPlacement.linear(E, world)
+    if rank == 1:
+        rest = [3 + (E - 3) * (r + 1) // (world - 1) for r in range(world - 1)]
+        uneven = ExpertPlacement(E, world, torch.arange(E), (0, 3, *rest))
+    own = "tensors_eX" if rank == 1 else "another EP rank refused"
+    with pytest.raises(ValueError if rank == 1 else RuntimeError, match=own):
+        migrate_slots(uneven, linear, rank, [layer.w13, layer.w2], check=True)
+    bad = (
+        ExpertPlacement.linear(E, world + 1) if rank == 0 else ExpertPlacement.round_robin(E, world)
+    )
+    with pytest.raises(ValueError if rank == 0 else RuntimeError,
+                       match="ep_size" if rank == 0 else "another EP rank refused"):  # fmt: skip
+        rebalance_layer(layer, bad)
     assert layer.placement == ExpertPlacement.linear(E, world)
     x, logits = rank_tokens(rank, 5, H, E, torch.float32, dev)
     assert_close(
