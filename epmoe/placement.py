@@ -243,12 +243,19 @@ class ExpertPlacement:
                 raise ValueError(
                     f"current must hold one placement per layer ({L}), got {len(current)}"
                 )
+            even = tuple(range(0, P + 1, P // ep_size))
             for i, c in enumerate(current):
                 if c.num_experts != E or c.ep_size != ep_size or c.num_physical != P:
                     raise ValueError(
                         f"current[{i}] has E={c.num_experts}, W={c.ep_size}, P={c.num_physical}; "
                         f"the new plan has E={E}, W={ep_size}, P={P}; pass current=None to plan "
                         "from scratch"
+                    )
+                if c.rank_offsets != even:  # (the planner reads slots as P / W per rank)
+                    raise ValueError(
+                        f"current[{i}] has rank_offsets {c.rank_offsets}; the new plan gives "
+                        f"every rank {P // ep_size} slots {even}, and keeps experts in place "
+                        "only from such a layout; pass current=None to plan from scratch"
                     )
             cur_p2l = torch.stack([c.physical_to_logical for c in current])
         phy2log, _, _ = _algorithm().rebalance(

@@ -130,6 +130,11 @@ def test_balanced_rejects_bad_arguments() -> None:
     cur = ExpertPlacement.linear(8, 2)
     with pytest.raises(ValueError, match="current"):
         ExpertPlacement.balanced(torch.ones(8), 2, num_redundant=2, current=cur)
+    # the same P over other slot counts per rank: the planner would misread it (and a
+    # "kept" plan would move experts), so it is refused with the fix
+    uneven = ExpertPlacement(8, 4, torch.arange(8), (0, 1, 3, 5, 8))
+    with pytest.raises(ValueError, match=r"rank_offsets \(0, 1, 3, 5, 8\).*current=None"):
+        ExpertPlacement.balanced(torch.ones(8), 4, current=uneven, tolerance=1.0)
 
 
 def test_balanced_with_current_keeps_it_within_tolerance() -> None:
