@@ -473,7 +473,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the collectives and ``index_copy_`` can move it: FP8 weights as their bytes
-    (gloo has no float8 type, index_copy_ no float8 kernel); a view, so writes land in
-    ``t``."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    """``t`` as the collectives and ``index_copy_`` can move it: 1-byte floats (the FP8
+    dtypes) as their bytes (gloo has no float8 type, index_copy_ no float8 kernel); a
+    view, so writes land in ``t``."""
+    return t.view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t

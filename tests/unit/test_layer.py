@@ -331,6 +331,19 @@ def test_migration_never_assigns_layer_state():
     assert not offending, offending
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_migrate_slots_moves_any_float_dtype(dtype, in_place):
+    """``migrate_slots`` takes any dtype: 1-byte floats move as their bytes (no
+    ``index_copy_`` kernel, no gloo type for them), in place and copied."""
+    old = epmoe.ExpertPlacement.from_physical_to_logical([0, 1, 2, 3], 1)
+    new = epmoe.ExpertPlacement.from_physical_to_logical([3, 1, 2, 0], 1)
+    t = torch.arange(4.0)[:, None].expand(4, 3).contiguous().to(dtype)
+    (out,) = migration.migrate_slots(old, new, 0, [t], in_place=in_place)
+    assert out.dtype == dtype and (out is t) == in_place
+    assert out[:, 0].float().tolist() == [3.0, 1.0, 2.0, 0.0]
+
+
 def test_devices_have_one_spelling():
     assert normalize_device("cpu:0") == torch.device("cpu") == normalize_device("cpu")
     if torch.cuda.is_available():
