@@ -100,14 +100,15 @@ def select_experts(
         custom_routing_function: ``fn(router_logits, top_k, renormalize) -> (weights,
             ids)``, replaces all of the above (then grouping, bias and scaling must be left
             at their defaults). Its outputs are checked for shape ``[T, K]`` and cast to
-            float32 / int64; on CPU the ids are also range checked (on GPU that check
-            would need a host synchronisation, so it is skipped).
+            float32 / int64; its ids lie in ``[-1, E)`` (``-1``: no expert for that pick).
+            On CPU the ids are also range checked (on GPU that check would need a host
+            synchronisation, so it is skipped; the layer checks them on the device).
 
     Returns:
         ``(topk_weights [T, K] float32, topk_ids [T, K] int64)``: logical expert ids in
-        ``[0, E)``, in descending order of the (biased) choosing score, on the device of
-        ``router_logits``. No host synchronisation (CUDA-graph safe) unless a custom
-        function adds one.
+        ``[0, E)`` (a custom function's may also be ``-1``), in descending order of the
+        (biased) choosing score, on the device of ``router_logits``. No host
+        synchronisation (CUDA-graph safe) unless a custom function adds one.
     """
     if not isinstance(router_logits, torch.Tensor):
         raise TypeError(f"router_logits must be a torch.Tensor, got {type(router_logits).__name__}")
@@ -278,10 +279,10 @@ def _run_custom(
     ids = ids.to(torch.int64)
     if ids.device.type == "cpu" and ids.numel() > 0:
         lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= E:
+        if lo < -1 or hi >= E:
             raise ValueError(
                 f"custom_routing_function returned expert ids in [{lo}, {hi}]; they must "
-                f"lie in [0, E) = [0, {E})"
+                f"lie in [-1, E) = [-1, {E}) (-1: no expert)"
             )
     return weights.to(torch.float32), ids
 

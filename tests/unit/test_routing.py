@@ -217,7 +217,11 @@ def test_custom_routing_function_overrides_and_is_cast():
         ),
         pytest.param(
             lambda T, K: (torch.zeros(T, K), torch.full((T, K), 8, dtype=torch.long)),
-            ValueError, r"\[0, E\)", id="ids-out-of-range",
+            ValueError, r"\[-1, E\)", id="ids-out-of-range",
+        ),
+        pytest.param(
+            lambda T, K: (torch.zeros(T, K), torch.full((T, K), -2, dtype=torch.long)),
+            ValueError, r"in \[-2, -2\]; they must lie in \[-1, E\)", id="ids-below-minus-one",
         ),
     ],
 )  # fmt: skip
@@ -225,6 +229,29 @@ def test_custom_routing_function_output_is_validated(bad_return, err, match):
     fn = lambda logits, k, renorm: bad_return(logits.shape[0], k)
     with pytest.raises(err, match=match):
         select_experts(_logits(4, 8), 2, custom_routing_function=fn)
+
+
+def test_custom_routing_ids_of_minus_one_mean_no_expert_in_the_layer_too():
+    """``-1`` (no expert for that pick) is valid custom routing, on the CPU as on CUDA:
+    the layer drops those picks, as the oracle does."""
+    import epmoe
+    from epmoe.reference import assert_close, moe
+
+    E, K, H, I = 8, 2, 16, 8
+
+    def route(logits, top_k, renormalize):
+        w, ids = select_experts(logits, top_k, renormalize)
+        return w, torch.where(torch.arange(top_k) == 1, -1, ids)  # every second pick: none
+
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    layer = epmoe.EPMoE(E, K, H, I, device="cpu", experts="torch", params_dtype=torch.float32,
+                        custom_routing_function=route)  # fmt: skip
+    layer.load_experts(w13, w2)
+    x, logits = torch.randn(4, H, generator=g), torch.randn(4, E, generator=g)
+    w, ids = select_experts(logits, K, custom_routing_function=route)
+    assert (ids[:, 1] == -1).all()
+    assert_close(layer(x, logits), moe(x, w13, w2, w, ids), 1e-5)
 
 
 def test_custom_routing_function_rejects_ignored_options():
