@@ -63,19 +63,19 @@ def moe_forward(
     hidden_states: torch.Tensor,
     router_logits: torch.Tensor,
     layer_id: torch.Tensor,
-    max_tokens: int,
+    max_tokens: int | None,
     num_valid_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[T, H]``, ``[T, E]`` → ``[T, H]``: layer ``layer_id``'s eager forward (``max_tokens
-    = -1``: from the active step or the layer's agreement; ``num_valid_tokens``: as the
-    layer's forward takes it). ``layer_id``: a CPU int64 scalar tensor, an input of the
+    """``[T, H]``, ``[T, E]`` → ``[T, H]``: layer ``layer_id``'s eager forward (``max_tokens``
+    and ``num_valid_tokens`` as the layer's forward takes ``max_tokens_across_ranks`` and
+    ``num_valid_tokens``; ``None``: from the active step or the layer's agreement; a bad
+    value is refused as eagerly). ``layer_id``: a CPU int64 scalar tensor, an input of the
     graph rather than a constant, so one compiled graph serves every layer."""
     layer = lookup(int(layer_id))
-    hint = None if max_tokens < 0 else max_tokens
     out = layer._eager_forward(
         hidden_states,
         router_logits,
-        max_tokens_across_ranks=hint,
+        max_tokens_across_ranks=max_tokens,
         num_valid_tokens=num_valid_tokens,
     )
     # a custom op may not return an alias of an input (T = 0, same dtype: .to() is a no-op)

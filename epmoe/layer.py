@@ -1107,10 +1107,12 @@ class EPMoE(nn.Module):
                     raise TypeError("pass either step= or max_tokens_across_ranks=, not both")
                 # the step's own checks (ended, group) at trace time; then a graph constant
                 max_tokens_across_ranks = step.max_tokens_for(self, 0)
-            hint = -1 if max_tokens_across_ranks is None else max_tokens_across_ranks
+            # (None: the step or the layer's agreement decides; a value is checked in the
+            # op, as eagerly)
             return torch.ops.epmoe.moe_forward(
-                hidden_states, router_logits, self._op_id_t, hint, num_valid_tokens
-            )
+                hidden_states, router_logits, self._op_id_t, max_tokens_across_ranks,
+                num_valid_tokens,
+            )  # fmt: skip
         kwargs = dict(
             max_tokens_across_ranks=max_tokens_across_ranks,
             step=step,
@@ -1304,13 +1306,9 @@ class EPMoE(nn.Module):
     ) -> Exception | None:
         """What is wrong with ``max_tokens_across_ranks`` (or the logits' device, which the
         graph-safe path does not copy over), as the exception to raise."""
-        if isinstance(max_tokens_across_ranks, bool) or not isinstance(
-            max_tokens_across_ranks, int
-        ):
-            return TypeError(
-                "max_tokens_across_ranks must be an int (the largest T of the EP group) or "
-                f"None, got {type(max_tokens_across_ranks).__name__}"
-            )
+        error = _max_tokens_error(max_tokens_across_ranks)
+        if error is not None:
+            return error
         T = hidden_states.shape[0]
         if max_tokens_across_ranks < T:
             return ValueError(
@@ -1524,6 +1522,22 @@ class EPMoE(nn.Module):
 def _lead(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     """``t`` with a leading expert dimension (``lead == ()``: one expert, add it)."""
     return t if lead else t.unsqueeze(0)
+
+
+def _max_tokens_error(max_tokens_across_ranks: object) -> Exception | None:
+    """What is wrong with a given ``max_tokens_across_ranks`` on its own (its type, its
+    sign), as the exception to raise."""
+    if isinstance(max_tokens_across_ranks, bool) or not isinstance(max_tokens_across_ranks, int):
+        return TypeError(
+            "max_tokens_across_ranks must be an int (the largest T of the EP group) or "
+            f"None, got {type(max_tokens_across_ranks).__name__}"
+        )
+    if max_tokens_across_ranks < 0:
+        return ValueError(
+            f"max_tokens_across_ranks={max_tokens_across_ranks} is negative; pass the largest "
+            "token count of any rank in the EP group (0 when none has tokens), or None"
+        )
+    return None
 
 
 def _check_weights(where: str, **weights: object) -> None:

@@ -88,6 +88,11 @@ def test_layer_with_explicit_hint_compiles():
     with torch.no_grad():
         x = torch.randn(4, H)
         assert_close(compiled(x, 4), f(x, 4), name="hinted")
+        # a bad hint is refused as eagerly (a negative one once read as "no hint", and that
+        # rank then waited in the agreement while the others dispatched)
+        for n, match in ((-1, "is negative"), (-7, "is negative"), (2, "is below this rank's T=4")):
+            with pytest.raises(ValueError, match=f"max_tokens_across_ranks={n} {match}"):
+                compiled(x, n)
 
 
 @pytest.mark.parametrize("form", ["count", "mask"])
