@@ -1340,14 +1340,10 @@ class EPMoE(nn.Module):
                     f"num_valid_tokens as a bool mask must have one value per row, shape "
                     f"({T},); got {tuple(num_valid_tokens.shape)}"
                 )
-        elif (
-            num_valid_tokens.numel() != 1
-            or num_valid_tokens.is_floating_point()
-            or num_valid_tokens.is_complex()
-        ):
+        elif num_valid_tokens.numel() != 1 or num_valid_tokens.dtype not in _COUNT_DTYPES:
             return ValueError(
-                f"num_valid_tokens must be {what}, got {num_valid_tokens.dtype} of shape "
-                f"{tuple(num_valid_tokens.shape)}"
+                f"num_valid_tokens must be {what} (int8/16/32/64 or uint8), got "
+                f"{num_valid_tokens.dtype} of shape {tuple(num_valid_tokens.shape)}"
             )
         if num_valid_tokens.device != self.device:
             return ValueError(
@@ -1522,6 +1518,10 @@ class EPMoE(nn.Module):
 def _lead(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     """``t`` with a leading expert dimension (``lead == ()``: one expert, add it)."""
     return t if lead else t.unsqueeze(0)
+
+
+# num_valid_tokens counts: the integer dtypes torch compares on every device (not uint16-64)
+_COUNT_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 
 def _max_tokens_error(max_tokens_across_ranks: object) -> Exception | None:

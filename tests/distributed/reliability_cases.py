@@ -221,6 +221,17 @@ def bad_forward_inputs(rank: int, world: int) -> list[dict]:
             (ValueError, rf"num_valid_tokens={T + 2} on this rank, whose batch has T={T}"),
             rf"the num_valid_tokens of rank {ODD} lay outside \[0, T\]",
         ),
+        "num_valid_tokens a uint32 count on one rank": (
+            lambda: layer(
+                x,
+                logits,
+                num_valid_tokens=torch.tensor(
+                    1, dtype=torch.uint32 if rank == ODD else torch.int64
+                ),
+            ),
+            (ValueError, r"num_valid_tokens must be .*int8/16/32/64 or uint8\), got torch.uint32"),
+            named + "rejected",
+        ),
         "num_valid_tokens -1 on one rank (device flag)": (
             lambda: layer(x, logits, num_valid_tokens=torch.tensor(-1 if rank == ODD else 1)),
             (ValueError, rf"must lie in \[0, {T}\]"),
