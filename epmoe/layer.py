@@ -1371,9 +1371,14 @@ class EPMoE(nn.Module):
                 f"load_expert(...) for local experts {self.local_experts}"
             )
         if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size:
-            return ValueError(
-                f"hidden_states must be [T, {self.hidden_size}], got {tuple(hidden_states.shape)}"
+            H, shape = self.hidden_size, tuple(hidden_states.shape)
+            fix = (
+                f"; flatten the leading dims (hidden_states.reshape(-1, {H}), router_logits"
+                f".reshape(-1, {self.num_experts})) and reshape the output back"
+                if hidden_states.dim() > 2 and shape[-1] == H
+                else ""
             )
+            return ValueError(f"hidden_states must be [T, {H}], got {shape}{fix}")
         if not hidden_states.is_floating_point():
             return TypeError(f"hidden_states must be floating point, got {hidden_states.dtype}")
         if hidden_states.device != self.device:

@@ -324,3 +324,15 @@ def test_load_expert_wants_an_int_id_and_floating_weights(expert_id):
         layer.load_expert(expert_id, torch.ones(16, 16), torch.ones(16, 8))
     with pytest.raises(TypeError, match="load_expert: w2_e must be floating point"):
         layer.load_expert(1, torch.ones(16, 16), torch.ones(16, 8, dtype=torch.int32))
+
+
+def test_batched_hidden_states_are_refused_with_the_flattening_fix():
+    layer = _layer()
+    layer.load_experts(torch.ones(8, 16, 16) / 16, torch.ones(8, 16, 8) / 8)
+    with pytest.raises(ValueError, match=re.escape(
+        "got (2, 3, 16); flatten the leading dims (hidden_states.reshape(-1, 16), "
+        "router_logits.reshape(-1, 8)) and reshape the output back"
+    )):  # fmt: skip
+        layer(torch.ones(2, 3, 16), torch.ones(2, 3, 8))
+    with pytest.raises(ValueError, match=r"must be \[T, 16\], got \(3, 12\)$"):
+        layer(torch.ones(3, 12), torch.ones(3, 8))
