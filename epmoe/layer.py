@@ -1206,8 +1206,10 @@ class EPMoE(nn.Module):
                 result = comm.dispatch(*chunk)
             outs.append(self._experts_and_combine(comm, result))
         out_TH = outs[0] if len(outs) == 1 else torch.cat(outs)
-        if shared_TH is not None:
-            out_TH = out_TH + shared_TH.to(out_TH.dtype)
+        if shared_TH is not None:  # (added in the wider dtype, then rounded once: a
+            # float32 shared output is not rounded to a bf16 params_dtype first)
+            wide = torch.promote_types(out_TH.dtype, shared_TH.dtype)
+            out_TH = out_TH.to(wide) + shared_TH.to(wide)
         return out_TH.to(hidden_states.dtype)
 
     def _two_micro_batches(

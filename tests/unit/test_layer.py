@@ -102,6 +102,24 @@ def test_a_backward_with_shared_experts_that_require_grad_raises():
     assert layer.shared_experts.weight.grad is None
 
 
+def test_a_float32_shared_output_is_added_before_any_bf16_rounding():
+    """bf16 experts in a float32 model: the float32 shared experts' output is added to the
+    routed output in float32, so the layer's output is routed + shared exactly."""
+    shared = torch.nn.Linear(16, 16)
+    _, w13, w2 = layer_and_weights()
+    layer, routed = (
+        epmoe.EPMoE(8, 2, 16, 8, params_dtype=torch.bfloat16, device="cpu", **kwargs)
+        for kwargs in (dict(shared_experts=shared), {})
+    )
+    layer.load_experts(w13, w2)
+    routed.load_experts(w13, w2)
+    x, logits = torch.randn(9, 16), torch.randn(9, 8)
+    with torch.no_grad():
+        out = layer(x, logits)
+        assert out.dtype == torch.float32
+        assert torch.equal(out, routed(x, logits) + shared(x))
+
+
 def test_load_state_dict_converts_floating_weights_after_to():
     """A shard saved in float32 loads into a layer converted to float64, as any module."""
     layer, w13, w2 = layer_and_weights()
