@@ -384,8 +384,9 @@ class EPMoE(nn.Module):
                         f"e_score_correction_bias must be [E={num_experts}], got "
                         f"{tuple(e_score_correction_bias.shape)}"
                     )
+                # (a copy: the layer's own, as the ranks agreed on it, not the caller's)
                 e_score_correction_bias = e_score_correction_bias.to(
-                    self.device, torch.float32
+                    self.device, torch.float32, copy=True
                 ).contiguous()
             self.register_buffer("e_score_correction_bias", e_score_correction_bias)
             # check the routing options now rather than at the first forward (T = 0 is cheap)

@@ -57,6 +57,16 @@ def test_e_score_correction_bias_with_infinities_still_chooses():
     assert not (ids == 0).any()
 
 
+def test_the_layer_keeps_its_own_copy_of_the_bias():
+    """The ranks agree on the bias at construction: a later in-place change of the
+    caller's tensor must not change this layer's routing behind the agreement."""
+    bias = torch.zeros(8)
+    layer = epmoe.EPMoE(8, 2, 16, 8, device="cpu", params_dtype=torch.float32,
+                        scoring_func="sigmoid", e_score_correction_bias=bias)  # fmt: skip
+    bias[0] = 5.0
+    assert layer.e_score_correction_bias.tolist() == [0.0] * 8
+
+
 def test_routing_arguments_that_are_not_tensors_name_the_argument():
     with pytest.raises(TypeError, match="router_logits must be a torch.Tensor, got list"):
         epmoe.select_experts([[0.0] * E], K)
