@@ -1424,7 +1424,12 @@ class EPMoE(nn.Module):
             keep.add(id(self.e_score_correction_bias))
 
         def apply(t):  # (a kept tensor is not converted, not even into a temporary)
-            return t if id(t) in keep else fn(t)
+            if id(t) not in keep:
+                return fn(t)
+            if not t.is_meta:
+                return t
+            out = fn(t)  # (storage for a kept tensor on meta: to_empty; in its own dtype)
+            return out if out.dtype == t.dtype else out.to(t.dtype)
 
         module = super()._apply(apply, recurse)
         if dtype != self.params_dtype:

@@ -155,3 +155,24 @@ def test_state_dict_round_trip_and_dtype_conversions_keep_fp8():
     assert fresh.w13.dtype == fresh.w2.dtype == FP8
     assert fresh.w13_scale.dtype == fresh.w2_scale.dtype == torch.float32
     torch.testing.assert_close(fresh(x, logits), layer(x, logits), rtol=0, atol=0)
+
+
+def test_an_fp8_layer_built_on_meta_gets_storage_from_to_empty():
+    """FP8 weights and their scales keep their dtype through ``.to()``; on the meta
+    device (``init_empty_weights()``) ``to_empty`` must still give them storage, in their
+    own dtypes, so that they can be loaded."""
+    from epmoe.integrations.huggingface import _parameters_on_meta
+
+    with _parameters_on_meta():
+        layer = _layer()
+    assert set(layer.meta_slot_tensors()) == {"w13", "w2", "w13_scale", "w2_scale"}
+    with pytest.raises(ValueError, match="on the meta device"):
+        layer.load_experts(*_weights())
+    layer.to_empty(device="cpu")
+    assert not layer.meta_slot_tensors() and layer.w13.dtype == FP8
+    assert layer.w13_scale.dtype == torch.float32
+    w13, w2 = _weights()
+    layer.load_experts(w13, w2)
+    x, logits = _tokens()
+    assert_close(layer(x, logits), moe(x, w13, w2, *epmoe.select_experts(logits, K)),
+                 TOLERANCES[FP8])  # fmt: skip
