@@ -9,7 +9,10 @@ Portable (gloo and NCCL) and exact; the host waits for the counts, so it is not 
   counts, so ``C`` is the largest count of this dispatch, not the worst case ``M_max · W``.
 
 Split phase: ``dispatch_async`` exchanges the counts (blocking: the host sizes the buffers
-from them, the one host sync) and starts the payload all-to-alls; ``wait()`` finishes them
+from them, the one host sync; ExpertBatched reads a fixed-size header first, flags, tags
+and row counts, then its per-expert counts while the rows travel: a rank in another
+layer's dispatch is named before any exchange whose size depends on the layer) and starts
+the payload all-to-alls; ``wait()`` finishes them
 and lays the rows out for the experts. ``combine_async`` starts the return all-to-all;
 ``wait()`` finishes it and reduces. Every call allocates its own buffers, so any number of
 operations may be in flight, started and finished in the same order on every rank.
@@ -67,7 +70,7 @@ class BatchedHandle:
     router weights, and the buffer row of each received row."""
 
     pair_order_S: torch.Tensor  # int64 [S]: flat (t, k) index of each sent row, in send order
-    weights_TK: torch.Tensor  # float32 [T, K]: router weights of this rank's tokens
+    weights_TK: torch.Tensor  # [T, K] in the wire dtype: this rank's router weights (a copy)
     recv_slot_R: torch.Tensor  # int64 [R]: row of the [e·C, H] expert buffer each row went to
     send_splits: tuple[int, ...]  # [W]
     recv_splits: tuple[int, ...]  # [W]
@@ -110,22 +113,11 @@ class AllToAllBackend(AllToAll):
         self._num_local = self._rank_sizes_W[self.rank]  # e
         # owner_P[p]: the rank holding physical expert p
         self._owner_P = torch.repeat_interleave(
-            torch.arange(W), torch.tensor(self._rank_sizes_W)
+            torch.arange(W, device="cpu"), torch.tensor(self._rank_sizes_W, device="cpu")
         ).to(spec.device)
         self._offsets_W = torch.tensor(
             spec.rank_offsets[:-1], dtype=torch.int64, device=spec.device
         )
-        # ExpertBatched count exchange: rank r's block of [P + 2W] starts with a flag, at
-        # rank_offsets[r] + 2r, and the call tag after it (first: a peer in a layer whose
-        # blocks are shorter still sends both), then rank r's e_r counts
-        self._flag_pos_W = torch.tensor(
-            [spec.rank_offsets[r] + 2 * r for r in range(W)],
-            dtype=torch.int64,
-            device=spec.device,
-        )
-        # ... and the position of physical expert p's count: after its rank's flag and tag
-        P = spec.num_physical
-        self._count_pos_P = torch.arange(P, device=spec.device) + 2 * self._owner_P + 2
 
     # ------------------------------------------------------------------- interface
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
@@ -232,35 +224,36 @@ class AllToAllBackend(AllToAll):
         key = torch.where((ids >= 0) & (ids < P), ids, P)
         order = torch.argsort(key, stable=True)  # rank-major == by physical id
         per_expert_P = torch.bincount(key, minlength=P + 1)[:P]
-        # rank r receives from every source its ids-out-of-range flag and call tag, then the
-        # per-expert counts of r's own experts: [P + 2W], rank r's block is 2 + e_r
-        send_PW = per_expert_P.new_empty(P + 2 * W)
-        send_PW[self._count_pos_P] = per_expert_P
-        send_PW[self._flag_pos_W] = bad
-        send_PW[self._flag_pos_W + 1] = self.call_tag
-        sizes = [2 + n for n in self._rank_sizes_W]
-        recv_W2e = all_to_all(send_PW, sizes, [2 + e] * W, self.group).view(W, 2 + e)
-        recv_cnt_We = recv_W2e[:, 2:]
         send_counts_W = torch.zeros(W, dtype=torch.int64, device=dev)
         send_counts_W.index_add_(0, self._owner_P, per_expert_P)
-        counts_e = recv_cnt_We.sum(0)
-        most = counts_e.max(0, keepdim=True).values if e > 0 else counts_e.new_zeros(1)
-        counts = torch.cat(
-            [send_counts_W, recv_cnt_We.sum(1), recv_W2e[:, 0], recv_W2e[:, 1], most]
-        ).tolist()  # the one host sync
-        send_splits, recv_splits, bad_W = counts[:W], counts[W : 2 * W], counts[2 * W : 3 * W]
-        if (error := call_tag_error(self.name, counts[3 * W : 4 * W])) is not None:
+        # first a header of the same size in every layer: to each rank this rank's
+        # ids-out-of-range flag, call tag and row count. A rank in another layer's dispatch
+        # is named here, before any exchange whose size depends on the layer (its per-expert
+        # counts: a size mismatch aborts gloo, and NCCL may hang or corrupt memory)
+        head_W3 = torch.stack(
+            [bad.to(torch.int64).expand(W), send_counts_W.new_full((W,), self.call_tag),
+             send_counts_W], 1,
+        )  # fmt: skip
+        recv_W3 = exchange_counts(head_W3, self.group)
+        head = torch.cat([send_counts_W, recv_W3.reshape(-1)]).tolist()  # host sync 1
+        send_splits, recv_W3_host = head[:W], head[W:]
+        bad_W, tags_W, recv_splits = recv_W3_host[0::3], recv_W3_host[1::3], recv_W3_host[2::3]
+        if (error := call_tag_error(self.name, tags_W)) is not None:
             raise error  # on every rank, before any row moves
         if any(bad_W):  # every rank raises here, before any row moves
             bad_ranks = [r for r, b in enumerate(bad_W) if b]
             raise ids_error(self.name, topk_ids_TK, P, bad_ranks, self.rank)
+        # the per-expert counts of each rank's own experts (same layer on every rank now)
+        recv_cnt_We = all_to_all(per_expert_P, self._rank_sizes_W, [e] * W, self.group)
+        recv_cnt_We = recv_cnt_We.view(W, e)
+        counts_e = recv_cnt_We.sum(0)
         order_S = order[: sum(send_splits)]
         rows_S = self._wire_rows(hidden_TH)[order_S // K]
         recv_rows_R, work = all_to_all_async(rows_S, send_splits, recv_splits, self.group)
 
-        # The buffer holds as many rows per expert as the busiest one received (the host
-        # knows it already), so a prefill-sized dispatch does not allocate e·M_max·W rows.
-        C = max(counts[-1], 1)
+        # The buffer holds as many rows per expert as the busiest one received (host sync
+        # 2, while the rows travel), so a prefill-sized dispatch does not allocate e·M_max·W
+        C = max(int(counts_e.max()) if e > 0 else 0, 1)
         # Received rows come ordered by (source, slot). Row j of block (s, i) goes to
         # buffer row i·C + (rows of slot i from sources before s) + j.
         block_count = recv_cnt_We.reshape(-1)  # blocks in (source, slot) order
@@ -274,8 +267,10 @@ class AllToAllBackend(AllToAll):
         recv_slot_R = (
             block_base[block_of_row] + torch.arange(R, device=dev) - block_start[block_of_row]
         )
+        # (the weights as they are now: the caller may reuse its buffer before the combine)
+        weights_TK = topk_weights_TK.to(self.spec.dtype, copy=True)
         handle = BatchedHandle(
-            order_S, topk_weights_TK, recv_slot_R, tuple(send_splits), tuple(recv_splits), T
+            order_S, weights_TK, recv_slot_R, tuple(send_splits), tuple(recv_splits), T
         )
 
         def finish() -> DispatchResult:
@@ -309,7 +304,7 @@ class AllToAllBackend(AllToAll):
             y_TKH.index_copy_(0, h.pair_order_S, back_SH)
             # out[t] = Σ_k w[t, k] · y[t, k]: one batched matmul in the layer's dtype
             # (weights rounded to it) with fp32 accumulation
-            w_T1K = h.weights_TK.to(dtype).unsqueeze(1)
+            w_T1K = h.weights_TK.unsqueeze(1)
             return torch.bmm(w_T1K, y_TKH.view(T, K, H)).squeeze(1)
 
         return Pending(finish)

@@ -140,8 +140,11 @@ class DeepEPLLBackend(AllToAll):
                 "deepep_ll holds one dispatch result at a time (DeepEP's next call clears the "
                 "other buffer's signals): combine it before the next dispatch"
             )
-        ids = topk_ids_TK.to(getattr(self._deep_ep, "topk_idx_t", torch.int64)).contiguous()
-        weights = topk_weights_TK.to(torch.float32).contiguous()
+        # copies, kept for the combine: the caller may reuse its buffers once the dispatch
+        # has finished (the contract), and .to() of a matching tensor would return it
+        idx_dtype = getattr(self._deep_ep, "topk_idx_t", torch.int64)
+        ids = topk_ids_TK.to(idx_dtype, copy=True).contiguous()
+        weights = topk_weights_TK.to(torch.float32, copy=True).contiguous()
         recv, counts, handle, _, recv_hook = buffer.low_latency_dispatch(
             hidden_TH.contiguous(),
             ids,

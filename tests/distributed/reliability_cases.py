@@ -330,22 +330,32 @@ def out_of_step(rank: int, world: int) -> list[dict]:
         _in_step(other, w13, w2, rank)
         layer.rebalance(new)
         _in_step(layer, w13, w2, rank)
+
     # Inside a step the layers do not agree (no collective of their own): the backends
     # whose counts reach the host carry each layer's tag with them, so a rank in another
     # layer's dispatch is refused there, on every rank, before any row moves
-    # (ExpertBatched's exchange is as long as the layer's slots per rank: a second layer
-    # whose blocks differ, [2, 4, 2] against [3, 3, 2] at W = 3, still sends the flag and
-    # tag first, so the layers are named right)
-    uneven = dict(placement=epmoe.ExpertPlacement.from_physical_to_logical(
-        range(E), 3, rank_offsets=[0, 2, 6, 8])) if world == 3 else {}  # fmt: skip
+    # (ExpertBatched's per-expert counts are as long as the layer's slots per rank: a
+    # second layer whose slots differ, [2, 4, 2] or [4, 2, 2] against [3, 3, 2] at W = 3,
+    # so that a rank sends fewer or more counts than a peer in the other layer expects
+    # (more once aborted gloo), is named by the fixed-size header before them)
+    def slots(offsets):
+        placement = epmoe.ExpertPlacement.from_physical_to_logical(
+            range(E), 3, rank_offsets=offsets
+        )
+        return dict(placement=placement, _slots=offsets)
+
+    uneven = [slots([0, 2, 6, 8]), slots([0, 4, 6, 8])] if world == 3 else []
     for backend, layout, more in (("all_to_all", "standard", {}),
                                   ("all_to_all", "expert_batched", {}),
-                                  ("all_to_all", "expert_batched", uneven),
+                                  *(("all_to_all", "expert_batched", u) for u in uneven),
                                   ("naive", "standard", {})):  # fmt: skip
+        more = dict(more)
+        offsets = more.pop("_slots", None)
         first, _, _ = _layer(backend=backend, layout=layout)
         second, _, _ = _layer(backend=backend, layout=layout, **more)
-        if more:
-            layout += ", the second layer's slots per rank [2, 4, 2]"
+        if offsets:
+            sizes = [b - a for a, b in zip(offsets, offsets[1:])]
+            layout += f", the second layer's slots per rank {sizes}"
         where = rf"rank {ODD} in layer #{second._agreement.index}'s dispatch"
         orders = {  # what rank ODD calls in the step; the others call [first, second]
             "skipped layer #0 inside a step": [second],

@@ -130,7 +130,8 @@ def test_dispatch_argument_checks():
 @pytest.mark.parametrize("T", [0, 1, 7], ids=["T=0", "T=1", "T=7"])
 def test_single_rank_round_trip(name, layout, T):
     """W = 1: dispatch delivers every (token, expert) pair; combining the identity expert
-    gives back Σ_k w · x."""
+    gives back Σ_k w · x. The caller may reuse its input buffers once the dispatch has
+    finished (the contract): the combine must not read them."""
     g = torch.Generator().manual_seed(T)
     E, K, H = 5, 2, 8
     s = spec(max_num_tokens=8)
@@ -138,16 +139,19 @@ def test_single_rank_round_trip(name, layout, T):
     x = torch.randn(T, H, generator=g)
     ids = torch.rand(T, E, generator=g).argsort(1)[:, :K]
     w = torch.rand(T, K, generator=g)
+    want, ids_given = x * w.sum(1, keepdim=True), ids.clone()
     res = comm.dispatch(x, ids, w)
+    for buffer in (x, ids, w):
+        buffer.fill_(3)  # reused by the caller for the next batch
     if layout is Layout.STANDARD:
         assert res.hidden.shape == (T, H)
-        torch.testing.assert_close(res.topk_ids, ids)
+        torch.testing.assert_close(res.topk_ids, ids_given)
         y = res.hidden * res.topk_weights.sum(1, keepdim=True)
     else:
-        counts = torch.bincount(ids.reshape(-1), minlength=E)
+        counts = torch.bincount(ids_given.reshape(-1), minlength=E)
         assert res.counts.tolist() == counts.tolist()
         y = res.hidden.clone()
-    torch.testing.assert_close(comm.combine(y, res), x * w.sum(1, keepdim=True))
+    torch.testing.assert_close(comm.combine(y, res), want)
 
 
 @pytest.mark.parametrize("layout", [Layout.STANDARD, Layout.EXPERT_BATCHED], ids=lambda x: x.value)
