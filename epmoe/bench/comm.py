@@ -159,10 +159,10 @@ CEILING_COLUMNS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 512], help="T per rank")
-    p.add_argument("--hidden", type=int, default=7168, help="H")
-    p.add_argument("--num-experts", type=int, default=256, help="E")
-    p.add_argument("--top-k", type=int, default=8, help="K")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="T per rank (1 128 512)")
+    p.add_argument("--hidden", type=int, default=None, help="H (7168)")
+    p.add_argument("--num-experts", type=int, default=None, help="E (256)")
+    p.add_argument("--top-k", type=int, default=None, help="K (8)")
     p.add_argument("--dtype", default="bfloat16", help="hidden dtype (combine's output)")
     p.add_argument(
         "--dispatch-dtypes",
@@ -179,15 +179,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "deepep_ht name:layout:fixed (worst-case rows, graph safe); any backend option as "
         "name:layout:key=value[,key=value] (e.g. deepep_ht:standard:num_sms=24,nvl_chunks=20/8)",
     )
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=None, help="5 (2 with --small)")
+    p.add_argument("--iters", type=int, default=None, help="30 (5 with --small)")
     p.add_argument(
         "--profile", action="store_true", help="print a torch.profiler table per backend (rank 0)"
     )
     p.add_argument(
         "--small",
         action="store_true",
-        help="a quick check (seconds on CPU): H=256, 16 experts, top-4, 1/16/64 tokens, 5 iters",
+        help="a quick check (seconds on CPU): H=256, 16 experts, top-4, 1/16/64 tokens, 5 iters "
+        "(options given explicitly win)",
     )
 
 
@@ -699,9 +700,16 @@ def budget_label(options: dict[str, Any]) -> str:
     return ",".join(f"{k}={text(v)}" for k, v in options.items())
 
 
+def _first_layout(name: str) -> str:
+    """The layout of a backend named without one: Standard where it offers it."""
+    layouts = backend_class(name).capabilities.layouts
+    return (Layout.STANDARD if Layout.STANDARD in layouts else min(layouts, key=str)).value
+
+
 def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> list[dict]:
     """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
-    name, layout_name, *budget = entry.split(":")
+    name, *rest = entry.split(":")
+    layout_name, *budget = rest or [_first_layout(name)]
     layout = Layout(layout_name)
     # name:layout:SMs[:rows per flag] (symm_ht), name:layout:copy (symm_ll),
     # name:layout:fixed (deepep_ht's worst-case rows: no host sync, graph safe), or any
@@ -745,9 +753,12 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
         comm.close()
 
     row_bytes = wire_row_bytes(H, spec.wire_dtype)
-    key = (layout, row_bytes)
+    gathers = name == "naive"  # (it gathers every token on every rank)
+    key = (layout, row_bytes, gathers)
     if key not in ctx["a2a"]:
         send_W = _rows_per_rank(ids_TK, placement, layout)
+        if gathers:
+            send_W = torch.full_like(send_W, ids_TK.shape[0])
         ctx["a2a"][key] = _a2a_reference(send_W, row_bytes, device, ctx["timing"])
     a2a_ms, recv_rows = ctx["a2a"][key]
     dispatch_bytes = recv_rows * row_bytes
@@ -990,12 +1001,18 @@ def goal_summary(records: list[dict], backend: str = GOAL_BACKEND) -> list[str]:
 
 
 SMALL = dict(hidden=256, num_experts=16, top_k=4, tokens=[1, 16, 64], iters=5, warmup=2)
+FULL = dict(hidden=7168, num_experts=256, top_k=8, tokens=[1, 128, 512], iters=30, warmup=5)
 
 
 def main(args) -> list[dict] | None:
-    if args.small:
-        for name, value in SMALL.items():
+    for name, value in (SMALL if args.small else FULL).items():
+        if getattr(args, name, None) is None:  # (options given explicitly win)
             setattr(args, name, value)
+    if min(args.tokens) < 1:
+        raise SystemExit(
+            f"--tokens must be positive token counts per rank, got {args.tokens} (a dispatch of "
+            "0 tokens is valid, but has nothing to time)"
+        )
     group, rank, W, device = distributed_setup()
     if device.type == "cpu" and args.hidden * max(args.tokens) > 2**20 and rank == 0:
         print(
@@ -1033,7 +1050,7 @@ def main(args) -> list[dict] | None:
         sim = RoutingSimulator(num_experts=E, top_k=K, seed=rank)
         weights, ids = sim.sample(T, device=device)
         x = torch.randn(T, H, device=device).to(dtype)
-        ctx["a2a"] = {}  # (layout, row bytes) -> (ms, rows), shared by backends of one T
+        ctx["a2a"] = {}  # (layout, row bytes, gathers) -> (ms, rows), for the backends of one T
         for wire in wires:
             records += _ceiling_records(wire, ids, placement, ctx)
             spec = wire_spec(H, K, placement, T, dtype, device, wire)

@@ -501,3 +501,29 @@ def test_eplb_plot_title_comes_from_the_records(tmp_path):
     png = tmp_path / "eplb.png"
     plot.plot_eplb(records, str(png), title)
     assert png.stat().st_size > 10_000
+
+
+def test_comm_cli_options_given_win_over_small_and_bad_ones_are_named(monkeypatch):
+    """``--small`` fills only what was not given; a backend named without a layout takes
+    its first (Standard where offered); T = 0 is refused by name (nothing to time)."""
+    parser = argparse.ArgumentParser()
+    comm.add_arguments(parser)
+    seen = {}
+
+    def stop(*_):  # the shapes main settled on, before any process group
+        seen.update(tokens=args.tokens, hidden=args.hidden, iters=args.iters)
+        raise SystemExit("stop")
+
+    monkeypatch.setattr(comm, "distributed_setup", stop)
+    args = parser.parse_args(["--small", "--tokens", "3", "--hidden", "64"])
+    with pytest.raises(SystemExit, match="stop"):
+        comm.main(args)
+    assert seen == dict(tokens=[3], hidden=64, iters=5)
+    args = parser.parse_args([])
+    with pytest.raises(SystemExit, match="stop"):
+        comm.main(args)
+    assert seen == dict(tokens=[1, 128, 512], hidden=7168, iters=30)
+    with pytest.raises(SystemExit, match=r"--tokens must be positive .*\[0, 4\]"):
+        comm.main(parser.parse_args(["--tokens", "0", "4"]))
+    assert comm._first_layout("naive") == "standard"
+    assert comm._first_layout("all_to_all") == "standard"
