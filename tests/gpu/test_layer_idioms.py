@@ -57,3 +57,34 @@ def test_idioms_on_cuda(backend):
     out = layer(xg, logits)
     with pytest.raises(RuntimeError, match="no backward"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", ["symm_ll", "all_to_all"])
+def test_a_layer_built_under_a_cuda_default_device_keeps_its_host_tables_on_the_host(backend):
+    """Model builders set a default device (``with torch.device("cuda")``,
+    ``set_default_device``): the layer's placement, plans and op id stay host tables (a
+    CUDA op id would cost a host sync per compiled call), and the layer matches the
+    oracle, in a CUDA graph too."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    reason = epmoe.available_backends(dev).get(backend, f"{backend!r} is not registered")
+    if reason is not None:
+        pytest.skip(f"backend {backend!r} cannot run here: {reason}")
+    load = torch.arange(1, E + 1, dtype=torch.float64)
+    with torch.device("cuda"):
+        placement = epmoe.ExpertPlacement.balanced(load, ep_size=1, num_redundant=4)
+        layer = epmoe.EPMoE(E, K, H, I, backend=backend, experts="triton", device="cuda",
+                            params_dtype=torch.bfloat16, placement=placement)  # fmt: skip
+    assert placement.physical_to_logical.device.type == "cpu"
+    assert layer._op_id_t.device.type == "cpu"
+    w13, w2 = full_weights(E, H, I, torch.float32, dev, seed=5)
+    layer.load_experts(w13.bfloat16(), w2.bfloat16())
+    x, logits = rank_tokens(0, T, H, E, torch.bfloat16, dev, seed=5)
+    ref = epmoe.reference.moe(x, w13.bfloat16(), w2.bfloat16(), *epmoe.select_experts(logits, K))
+    assert_close(layer(x, logits), ref, TOLERANCES[torch.bfloat16], name=f"{backend} eager")
+    if backend == "symm_ll":
+        layer(x, logits, max_tokens_across_ranks=T)  # (warm-up outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(x, logits, max_tokens_across_ranks=T)
+        graph.replay()
+        assert_close(out, ref, TOLERANCES[torch.bfloat16], name=f"{backend} graph")
