@@ -980,6 +980,23 @@ def _checkpoint_renamer(model: nn.Module) -> Callable[[str], str]:
     return rename
 
 
+def _shape_message(key, block, expert, proj, got, want) -> str:
+    which = f"expert {expert}'s {proj}" if expert is not None else f"the experts' {proj}"
+    return (
+        f"{key}: the checkpoint holds {which} of {block} as {list(got)}, the layer wants "
+        f"{list(want)} (H = hidden size, I = moe intermediate size); is the config the "
+        "checkpoint's?"
+    )
+
+
+def _check_expert_part(key, block, expert, proj, got, moe) -> None:
+    """Refuse a routed expert's projection whose shape is not the layer's, naming it."""
+    H, I = moe.hidden_size, moe.intermediate_size
+    want = [H, I] if _ROLES[proj] == 2 else [I, H]  # (down: [H, I]; gate, up: [I, H])
+    if list(got) != want:
+        raise ValueError(_shape_message(key, block, expert, proj, got, want))
+
+
 def _resolve(name: str, targets: dict, prefix: str | None) -> str | None:
     """``name`` in ``targets``, allowing for a checkpoint saved with or without the base
     model's prefix (``model.``)."""
@@ -1061,11 +1078,15 @@ def load_sharded(
     local = {n: sorted(set(b.moe.local_experts)) for n, b in blocks.items()}
     rename = _checkpoint_renamer(model)
     prefix = getattr(model, "base_model_prefix", None)
-    block_of = {}  # checkpoint block name (model's, maybe without the prefix) → block name
+    # checkpoint block name → block name: the model's, or with / without the base model's
+    # prefix (a causal LM's checkpoint into the base model, or the reverse; as _resolve)
+    block_of = {}
     for n in blocks:
         block_of[n] = n
         if prefix and n.startswith(prefix + "."):
             block_of[n[len(prefix) + 1 :]] = n
+        elif prefix:
+            block_of[f"{prefix}.{n}"] = n
 
     filled: set[int] = set()
     pending: dict[tuple[str, int], list] = {}  # (block, expert) → [gate, up, down]
@@ -1087,7 +1108,9 @@ def load_sharded(
                     continue
                 parts = pending.setdefault((n, j), [None, None, None])
                 dev = blocks[n].moe.device  # dequantised (and requantised) there
-                parts[_ROLES[m["proj"]]] = reader.get_weight(key, block=block_size, device=dev)
+                part = reader.get_weight(key, block=block_size, device=dev)
+                _check_expert_part(key, n, j, m["proj"], list(part.shape), blocks[n].moe)
+                parts[_ROLES[m["proj"]]] = part
                 if all(p is not None for p in parts):
                     gate, up, down = pending.pop((n, j))
                     blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
@@ -1099,6 +1122,14 @@ def load_sharded(
                 if scale in reader:
                     raise ValueError(f"{key}: FP8 fused expert tensors are not supported")
                 stacked = reader.slice(key)
+                E_, *each = stacked.get_shape()
+                if m["proj"] == "down_proj":
+                    _check_expert_part(key, n, None, "down_proj", each, blocks[n].moe)
+                else:  # (gate and up stacked: [E, 2I, H])
+                    moe = blocks[n].moe
+                    want = [2 * moe.intermediate_size, moe.hidden_size]
+                    if each != want:
+                        raise ValueError(_shape_message(key, n, None, "gate_up_proj", each, want))
                 for j in local[n]:
                     parts = pending.setdefault((n, j), [None, None, None])
                     if m["proj"] == "down_proj":
@@ -1211,12 +1242,17 @@ def from_pretrained_sharded(
         placement: as for ``replace_moe_blocks``.
         backend: as for ``replace_moe_blocks``.
         experts: as for ``replace_moe_blocks``.
-        **moe_kwargs: as for ``replace_moe_blocks``.
+        **moe_kwargs: as for ``replace_moe_blocks``, except what this function sets
+            itself: the experts' dtype is ``dtype``, their device ``device``.
 
     Returns:
         The model in eval mode; ``model.shard_load_report`` is this rank's
         :class:`ShardLoadReport`.
     """
+    owned = {"params_dtype": "dtype=", "device": "device=", "defer_expert_loading": None}
+    for name in owned.keys() & moe_kwargs.keys():  # (same arguments on every rank)
+        fix = f"pass {owned[name]} instead" if owned[name] else "it loads the experts itself"
+        raise TypeError(f"from_pretrained_sharded sets {name} of the MoE blocks: {fix}")
     _require_transformers()
     error: BaseException | None = None
     try:  # local steps: a rank that fails here must not leave the others in the conversion

@@ -168,6 +168,36 @@ def test_missing_expert_is_refused(tmp_path):
         from_pretrained_sharded(tmp_path, experts="torch")
 
 
+def test_a_causal_lm_checkpoint_loads_into_the_base_model(tmp_path):
+    """As transformers' AutoModel.from_pretrained does: the checkpoint's keys carry the
+    base model's prefix (``model.``), the base model's do not, experts included."""
+    import transformers
+
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_sharded(tmp_path, model_class=transformers.AutoModel, experts="torch")
+    with torch.no_grad():
+        want = model.model(IDS).last_hidden_state
+        torch.testing.assert_close(loaded(IDS).last_hidden_state, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_of_another_shape_is_refused_naming_it(tmp_path):
+    key = "model.layers.1.mlp.experts.0.up_proj.weight"
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    state[key] = torch.cat([state[key], state[key]])  # [2I, H]
+    safetensors_torch.save_file(state, path)
+    with pytest.raises(ValueError, match=rf"{key}: the checkpoint holds expert 0's up_proj .*"
+                                         r"is the config the checkpoint's\?"):  # fmt: skip
+        from_pretrained_sharded(tmp_path, experts="torch")
+
+
+def test_what_the_function_sets_is_refused_in_moe_kwargs(tmp_path):
+    with pytest.raises(TypeError, match="sets params_dtype of the MoE blocks: pass dtype="):
+        from_pretrained_sharded(tmp_path, params_dtype=torch.float32)
+
+
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError):
         from_pretrained_sharded(tmp_path / "nowhere")
