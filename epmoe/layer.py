@@ -717,9 +717,10 @@ class EPMoE(nn.Module):
 
     @property
     def weights_loaded(self) -> bool:
-        """Whether every local slot has its weights (``load_experts`` / ``load_expert``):
-        never while they are on the meta device (a copy into one does nothing)."""
-        return all(self._loaded) and not self.meta_slot_tensors()
+        """Whether every local slot has its weights (``load_experts`` / ``load_expert`` / a
+        shard). Never while they are on the meta device: every load refuses to copy into
+        one (where a copy does nothing). Read by every forward: host flags only."""
+        return all(self._loaded)
 
     def meta_slot_tensors(self) -> list[str]:
         """Names of the per-slot tensors (:meth:`slot_tensors`) on the meta device: a layer
