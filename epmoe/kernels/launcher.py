@@ -19,12 +19,12 @@ import torch
 _LAUNCHERS: dict[object, Launcher] = {}
 
 
-def launch(fn, *, memo: bool = True) -> Launcher:
+def launch(fn) -> Launcher:
     """The launcher of the ``@triton.jit`` function ``fn`` (one per function, made on first
-    use; ``memo`` as for ``Launcher``, fixed then)."""
+    use)."""
     launcher = _LAUNCHERS.get(fn)
     if launcher is None:
-        launcher = _LAUNCHERS[fn] = Launcher(fn, memo=memo)
+        launcher = _LAUNCHERS[fn] = Launcher(fn)
     return launcher
 
 
@@ -123,13 +123,15 @@ class Launcher:
     (``_on_device``). Any surprise from the launcher's interface falls back to the plain
     path.
 
-    ``memo``: keep the previous launch's arguments, so that those passed again (the same
-    objects) are not looked at again. It keeps the caller's tensors alive until the next
-    launch: right for kernels whose arguments are mostly long-lived buffers (the symm
-    backends'), not for those that get fresh intermediates (the expert GEMMs').
+    It keeps the previous launch's arguments, so that those passed again (the same objects)
+    are not looked at again; that keeps the caller's tensors alive until the next launch.
+    Right for kernels whose arguments are mostly long-lived buffers (the symm backends',
+    routing, recording); the expert GEMMs, with about 30 arguments, many of them fresh
+    intermediates, were slower through it than through ``kernel[grid]`` (docs/benchmarks.md)
+    and keep Triton's path.
     """
 
-    def __init__(self, fn, memo: bool = True) -> None:
+    def __init__(self, fn) -> None:
         self.fn = fn
         self.names = fn.arg_names
         # trailing parameters a call may leave out, as Triton's own path fills them in
@@ -144,7 +146,6 @@ class Launcher:
         }
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
-        self.memo = memo
         self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
 
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
@@ -172,8 +173,7 @@ class Launcher:
             )
         else:
             parts = self._parts(args)
-        if self.memo:
-            self._memo = (args, parts)
+        self._memo = (args, parts)
         key = _cache_key(dev, num_warps, consts, parts)
         kernel = self.compiled.get(key)
         if kernel is None:
