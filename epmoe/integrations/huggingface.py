@@ -708,7 +708,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     names where the model defines that conversion), so ``AutoModelForCausalLM.
     from_pretrained(save_directory)`` loads the unconverted model, with the same logits,
     and ``replace_moe_blocks`` converts it again with any placement or world size. Layers
-    holding FP8 experts (``weight_dtype``) are written dequantized, in the block's dtype.
+    holding FP8 experts (``weight_dtype``) are written dequantized, in the block's dtype;
+    when nothing written is quantized (an FP8 checkpoint loaded by
+    ``from_pretrained_sharded``), the written config leaves out ``quantization_config``.
 
     Collective over the blocks' EP group (all blocks must share one): every rank calls it.
     The files are written by global rank 0 (as ``transformers`` decides when
@@ -759,9 +761,9 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     error = None
     if writes:
         try:
-            model.save_pretrained(
-                save_directory, state_dict=_hf_state_dict(model, blocks, full), **kwargs
-            )
+            state = _hf_state_dict(model, blocks, full)
+            with _quantization_config_dropped(model, state):
+                model.save_pretrained(save_directory, state_dict=state, **kwargs)
         except Exception as exc:  # reported on every rank below, raised here
             error = exc
     failed = error is not None
@@ -777,6 +779,28 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
             "(its own error says why); this rank stopped too"
         )
     return writes
+
+
+@contextlib.contextmanager
+def _quantization_config_dropped(
+    model: nn.Module, state: dict[str, torch.Tensor]
+) -> Iterator[None]:
+    """Write the config without its ``quantization_config`` when no tensor of ``state`` is
+    quantized: a model loaded from an FP8 checkpoint by ``from_pretrained_sharded`` runs
+    (and is saved) dequantized, and a config still naming FP8 would make ``from_pretrained``
+    look for scales that the files do not hold. Models whose Hugging Face layers stay
+    quantized (loaded by ``from_pretrained`` with its quantizer) keep it."""
+    config = getattr(model, "config", None)
+    quant = getattr(config, "quantization_config", None)
+    quantized = any(t.element_size() == 1 and t.is_floating_point() for t in state.values())
+    if quant is None or quantized:
+        yield
+        return
+    delattr(config, "quantization_config")
+    try:
+        yield
+    finally:
+        config.quantization_config = quant
 
 
 def _hf_state_dict(

@@ -241,6 +241,18 @@ def test_fp8_block_size_comes_from_the_config(tmp_path):
     safetensors_torch.save_file(state, os.path.join(tmp_path / "dequantised", "model.safetensors"))
     expected = from_pretrained_sharded(tmp_path / "dequantised", experts="torch")
     torch.testing.assert_close(_logits(loaded), _logits(expected), rtol=1e-5, atol=1e-5)
+    # saved back dequantized: the written config no longer names FP8 (from_pretrained would
+    # look for scales the files do not hold), the model's own config keeps it
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.integrations.huggingface import save_pretrained
+
+    save_pretrained(loaded, tmp_path / "saved")
+    with open(tmp_path / "saved" / "config.json") as f:
+        assert "quantization_config" not in json.load(f)
+    assert loaded.config.quantization_config["weight_block_size"] == [8, 8]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    torch.testing.assert_close(_logits(reloaded), _logits(loaded), rtol=1e-4, atol=1e-4)
 
 
 def _tolerance(dtype: torch.dtype) -> dict:
