@@ -128,6 +128,25 @@ class DecodeGraphs:
         self._layer_dtypes: list | None = None  # the layers' dtypes at the first capture
         self.recapture()
 
+    def _rows_error(self, x_TH, b: int) -> Exception | None:
+        """What is wrong with this rank's rows for bucket ``b``, or ``None``."""
+        if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2:
+            got = tuple(x_TH.shape) if isinstance(x_TH, torch.Tensor) else type(x_TH).__name__
+            return ValueError(f"the decode graphs take rows [T, H={self.hidden_size}], got {got}")
+        T = x_TH.shape[0]
+        if x_TH.shape[1] != self.hidden_size:
+            return ValueError(
+                f"the decode graphs take rows of H={self.hidden_size}, got {list(x_TH.shape)}"
+            )
+        if x_TH.dtype != self.dtype:
+            return TypeError(f"the decode graphs take {self.dtype} rows, got {x_TH.dtype}")
+        if b < T:
+            return ValueError(
+                f"this rank has T={T} rows, above the step's bucket {b}: open the step with "
+                "this rank's token count (epmoe.step(..., num_tokens=T))"
+            )
+        return None
+
     @property
     def max_tokens(self) -> int:
         """The largest bucket: ``epmoe.step(..., graph_max_tokens=graphs.max_tokens)``."""
@@ -187,7 +206,10 @@ class DecodeGraphs:
         """This rank's rows through the graph of the step's bucket, or ``None`` when the
         step is not a graph step (no active step, not an agreed decode step, or larger than
         every bucket): then run the eager forward. Outputs are copies of the first ``T``
-        rows (the graph's own buffers are overwritten by its next replay)."""
+        rows (the graph's own buffers are overwritten by its next replay). Rows this
+        step cannot take (not ``[T, H]`` of the graphs' dtype, or ``T`` above the bucket)
+        raise here, after a replay of the bucket with no rows: the other ranks, which
+        replay it too, finish the step instead of waiting for this rank's dispatch."""
         s = step_ctx if step_ctx is not None else current_step()
         if s is None or not s.decode:
             return None
@@ -196,8 +218,6 @@ class DecodeGraphs:
                 f"the step is on ranks {list(s.ranks)}, the decode graphs on "
                 f"{list(self._ranks)}; open the step on the layers' EP group"
             )
-        if x_TH.dtype != self.dtype:
-            raise TypeError(f"the decode graphs take {self.dtype} rows, got {x_TH.dtype}")
         b = s.bucket(self.sizes)
         if b is None:
             return None
@@ -207,10 +227,16 @@ class DecodeGraphs:
                 "were captured: call recapture() on every rank after a rebalance; after "
                 ".to(dtype), build new DecodeGraphs for rows of the new dtype"
             )
-        T = x_TH.shape[0]
-        if b < T:
-            raise ValueError(f"this rank has T={T} rows, above the step's bucket {b}")
         graph, x_bH, n, out = self._graphs[b]
+        error = self._rows_error(x_TH, b)
+        if error is not None:
+            # every rank replays this bucket in this step: replay it without rows here, so
+            # that the others' dispatches meet this rank's and they finish the step
+            x_bH.zero_()
+            n.fill_(0)
+            graph.replay()
+            raise error
+        T = x_TH.shape[0]
         x_bH[:T].copy_(x_TH)
         x_bH[T:].zero_()
         n.fill_(T)

@@ -55,7 +55,7 @@ def _layer(dev, seed):
 def decode_graph_replays(rank: int, world: int) -> dict:
     """Rank body: capture two layers' buckets into one pool, replay steps of uneven token
     counts (a rank with none included), compare with eager and the oracle, check the load,
-    re-plan, refuse, recapture."""
+    rows of the wrong dtype on one rank, re-plan, refuse, recapture."""
     dev = torch.device("cuda", torch.cuda.current_device())
     reason = epmoe.available_backends(dev)["symm_ll"]
     if reason is not None:
@@ -87,6 +87,19 @@ def decode_graph_replays(rank: int, world: int) -> dict:
             assert_close(out, ref, TOLERANCES[BF16], name=f"rank {rank} step {i}: {name} vs oracle")
             worst = max(worst, relative_error(out, ref))
     assert ga.replays == gb.replays == 4
+
+    # rows the step cannot take on one rank (float32, on the last): it raises after an
+    # empty replay of the bucket, and the others finish the step with their rows right
+    bad = rank == world - 1
+    x = torch.randn(3, H, generator=g, device=dev)
+    with epmoe.step(num_tokens=3, decode=True, graph_max_tokens=ga.max_tokens):
+        if bad:
+            with pytest.raises(TypeError, match="bfloat16 rows, got torch.float32"):
+                ga(x)
+        else:
+            got = ga(x.to(BF16))
+    if not bad:
+        assert_close(got, oa(x.to(BF16)), TOLERANCES[BF16], name=f"rank {rank} beside bad rows")
 
     # the padding rows of a replay are no load: one replay of T rows records T·K picks
     T = 3
