@@ -503,7 +503,7 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
     """The GPU's direct and bound launch paths (off under the interpreter) run here: each
     launched address is turned back into the tensor it came from (by argument position)
     and the kernel runs under the interpreter. Blocking dispatch and combine with T
-    changing (0, 1, 16, 32 and between) and the tag changing every call, float32 and FP8
+    changing (0, 1, M = 16 and between) and the tag changing every call, float32 and FP8
     on the wire, rows in place and copied, match the oracle; after the first calls every
     launch is bound (T and the tag are unspecialised ints: no call refused)."""
     import inspect
@@ -585,9 +585,9 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
             counts["bound" if ok else "refused"] += 1
             return ok
 
-    E, K, H, M = 8, 3, 256, 32
+    E, K, H, M = 8, 3, 256, 16  # (the receive runs M programs: the interpreter's cost)
     placement = epmoe.ExpertPlacement.linear(E, 1)
-    Ts = [5, 7, 3, 16, 32, 1, 1, 2, 0, 13]
+    Ts = [5, 7, 3, 9, 16, 1, 1, 2, 0, 13]
     for fp8, in_place in ((False, True), (True, False)):
         spec = CommSpec(H, K, placement.rank_offsets, M, torch.float32, torch.device("cpu"),
                         dispatch_dtype=FP8_DTYPE if fp8 else None)  # fmt: skip
@@ -636,22 +636,23 @@ def test_tensors_on_another_device_are_refused_naming_the_argument():
         _on_device(torch.device("cpu"), topk_ids=torch.zeros(1, device="meta"))
 
 
-LL_CALLS = {  # tokens per rank in five calls: T = 0 on some rank, T = M
+LL_CALLS = {  # tokens per rank in each call: T = 0 on some rank, T = M; at W = 4 three
+    # calls (the third on parity 0 again, the other layer's call among them), for time
     2: [(5, 0), (0, 3), (8, 8), (1, 2), (3, 8)],
-    4: [(5, 0, 8, 2), (0, 3, 1, 0), (8, 8, 0, 8), (1, 2, 6, 3), (3, 8, 2, 5)],
+    4: [(5, 0, 8, 2), (0, 3, 1, 0), (8, 8, 0, 8)],
 }
 
 
 @pytest.mark.parametrize("W", [2, 4], ids=["W=2", "W=4"])
 def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W):
-    """W ranks simulated in one process (``symm_sim``), through the split kernels (the
-    bodies the fused ones share): five calls alternate the parities, with T = 0 on some
-    rank, T = M and a token routed nowhere. Each received row is indexed once per (token,
-    local expert), combine returns each token's weighted rows, and every flag, count and
-    counter the protocol resets is back to 0 for the parity's next call. Each call has its
-    own tag (a layer's), and in the third the last rank is in another layer's call: every
-    receiver of its rows reports it (``ERR_LAYER``), and nothing else does, and every token
-    with an expert across that divide comes back NaN (the others stay right)."""
+    """W ranks simulated in one process (``symm_sim``), through the split kernels (the bodies
+    the fused ones share): five calls (three at W = 4) alternate the parities, with T = 0 on
+    some rank, T = M and a token routed nowhere. Each received row is indexed once per
+    (token, local expert), combine returns each token's weighted rows, and every flag, count
+    and counter the protocol resets is back to 0 for the parity's next call. Each call has
+    its own tag (a layer's), and in the third the last rank is in another layer's call:
+    every receiver of its rows reports it (``ERR_LAYER``), and nothing else does, and every
+    token with an expert across that divide comes back NaN (the others stay right)."""
     import triton.language as tl
 
     from epmoe.comm.symm import kernels as k
