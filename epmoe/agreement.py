@@ -11,8 +11,9 @@ collective and is named instead of crashing the transport:
     [MAGIC, operation, layer index, call count, T, status, digest, previous step]
 
 * operation: ``construction``, ``forward``, ``rebalance`` or ``step`` (a step record
-  holds ``-1`` as layer index, the group's step number as call count, and its rank's
-  ``decode`` wish, 0 or 1, as digest);
+  holds ``-1`` as layer index, the caller's ``step_id`` or the group's step number as
+  call count, and as digest its rank's ``decode`` wish in bit 0, its pending-conversion
+  digest in bits 1–31 and its ``graph_max_tokens`` (0: none) in bits 32–62);
 * layer index: the order in which this process built the layers of the group (agreed at
   construction), so a rank that skipped one layer's forward is caught at the next layer;
 * call count: this layer's agreed calls so far (forwards and rebalances that passed their
@@ -86,8 +87,10 @@ NO_PREVIOUS, PREVIOUS_RAISED = 0, -1  # the previous-step field's special values
 # group). Filled collectively: every rank of a group builds its layers in the same order,
 # and the construction agreement realigns it when they do not.
 _next_index: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# The next step number of each process group (epmoe.step), likewise.
+# The next step number of each process group (epmoe.step), likewise; ``_one_process``:
+# the steps of this process without torch.distributed (group None)
 _next_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_one_process = {"steps": 0}
 
 _SHOWN_CHARS = 160  # a field's value is cut to this many characters in messages
 
@@ -236,20 +239,23 @@ class LayerAgreement:
                 f"{where}: {ranks_phrase(others)} in a collective that is not an EPMoE agreement; "
                 "the ranks are out of step"
             )
+        # a step record that refused its arguments may hold no valid step number (a bad
+        # step_id): its status names it below, its number takes no part here
+        placed = [r for r in records if not (r[_OP] == STEP and r[_STATUS] == REJECTED)]
         places = [
             f"step {r[_COUNT]}"
             if r[_OP] == STEP
             else f"{OPERATIONS.get(r[_OP], '?')} of layer #{r[_INDEX]} (call {r[_COUNT]})"
             for r in records
         ]
-        if len({(r[_OP], r[_INDEX], r[_COUNT]) for r in records}) > 1:
+        if len({(r[_OP], r[_INDEX], r[_COUNT]) for r in placed}) > 1:
             if len({r[_OP] for r in records}) > 1:
                 what = "different EPMoE calls"
             elif len({r[_INDEX] for r in records}) > 1:
                 what = "different layers"
             else:
                 what = "different steps" if op == STEP else "different calls of this layer"
-                self.calls = max(r[_COUNT] for r in records)  # realigned
+                self.calls = max(r[_COUNT] for r in placed)  # realigned
             rule = (
                 "every rank must open every step (also with num_tokens=0), in the same order"
                 if op == STEP
@@ -277,7 +283,7 @@ class LayerAgreement:
             bad_counts = [r for r in range(W) if statuses[r] & COUNT_OUT_OF_RANGE]
             why = []
             if rejected:
-                what = {FORWARD: "inputs, weights or routing", STEP: "num_tokens"}.get(
+                what = {FORWARD: "inputs, weights or routing", STEP: "epmoe.step arguments"}.get(
                     op, "arguments"
                 )
                 its = "its" if len(rejected) == 1 else "their"
@@ -356,15 +362,18 @@ def previous_step_field(calls: tuple[int, ...] | None, raised: bool) -> int:
 
 class StepAgreement(LayerAgreement):
     """The agreement of one DP step (:func:`epmoe.step`): the same record as a layer's,
-    ``[MAGIC, STEP, -1, step number, T, status, decode, previous step]``, so a rank in a
-    step meets a rank in a layer's own agreement (or in another step) in the same
+    ``[MAGIC, STEP, -1, step number, T, status, decode and bounds, previous step]``, so a
+    rank in a step meets a rank in a layer's own agreement (or in another step) in the same
     collective and both are named. The step number counts the group's agreed steps (per
     group object, like the layer index); a step that raises is not counted on any rank."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         super().__init__(group)
         self.index = STEP_INDEX
-        self.calls = _next_step.get(self.group, 0) if self.group is not None else 0
+        if self.group is not None:
+            self.calls = _next_step.get(self.group, 0)
+        else:
+            self.calls = _one_process["steps"]
 
     def step(
         self,
@@ -488,6 +497,8 @@ class StepAgreement(LayerAgreement):
         self.calls += 1
         if self.group is not None:
             _next_step[self.group] = self.calls
+        else:
+            _one_process["steps"] = self.calls
 
 
 def _layer_name(index: int) -> str:

@@ -11,7 +11,7 @@ implementation) and, at run time, the op runs the layer's eager forward.
 * ``layer_id``: the layer's key in a registry of live layers (weak references, so a freed
   layer leaves it); set at construction, passed as a CPU int64 scalar tensor: an input
   of the compiled graph, not a constant, so layers compiled one by one share one graph.
-* ``max_tokens``: the step's largest token count (``max_tokens_across_ranks``), or ``-1``:
+* ``max_tokens``: the step's largest token count (``max_tokens_across_ranks``), or ``None``:
   the op resolves it at run time from the active ``epmoe.step`` (read when the op runs,
   so a compiled model serves every step without recompiling), else by the layer's own
   agreement.

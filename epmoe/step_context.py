@@ -19,8 +19,9 @@ What the one agreement decides (:class:`~epmoe.agreement.StepAgreement`, one all
 the layers' agreement record, read by the host):
 
 * ``max_tokens``: the largest ``num_tokens`` of the EP group (``tokens_per_rank``: all);
-* validity: a rank whose ``num_tokens`` is not an int ≥ 0 raises its own error, the others
-  a ``RuntimeError`` naming it, in that same step;
+* validity: a rank whose ``num_tokens`` is not an int in [0, 2³¹) (or whose other
+  arguments are bad) raises its own error, the others a ``RuntimeError`` naming it, in
+  that same step;
 * step: every rank is in the same step (the caller's ``step_id``, else a per-group step
   counter), not in another step or in a layer's own agreement: otherwise every rank raises
   naming the ranks and where each is;
@@ -166,36 +167,41 @@ def step(
     graph_max_tokens: int | None = None,
     step_id: int | None = None,
 ) -> Iterator[StepContext]:
-    """Agree on one DP step over the EP ``group`` (``None``: WORLD when initialised, else
-    one process) and make it the active step of every ``EPMoE`` forward in the block.
+    """Agree on one DP step over the EP ``group`` (``None``: WORLD when initialised, else one
+    process) and make it the active step of every ``EPMoE`` forward in the block.
 
     Collective: every rank of ``group`` opens every step, in the same order, also with
     ``num_tokens=0``; one all-gather of 8 int64 per rank, read by the host (nothing with one
-    rank). ``num_tokens``: this rank's T for every layer of the step (an int ≥ 0; anything
-    else raises here on this rank, and on the others a ``RuntimeError`` naming it).
+    rank). ``num_tokens``: this rank's T for every layer of the step (an int in [0, 2³¹);
+    anything else raises here on this rank, and on the others a ``RuntimeError`` naming it).
     ``decode``: this rank asks for a decode step; the step's ``decode`` is true when every
     rank asked and ``max_tokens ≤ graph_max_tokens`` (when given: the same on every rank,
-    else every rank raises naming each rank's bound). ``step_id``: the
-    caller's own step number (an int ≥ 0, e.g. its scheduler's); ranks with different ids
-    raise naming each other, which catches a rank that skipped a step. Without it the
-    ranks compare their counts of agreed steps, which collectives matched in order keep
-    equal: a skipped step then shows only where a rank meets another kind of call (a
-    layer's own agreement), or as the others waiting (the collective's timeout names it).
+    else every rank raises naming each rank's bound). ``step_id``: the caller's own step
+    number (an int in [0, 2⁶²), e.g. its scheduler's; a bad one raises like a bad
+    ``num_tokens``); ranks with different ids raise naming each other, which catches a rank
+    that skipped a step. Without it the ranks compare their counts of agreed steps, which
+    collectives matched in order keep equal: a skipped step then shows only where a rank
+    meets another kind of call (a layer's own agreement), or as the others waiting (the
+    collective's timeout names it).
     """
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     error = None
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+    if (
+        isinstance(num_tokens, bool)
+        or not isinstance(num_tokens, int)
+        or not 0 <= num_tokens < 2**31
+    ):
         error = ValueError(
-            f"epmoe.step: num_tokens must be an int >= 0 (this rank's token count; 0 when "
-            f"it is idle), got {num_tokens!r}"
+            f"epmoe.step: num_tokens must be an int in [0, 2**31) (this rank's token count; "
+            f"0 when it is idle), got {num_tokens!r}"
         )
     if step_id is not None and (
-        isinstance(step_id, bool) or not isinstance(step_id, int) or step_id < 0
+        isinstance(step_id, bool) or not isinstance(step_id, int) or not 0 <= step_id < 2**62
     ):
         step_id, bad_id = None, step_id
         error = error or ValueError(
-            f"epmoe.step: step_id must be an int >= 0 or None, got {bad_id!r}"
+            f"epmoe.step: step_id must be an int in [0, 2**62) or None, got {bad_id!r}"
         )
     if not isinstance(decode, bool):
         error = error or TypeError(f"epmoe.step: decode must be True or False, got {decode!r}")

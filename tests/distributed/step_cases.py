@@ -149,6 +149,11 @@ def step_faults(rank, world):
     cases = {
         "bad num_tokens": lambda: _open(-3 if rank == odd else 2),
         "num_tokens not an int": lambda: _open(2.0 if rank == odd else 2),
+        # (beyond int64: once raised before the collective, leaving the others in it)
+        "bad num_tokens, too large": lambda: _open(2**63 if rank == odd else 2),
+        # (once sent the group's step number against the others' ids: named as another
+        # step, and the bad rank's count left at theirs)
+        "bad step_id": lambda: _open(2, step_id=-1 if rank == odd else 1000),
         "a layer's own forward against a step": lambda: (
             model.moes[0](*_inputs(rank, dev)) if rank == odd else _open(2)
         ),
@@ -161,10 +166,13 @@ def step_faults(rank, world):
             if case.startswith(("bad", "num_tokens")):
                 if rank == odd:
                     assert isinstance(error, ValueError), repr(error)
-                    assert "num_tokens must be an int >= 0" in str(error), str(error)
+                    what = "step_id" if "step_id" in case else "num_tokens"
+                    assert f"{what} must be an int in [0, 2**" in str(error), str(error)
                 else:
                     assert isinstance(error, RuntimeError), repr(error)
-                    assert re.search(rf"rank {odd} rejected its num_tokens", str(error)), error
+                    assert re.search(
+                        rf"rank {odd} rejected its epmoe.step arguments", str(error)
+                    ), error
             else:
                 assert isinstance(error, RuntimeError), repr(error)
                 assert "different EPMoE calls" in str(error), str(error)

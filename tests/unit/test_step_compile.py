@@ -159,10 +159,13 @@ def test_step_on_one_process():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(num_tokens=-1), "num_tokens must be an int >= 0"),
-        (dict(num_tokens=2.0), "num_tokens must be an int >= 0"),
-        (dict(num_tokens=True), "num_tokens must be an int >= 0"),
-        (dict(num_tokens=1, step_id=-2), "step_id must be an int >= 0"),
+        (dict(num_tokens=-1), r"num_tokens must be an int in \[0, 2\*\*31\)"),
+        (dict(num_tokens=2.0), r"num_tokens must be an int in \[0, 2\*\*31\)"),
+        (dict(num_tokens=True), r"num_tokens must be an int in \[0, 2\*\*31\)"),
+        (dict(num_tokens=2**31), r"num_tokens must be an int in \[0, 2\*\*31\)"),
+        (dict(num_tokens=2**63), r"num_tokens must be an int in \[0, 2\*\*31\)"),
+        (dict(num_tokens=1, step_id=-2), r"step_id must be an int in \[0, 2\*\*62\)"),
+        (dict(num_tokens=1, step_id=2**63), r"step_id must be an int in \[0, 2\*\*62\)"),
         (dict(num_tokens=1, graph_max_tokens=0), "graph_max_tokens must be a positive int"),
     ],
 )
@@ -170,6 +173,14 @@ def test_step_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match), epmoe.step(**kwargs):
         pass
     assert epmoe.current_step() is None
+
+
+def test_steps_of_one_process_are_numbered():
+    with epmoe.step(num_tokens=1) as first:
+        pass
+    with epmoe.step(num_tokens=1) as second:
+        pass
+    assert second.index == first.index + 1
 
 
 def test_a_copied_layer_is_its_own_op():
