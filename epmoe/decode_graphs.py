@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from epmoe.comm.base import ranks_phrase
+from epmoe.comm.collectives import world_of
 from epmoe.step_context import StepContext, current_step, group_ranks, step
 
 __all__ = ["DecodeGraphs", "graph_state", "load_recording_paused"]
@@ -64,6 +66,37 @@ def load_recording_paused(layers: Sequence) -> Iterator[None]:
             r.enabled = on
 
 
+def _agree(group: dist.ProcessGroup | None, error: Exception | None, config: str) -> None:
+    """Before the captures (collective): every rank learns whether one refused its
+    arguments (it raises its own error, the others a ``RuntimeError`` naming it) and
+    whether the ranks' buckets, hidden size and dtype differ (each would replay another
+    graph: every rank raises naming them). One object all-gather; nothing on one rank."""
+    rank, world = world_of(group)
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (error is not None, config), group=group)
+    if error is not None:
+        raise error
+    refused = [r for r, (bad, _) in enumerate(gathered) if bad]
+    if refused:
+        raise RuntimeError(
+            f"DecodeGraphs: {ranks_phrase(refused, 'refused')} "
+            f"{'its' if len(refused) == 1 else 'their'} arguments (each one's own error "
+            "says why); "
+            "this rank stopped too, before the captures"
+        )
+    configs = [c for _, c in gathered]
+    if len(set(configs)) > 1:
+        listing = "; ".join(f"rank {r}: {c}" for r, c in enumerate(configs))
+        raise ValueError(
+            f"DecodeGraphs: the ranks asked for different graphs ({listing}); build them with "
+            "the same sizes, hidden_size and dtype on every rank"
+        )
+
+
 class DecodeGraphs:
     """Captured decode forwards of ``forward`` for each bucket size in ``sizes``.
 
@@ -89,7 +122,9 @@ class DecodeGraphs:
             bucket, so separate pools grow with layers × buckets).
 
     Collective: every rank of ``group`` builds it (and :meth:`recapture` s it) with the same
-    sizes, in the same order relative to its other collectives.
+    sizes, in the same order relative to its other collectives. Construction agrees first
+    (one object all-gather): a rank's bad argument, or sizes, hidden size or dtype that
+    differ between ranks, raise on every rank before any capture.
     """
 
     def __init__(
@@ -106,15 +141,20 @@ class DecodeGraphs:
         pool: tuple | None = None,
     ) -> None:
         device = torch.device(device)
+        error: Exception | None = None
         if device.type != "cuda":
-            raise ValueError(
+            error = ValueError(
                 f"DecodeGraphs captures CUDA graphs: device must be cuda, got {device}"
             )
-        clean = sorted({int(s) for s in sizes}) if sizes else []
+        try:
+            clean = sorted({int(s) for s in sizes}) if sizes else []
+        except (TypeError, ValueError):
+            clean = []
         if not clean or clean[0] <= 0 or any(isinstance(s, bool) for s in sizes):
-            raise ValueError(
+            error = error or ValueError(
                 f"sizes must be positive token counts, e.g. (1, 2, 4, 8), got {sizes!r}"
             )
+        _agree(group, error, f"sizes={clean}, hidden_size={hidden_size}, dtype={dtype}")
         self.forward, self.sizes, self.layers = forward, tuple(clean), list(layers)
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.group, self.warmup = group, warmup
@@ -209,7 +249,10 @@ class DecodeGraphs:
         rows (the graph's own buffers are overwritten by its next replay). Rows this
         step cannot take (not ``[T, H]`` of the graphs' dtype, or ``T`` above the bucket)
         raise here, after a replay of the bucket with no rows: the other ranks, which
-        replay it too, finish the step instead of waiting for this rank's dispatch."""
+        replay it too, finish this graph instead of waiting for this rank's dispatch. (Where
+        a step replays several graphs, one per layer, the others then wait in the next
+        one's dispatch until its backend's bounded wait gives up: give a step's graphs the
+        same rows, or capture the step's layers in one graph.)"""
         s = step_ctx if step_ctx is not None else current_step()
         if s is None or not s.decode:
             return None

@@ -205,6 +205,42 @@ def step_faults(rank, world):
         epmoe.step(num_tokens=1, decode=True, graph_max_tokens=8) as s,
     ):
         assert s.decode, s
+
+    # DecodeGraphs agrees on its arguments before any capture (refused without CUDA too)
+    from epmoe.decode_graphs import DecodeGraphs
+
+    def graphs(device="cuda", sizes=(1, 2)):
+        DecodeGraphs(lambda x, num_valid_tokens=None: x, sizes, hidden_size=8,
+                     dtype=torch.float32, device=device)  # fmt: skip
+
+    graph_cases = {
+        "DecodeGraphs: one rank's device": (
+            lambda: graphs(device="cpu" if rank == odd else "cuda"),
+            "device must be cuda",
+        ),
+        "DecodeGraphs: one rank's sizes": (
+            lambda: graphs(sizes=(0, 2) if rank == odd else (1, 2)),
+            "positive token counts",
+        ),
+        "DecodeGraphs: different buckets": (
+            lambda: graphs(sizes=(1, 4) if rank == odd else (1, 2)),
+            None,
+        ),
+    }
+    for case, (fn, own) in graph_cases.items():
+        error = _error_of(fn)
+        rows.append((case, rank, repr(error)))
+        with sweep.case(case):
+            if own is None:  # every rank: the configurations, each rank's named
+                assert isinstance(error, ValueError), repr(error)
+                assert f"rank {odd}: sizes=[1, 4]" in str(error), str(error)
+            elif rank == odd:
+                assert isinstance(error, ValueError) and own in str(error), repr(error)
+            else:
+                assert isinstance(error, RuntimeError), repr(error)
+                assert f"rank {odd} refused its arguments" in str(error), str(error)
+    with sweep.case("DecodeGraphs: a good step follows"):
+        good_step(len(cases) + 2)
     sweep.check()
     return rows
 
