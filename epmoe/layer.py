@@ -54,7 +54,7 @@ from epmoe.eplb.recorder import LoadRecorder
 from epmoe.experts import ExpertWeights, create_experts
 from epmoe.experts.base import check_activation
 from epmoe.placement import ExpertPlacement
-from epmoe.reference import dequantize_block, quantize_block
+from epmoe.reference import FP8_EPS, FP8_MAX, dequantize_block, quantize_block
 from epmoe.routing import (
     FUSED_ROUTING_MAX_EXPERTS,
     RoutingFunction,
@@ -837,6 +837,12 @@ class EPMoE(nn.Module):
             for name, scale in given.items():
                 if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
                     raise TypeError(f"{where}: {name} must be a float tensor, got {scale!r}")
+                bad = int((~torch.isfinite(scale) | (scale < 0)).sum())
+                if bad:
+                    raise ValueError(
+                        f"{where}: {name} holds {bad} negative, NaN or infinite values; FP8 "
+                        "scales (a checkpoint's weight_scale_inv) are finite and >= 0"
+                    )
         if not self.fp8_weights:
             if fp8_in:  # dequantize into the layer's dtype, whatever scale format came
                 w13 = dequantize_block(_lead(w13, lead), _lead(w13_scale, lead))
@@ -852,7 +858,11 @@ class EPMoE(nn.Module):
                         f"{where}: {name} must be {list(want[name])} for weight_scale="
                         f"{self.weight_scale!r}, got {list(scale.shape)}"
                     )
-            return w13, w2, w13_scale, w2_scale
+            # a zero scale (an all-zero block: DeepSeek-V3's weight_quant has no floor) is
+            # raised to the kernels' floor (they rescale by ratios of scales), which keeps
+            # its weights at zero to within 448 × the floor, 1e-10
+            floor = FP8_EPS / FP8_MAX
+            return w13, w2, w13_scale.clamp(min=floor), w2_scale.clamp(min=floor)
         per = self.weight_scale == "per_expert"
         q13, s13 = quantize_block(_lead(w13, lead), per_matrix=per)
         q2, s2 = quantize_block(_lead(w2, lead), per_matrix=per)
@@ -882,6 +892,15 @@ class EPMoE(nn.Module):
                 f"load_experts wants w13 [E, 2I, H] = {[E, 2 * I, H]} and w2 [E, H, I] = "
                 f"{[E, H, I]}, got {list(w13.shape)} and {list(w2.shape)}"
             )
+        for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if scale is not None and (
+                not isinstance(scale, torch.Tensor) or scale.dim() == 0 or scale.shape[0] != E
+            ):
+                got = list(scale.shape) if isinstance(scale, torch.Tensor) else repr(scale)
+                raise ValueError(
+                    f"load_experts: {name} must hold every expert's scales, [E = {E}, ...] "
+                    f"(the weights' scale blocks per expert), got {got}"
+                )
         local = torch.tensor(self.local_experts, dtype=torch.int64, device=w13.device)
         pick = [
             None if t is None else t[local.to(t.device)] for t in (w13, w2, w13_scale, w2_scale)

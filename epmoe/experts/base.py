@@ -33,6 +33,9 @@ class ExpertWeights:
     ``w13 [e, 2I, H]``, ``w2 [e, H, I]`` in the compute dtype, or ``float8_e4m3fn`` with
     ``w13_scale [e, ceil(2I/128), ceil(H/128)]`` and ``w2_scale [e, ceil(H/128),
     ceil(I/128)]`` float32 (128×128 blocks, DeepSeek-V3's format) or ``[e]`` per-tensor.
+    Scales are finite and at least ``1e-10 / 448``: the Triton kernels rescale their
+    accumulators by ratios of scales, so a zero scale gives NaN (``EPMoE``'s loads raise
+    a checkpoint's zero scales of all-zero blocks to that floor).
     """
 
     w13: torch.Tensor

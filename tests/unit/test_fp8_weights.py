@@ -26,9 +26,10 @@ def _weights(seed=0):
 
 
 def _layer(scale="block", **kwargs):
+    kwargs.setdefault("experts", "torch")
     return epmoe.EPMoE(
-        E, K, H, I, params_dtype=torch.float32, device="cpu", experts="torch",
-        weight_dtype=FP8, weight_scale=scale, **kwargs,
+        E, K, H, I, params_dtype=torch.float32, device="cpu", weight_dtype=FP8,
+        weight_scale=scale, **kwargs,
     )  # fmt: skip
 
 
@@ -111,7 +112,44 @@ def test_what_loading_refuses():
         layer.load_expert(0, q13[0], q2[0], w13_scale=s13[0], w2_scale=1.0)
     with pytest.raises(TypeError, match="w13 and w2 must have one dtype"):
         layer.load_experts(q13, w2, w13_scale=s13, w2_scale=s2)
+    # every expert's scales, checked before this rank's are picked from them
+    every = r"w13_scale must hold every expert's scales, \[E = 6, ...\]"
+    for wrong, got in ((torch.cat([s13, s13]), r"\[12, 4, 2\]"), (1.0, "1.0"),
+                       (torch.tensor(1.0), r"\[\]")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{every} .*got {got}"):
+            layer.load_experts(q13, q2, w13_scale=wrong, w2_scale=s2)
+    for value in (float("nan"), float("inf"), -1.0):
+        bad = s2.clone()
+        bad[2, 0, 0] = value
+        with pytest.raises(ValueError, match="w2_scale holds 1 negative, NaN or infinite"):
+            layer.load_experts(q13, q2, w13_scale=s13, w2_scale=bad)
     assert not layer.weights_loaded  # nothing was half loaded
+
+
+@pytest.mark.parametrize("experts", ["torch", "triton"])
+def test_zero_scales_of_all_zero_blocks_load(experts):
+    """A checkpoint's all-zero block has scale 0 (DeepSeek-V3's quantizer has no floor);
+    the Triton kernels rescale by ratios of scales, so the layer keeps the floor instead:
+    the output is the oracle's on the zero scales (it was NaN or garbage)."""
+    w13, w2 = _weights()
+    q13, s13 = quantize_block(w13)
+    q2, s2 = quantize_block(w2)
+    q13[1].zero_()  # a zero expert with zero scales, and one zero block of another
+    s13[1].zero_()
+    q2[4, :128, :128].zero_()
+    s2[4, 0, 0] = 0
+    layer = _layer(experts=experts)
+    layer.load_experts(q13, q2, w13_scale=s13, w2_scale=s2)
+    assert float(layer.w13_scale.min()) > 0
+    x, logits = _tokens(T=5)
+    logits[:, [1, 4]] += 10  # every token to the zero expert and the zero block's
+    w, ids = epmoe.select_experts(logits, K)
+    want = moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2)
+    out = layer(x, logits)
+    assert torch.isfinite(out).all()
+    # (Triton: W8A8 through the interpreter's FP8 casts, 0.1 here without the zero scales;
+    # before the floor the error was 1.0, or NaN)
+    assert_close(out, want, 1e-5 if experts == "torch" else 0.2, name=experts)
 
 
 @pytest.mark.parametrize(
