@@ -38,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    check = getattr(module, "check_arguments", None)  # what argparse alone cannot check
+    problem = check(args) if check is not None else None
+    if problem:
+        parser.error(problem)
     if getattr(args, "plot", None):  # refuse before the run, not after it
         try:
             importlib.import_module("matplotlib")

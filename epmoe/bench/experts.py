@@ -102,6 +102,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _dtypes(args: argparse.Namespace) -> list[str]:
+    return [d.strip() for d in args.dtypes.split(",") if d.strip()]
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options that argparse does not check, or ``None``."""
+    dtypes = _dtypes(args)
+    wrong = [d for d in dtypes if d not in ("bf16", "fp16", "fp8")]
+    if wrong or not dtypes:
+        return f"--dtypes takes a comma list of bf16, fp16, fp8; got {args.dtypes!r}"
+    sizes = ("tokens", "hidden", "intermediate", "num_experts", "local_experts", "top_k",
+             "decode_tokens", "decode_ranks", "iters")  # fmt: skip
+    for name in sizes:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+    if args.top_k > args.num_experts:
+        return f"--top-k {args.top_k} is more than --num-experts {args.num_experts}"
+    if args.local_experts > args.num_experts:
+        return (
+            f"--local-experts {args.local_experts} is more than --num-experts "
+            f"{args.num_experts} (e: the experts one rank holds, of the E routed over)"
+        )
+    if any(s < 1 for s in args.m_splits):
+        return f"--m-splits must be positive, got {args.m_splits}"
+    return None
+
+
 # ----------------------------------------------------------------------------- problems
 
 
@@ -455,9 +482,11 @@ def _decode_baselines(d: _Decode, w13, w2, args) -> list[dict[str, Any]]:
     x = d.hidden[:, :m]
     w13t, w2t = w13.transpose(1, 2), w2.transpose(1, 2)
 
+    act = F.silu if args.activation == "silu" else F.gelu  # (exact, erf: as the kernels)
+
     def bmm():
         gu = torch.bmm(x, w13t)
-        return torch.bmm(F.silu(gu[..., :I]) * gu[..., I:], w2t)
+        return torch.bmm(act(gu[..., :I]) * gu[..., I:], w2t)
 
     ms = _ms(bmm, args)
     nbytes = w13.numel() * w13.element_size() + w2.numel() * w2.element_size()
@@ -623,10 +652,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
     if device.type == "cpu" and not ops.interpreted():
         raise SystemExit("--device cpu needs TRITON_INTERPRET=1 (tiny shapes only)")
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    for d in dtypes:
-        if d not in ("bf16", "fp16", "fp8"):
-            raise ValueError(f"--dtypes takes bf16, fp16, fp8; got {d!r}")
+    dtypes = _dtypes(args)
     names = ["prefill", "decode"] if args.scenario == "all" else [args.scenario]
     records: list[dict[str, Any]] = []
     table: dict[str, dict[str, Any]] = {}

@@ -184,8 +184,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--weight-dtype",
         default=None,
         choices=["float8_e4m3fn"],
-        help="part layer: FP8 expert weights (128x128 block scales, quantized from the "
-        "random bf16 ones)",
+        help="part layer: FP8 expert weights (quantized from the random bf16 ones)",
+    )
+    p.add_argument(
+        "--weight-scale",
+        default=None,
+        choices=["block", "per_expert"],
+        help="part layer, FP8 weights: 128x128 block scales (DeepSeek-V3's; I must be a "
+        "multiple of 128) or one per expert; default block, per_expert when I is not a "
+        "multiple of 128 (the CPU sizes)",
     )
     p.add_argument(
         "--dispatch-dtype",
@@ -262,9 +269,37 @@ def _config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         warmup=args.warmup if args.warmup is not None else (2 if small else 5),
         iters=args.iters if args.iters is not None else (5 if small else 20),
     )
-    if args.window < 1:
-        raise ValueError(f"--window must be a positive number of steps, got {args.window}")
     return cfg
+
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options that argparse does not check, or ``None``."""
+    if args.dtype is not None and args.dtype not in _DTYPES:
+        return f"--dtype must be one of {', '.join(_DTYPES)}, got {args.dtype!r}"
+    layouts = [layout.value for layout in Layout]
+    for entry in args.backends:
+        name, _, layout = entry.partition(":")
+        if not name or (layout and layout not in layouts):
+            return (
+                f"--backends takes NAME or NAME:LAYOUT (LAYOUT one of {', '.join(layouts)}), "
+                f"got {entry!r}"
+            )
+    for option, value in (("--tokens", args.tokens), ("--window", [args.window])):
+        if value is not None and any(v < 1 for v in value):
+            return f"{option} must be positive, got {value if option == '--tokens' else value[0]}"
+    sizes = dict(num_experts=args.num_experts, top_k=args.top_k, hidden=args.hidden)
+    for name, value in (*sizes.items(), ("intermediate", args.intermediate)):
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be positive, got {value}"
+    E = args.num_experts or (SMALL["num_experts"] if args.small else None)
+    if E is not None and args.top_k is not None and args.top_k > E:
+        return f"--top-k {args.top_k} is more than the {E} experts"
+    if args.weight_scale is not None and args.weight_dtype is None:
+        return "--weight-scale is for FP8 weights: add --weight-dtype float8_e4m3fn"
+    return None
 
 
 def _make_layer(cfg, group, device, args, **kwargs) -> epmoe.EPMoE:
@@ -295,6 +330,14 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _weight_scale(args, I: int) -> dict[str, str]:
+    """``weight_scale=`` for FP8 weights (``--weight-scale``, else block scales when ``I``
+    is a multiple of 128, else per expert), nothing otherwise."""
+    if not args.weight_dtype:
+        return {}
+    return dict(weight_scale=args.weight_scale or ("block" if I % 128 == 0 else "per_expert"))
 
 
 def _entries(args) -> list[tuple[str, Layout | None]]:
@@ -362,6 +405,7 @@ def _layer_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any
             max_num_tokens=args.max_num_tokens,
             micro_batches=micro_batches,
             weight_dtype=getattr(torch, args.weight_dtype) if args.weight_dtype else None,
+            **_weight_scale(args, cfg["I"]),
             dispatch_dtype=getattr(torch, args.dispatch_dtype) if args.dispatch_dtype else None,
             **ROUTINGS[args.routing],
         )

@@ -361,13 +361,40 @@ def test_layer_cli_tiny_on_one_cpu_process(tmp_path):
 
 
 def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
+    """... with FP8 weights at an I that is no multiple of 128 (scales per expert, as at
+    the CPU sizes: block scales were refused there)."""
     records = _run_bench(tmp_path, "layer", "--tokens", "4", "--num-experts", "8", "--top-k",
                          "2", "--hidden", "64", "--intermediate", "32", "--iters", "2",
                          "--warmup", "1", "--parts", "layer", "--backends", "all_to_all",
-                         "--micro-batches", "1", "2")  # fmt: skip
+                         "--micro-batches", "1", "2",
+                         "--weight-dtype", "float8_e4m3fn")  # fmt: skip
     eager = [r for r in records if r.get("mode") == "eager"]
     assert [r["micro_batches"] for r in eager] == [1, 2]
-    assert all(r["layer_us"] > 0 for r in eager)
+    assert all(r["layer_us"] > 0 and r["weights"] == "float8_e4m3fn" for r in eager)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["experts", "--dtypes", "fp32"], "--dtypes takes a comma list of bf16, fp16, fp8"),
+        (["experts", "--dtypes", ","], "--dtypes takes a comma list"),
+        (["experts", "--top-k", "5", "--num-experts", "4"], "--top-k 5 is more than"),
+        (["experts", "--num-experts", "4", "--top-k", "2"], "--local-experts 128 is more than"),
+        (["experts", "--m-splits", "0"], "--m-splits must be positive"),
+        (["layer", "--dtype", "float16x"], "--dtype must be one of bfloat16, float16, float32"),
+        (["layer", "--backends", "all_to_all:bogus"], "--backends takes NAME or NAME:LAYOUT"),
+        (["layer", "--window", "0"], "--window must be positive, got 0"),
+        (["layer", "--tokens", "4", "0"], "--tokens must be positive, got [4, 0]"),
+        (["layer", "--weight-scale", "block"], "--weight-scale is for FP8 weights"),
+    ],
+)
+def test_bench_options_are_checked_before_the_run(argv, match, capsys):
+    from epmoe.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert match in capsys.readouterr().err
 
 
 def test_a_wrong_round_trip_marks_the_record():
