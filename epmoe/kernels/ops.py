@@ -492,14 +492,33 @@ def _launch_rows(
 
 
 def _check_operands(
-    a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor | None, w_scale: torch.Tensor | None
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    w_scale: torch.Tensor | None,
+    names: tuple[str, str],
 ) -> bool:
-    """Both GEMM operands in one dtype, scales exactly in FP8 mode; returns FP8 mode."""
+    """Both GEMM operands in one dtype, the activations' columns the weights' K (their
+    last dimension; ``names``: the activations' and the weights' argument names, for the
+    error), the activations' scales one per 128 columns, scales exactly in FP8 mode;
+    returns FP8 mode."""
     fp8 = w.dtype == FP8_DTYPE
     if a.dtype != w.dtype:
         raise TypeError(f"activations are {a.dtype} but the weights {w.dtype}; they must match")
+    K = w.shape[-1]
+    if a.shape[-1] != K:
+        raise ValueError(
+            f"{names[0]} has {a.shape[-1]} columns, but {names[1]} {list(w.shape)} takes {K}"
+        )
     if fp8 and (a_scale is None or w_scale is None):
         raise ValueError("FP8 operands need both the activation and the weight scales")
+    if a_scale is not None and (
+        a_scale.shape[-1] != _cdiv(K, FP8_GROUP) or a_scale.shape[:-1] != a.shape[:-1]
+    ):
+        raise ValueError(
+            f"the scales of {names[0]} {list(a.shape)} must be {[*a.shape[:-1], _cdiv(K, FP8_GROUP)]}"
+            f" (one per {FP8_GROUP} columns), got {list(a_scale.shape)}"
+        )
     return fp8
 
 
@@ -540,7 +559,8 @@ def gate_up(
     ``row_index [e, C]`` int32 (ExpertBatched): ``x`` is ``[R, H]`` and row ``c`` of expert
     ``i`` is ``x[row_index[i, c]]`` (rows read where they landed; ``y`` is ``[e, C, I]``).
     """
-    fp8 = _check_operands(x, w13, x_scale, w13_scale)
+    _check_activation(activation)
+    fp8 = _check_operands(x, w13, x_scale, w13_scale, ("x", "w13"))
     check_config(config, fp8)
     e, two_i, H = w13.shape
     N = two_i // 2
@@ -637,7 +657,7 @@ def down(
     Positions or slab rows that hold no pair are unspecified. ``m_splits`` as for
     ``gate_up``.
     """
-    fp8 = _check_operands(h, w2, h_scale, w2_scale)
+    fp8 = _check_operands(h, w2, h_scale, w2_scale, ("h", "w2"))
     check_config(config, fp8)
     e, H, I = w2.shape
     cfg = config.down
@@ -648,6 +668,11 @@ def down(
     else:
         if topk_weights_RK is None:
             raise ValueError("the Standard layout needs topk_weights_RK for down()")
+        if topk_weights_RK.numel() != r.num_pairs:
+            raise ValueError(
+                f"topk_weights_RK must be [R, K] = [{rows.num_rows}, {r.top_k}] (one weight per "
+                f"pair of rows), got {list(topk_weights_RK.shape)}"
+            )
         if config.atomic_reduce:  # the adds start from zero rows (Standard: AlignedPairs)
             out = torch.zeros((rows.num_rows, H), dtype=out_dtype, device=h.device)
         else:

@@ -922,6 +922,36 @@ def test_slab_blocks_stand_in_for_the_counts():
         ops.gate_up(x, w13, ops.slab_blocks(counts, C, 64), SMALL)
 
 
+def test_the_step_functions_check_their_operands():
+    """``gate_up`` / ``down`` are public entry points: an unknown activation, activations
+    whose columns are not the weights' K, scales of another shape and router weights that
+    are not one per pair are refused before a launch (a launch would read past rows, or
+    silently run gelu for any other name)."""
+    e, C, H, I, R, K = 2, 4, 64, 32, 3, 2
+    x = torch.randn(e, C, H, device=DEVICE)
+    w13 = torch.randn(e, 2 * I, H, device=DEVICE)
+    w2 = torch.randn(e, H, I, device=DEVICE)
+    counts = torch.tensor([2, 1], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="activation"):
+        ops.gate_up(x, w13, counts, SMALL, activation="relu")
+    with pytest.raises(ValueError, match=r"x has 32 columns, but w13 \[2, 64, 64\] takes 64"):
+        ops.gate_up(x[..., : H // 2], w13, counts, SMALL)
+    xq, xs = quantize_groups(x)
+    q13, s13 = quantize_block(w13)
+    with pytest.raises(ValueError, match=r"the scales of x \[2, 4, 64\] must be \[2, 4, 1\]"):
+        ops.gate_up(xq, q13, counts, SMALL_FP8, "silu", xs[:, :2], s13)
+    h = torch.randn(e, C, I, device=DEVICE)
+    with pytest.raises(ValueError, match=r"h has 64 columns, but w2 \[2, 64, 32\] takes 32"):
+        ops.down(torch.randn(e, C, H, device=DEVICE), w2, counts, SMALL, torch.float32)
+    ids = torch.tensor([[0, 1], [1, -1], [0, 0]], device=DEVICE)
+    aligned = ops.align_for(ids, e, SMALL)
+    h_std = torch.randn(aligned.num_blocks * SMALL.block_m, I, device=DEVICE)
+    with pytest.raises(ValueError, match=r"topk_weights_RK must be \[R, K\] = \[3, 2\]"):
+        ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=torch.rand(1))
+    ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=torch.rand(R, K))
+    ops.down(h, w2, counts, SMALL, torch.float32)
+
+
 def test_sort_scales_lays_gemm1_fp8_scales_out_by_position():
     """``ops.sort_scales`` (the Hopper kernel's FP8 GEMM 1 reads its rows' scales so):
     ``[G, P_pad]`` with each position's pair's row scales, 1 at the padding."""
