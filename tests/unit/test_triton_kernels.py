@@ -946,9 +946,10 @@ def test_the_step_functions_check_their_operands():
     ids = torch.tensor([[0, 1], [1, -1], [0, 0]], device=DEVICE)
     aligned = ops.align_for(ids, e, SMALL)
     h_std = torch.randn(aligned.num_blocks * SMALL.block_m, I, device=DEVICE)
+    w_RK = torch.rand(R, K, device=DEVICE)
     with pytest.raises(ValueError, match=r"topk_weights_RK must be \[R, K\] = \[3, 2\]"):
-        ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=torch.rand(1))
-    ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=torch.rand(R, K))
+        ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=w_RK[:1, :1])
+    ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=w_RK)
     ops.down(h, w2, counts, SMALL, torch.float32)
 
 
