@@ -1425,7 +1425,11 @@ class EPMoE(nn.Module):
         forward (collective there: every rank converts alike, which the ranks agree on
         first). Another device is refused before this layer changes (its process group and
         communication buffers belong to its device): build the layer where it runs
-        (``device=``)."""
+        (``device=``). ``to_empty`` leaves full-precision expert weights uninitialised:
+        the layer is then not loaded until its weights are loaded again (FP8 weights and
+        scales on real storage keep their values, as for any dtype change)."""
+        # (Module.to_empty passes a lambda of its own: the one conversion that drops values)
+        emptied = "to_empty" in getattr(fn, "__qualname__", "")
         probe = fn(torch.empty(0, dtype=self.params_dtype, device=self.device))
         if probe.device != self.device:
             raise RuntimeError(
@@ -1452,6 +1456,8 @@ class EPMoE(nn.Module):
             return out if out.dtype == t.dtype else out.to(t.dtype)
 
         module = super()._apply(apply, recurse)
+        if emptied and not self.fp8_weights:
+            self._loaded = [False] * len(self._loaded)
         if dtype != self.params_dtype:
             self.params_dtype = dtype
             if not self.fp8_weights:

@@ -212,6 +212,15 @@ def test_expert_weights_on_the_meta_device_are_never_taken_as_loaded():
     layer.load_experts(w13, w2)
     assert_matches_oracle(layer, w13, w2)
 
+    # to_empty of a loaded layer (from a parent module too) drops its weights' values: it
+    # is no longer loaded (it said it was, and its forward returned whatever memory held)
+    torch.nn.Sequential(layer).to_empty(device="cpu")
+    assert not layer.weights_loaded
+    with pytest.raises(RuntimeError, match="expert weights are not loaded"):
+        layer(torch.zeros(2, H), torch.zeros(2, E))
+    layer.load_experts(w13, w2)
+    assert_matches_oracle(layer, w13, w2)
+
 
 def test_a_malformed_record_is_refused():
     state = make_layer()[0].state_dict()
