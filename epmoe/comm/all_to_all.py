@@ -70,7 +70,7 @@ class BatchedHandle:
     router weights, and the buffer row of each received row."""
 
     pair_order_S: torch.Tensor  # int64 [S]: flat (t, k) index of each sent row, in send order
-    weights_TK: torch.Tensor  # [T, K] in the wire dtype: this rank's router weights (a copy)
+    weights_TK: torch.Tensor  # [T, K] in the hidden dtype: this rank's router weights (a copy)
     recv_slot_R: torch.Tensor  # int64 [R]: row of the [e·C, H] expert buffer each row went to
     send_splits: tuple[int, ...]  # [W]
     recv_splits: tuple[int, ...]  # [W]

@@ -101,6 +101,8 @@ class CommSpec:
             )
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", torch.device(self.device))
+        if self.dispatch_dtype == self.dtype:  # (rows in the hidden dtype: no conversion)
+            object.__setattr__(self, "dispatch_dtype", None)
 
     @property
     def fp8_dispatch(self) -> bool:
@@ -293,7 +295,7 @@ class AllToAll(ABC):
                 f"{sorted(x.value for x in layouts)}"
             )
         self.layout = layout
-        reason = self.supports(spec)
+        reason = self.construction_reason(spec)
         if reason is not None:
             err = TypeError if spec.dtype not in self.capabilities.dtypes else ValueError
             raise err(f"backend {self.name!r} cannot serve this layer: {reason}")
@@ -369,6 +371,11 @@ class AllToAll(ABC):
         the same ``ValueError`` on every rank of the group in that call (the check rides
         with their count exchange, see :func:`ids_out_of_range`); the graph-safe ones
         report them from the device at the next call or ``check()``.
+
+        The inputs must stay unchanged until ``wait()``; ``topk_ids_TK`` until the
+        combine of this result has finished: ``symm_ll``'s combine reads it again (which
+        rank holds each (token, k)), so a buffer of ids refilled for the next micro-batch
+        before then gives wrong sums. The other backends keep what they need.
         """
 
     @abstractmethod
@@ -416,6 +423,12 @@ class AllToAll(ABC):
             self.spec = old
             raise
 
+    def construction_reason(self, spec: CommSpec) -> str | None:
+        """Why this backend, with the options it was built with (set before
+        ``AllToAll.__init__``), cannot serve ``spec``, or ``None``. Default: ``supports``
+        (which knows only the defaults)."""
+        return self.supports(spec)
+
     def rebind_reason(self, spec: CommSpec) -> str | None:
         """Why this backend (its buffers as allocated) cannot be rebound to ``spec``, or
         ``None``; checked before a re-plan moves any weight. Default: ``supports``."""
@@ -436,21 +449,28 @@ def wire_row_bytes(hidden_size: int, wire_dtype: torch.dtype) -> int:
     return hidden_size * wire_dtype.itemsize
 
 
-def expert_batched_bytes(spec: CommSpec, copies: int = 1) -> int:
+def expert_batched_bytes(spec: CommSpec, copies: int = 1, outputs: int = 0) -> int:
     """Bytes of ``copies`` ExpertBatched receive buffers ``[e, C = W·M, H]`` (wire dtype, and
-    FP8 scales ``[e, C, G]`` float32): each local expert's slot holds every token of every
+    FP8 scales ``[e, C, G]`` float32) and ``outputs`` buffers of the experts' outputs of that
+    shape (in the hidden dtype): each local expert's slot holds every token of every
     rank, the worst case of routing, so they grow with ``e·W·M_max``."""
     row = wire_row_bytes(spec.hidden_size, spec.wire_dtype)
-    return copies * max(spec.max_local, 1) * spec.world_size * spec.max_num_tokens * row
+    out_row = spec.hidden_size * spec.dtype.itemsize
+    slots = max(spec.max_local, 1) * spec.world_size * spec.max_num_tokens
+    return slots * (copies * row + outputs * out_row)
 
 
-def expert_batched_memory_reason(name: str, spec: CommSpec, copies: int = 1) -> str | None:
-    """Why ``copies`` ExpertBatched buffers for ``spec`` (received rows, the experts'
-    outputs) do not fit on its GPU (more than a quarter of its memory, leaving the rest to
-    weights), with the fix; ``None`` when they fit or the device is not a CUDA GPU."""
+def expert_batched_memory_reason(
+    name: str, spec: CommSpec, copies: int = 1, outputs: int = 0
+) -> str | None:
+    """Why ``copies`` ExpertBatched buffers of received rows (wire dtype) and ``outputs``
+    of the experts' outputs (hidden dtype) for ``spec`` do not fit on its GPU (more than a
+    quarter of its memory, leaving the rest to weights), with the fix; ``None`` when they
+    fit or the device is not a CUDA GPU."""
     if spec.device.type != "cuda" or not torch.cuda.is_available():
         return None
-    gib = expert_batched_bytes(spec, copies) / 2**30
+    gib = expert_batched_bytes(spec, copies, outputs) / 2**30
+    copies += outputs
     have = torch.cuda.get_device_properties(spec.device).total_memory / 2**30
     if gib <= have / 4:
         return None

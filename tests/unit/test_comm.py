@@ -344,6 +344,10 @@ def test_symm_ll_refuses_receive_buffers_too_large_for_the_gpu(monkeypatch):
     # FP8 rows are half as large, plus one float32 scale per 128 values
     fp8 = at(1024, dispatch_dtype=FP8_DTYPE)
     assert expert_batched_bytes(fp8, copies=2) == 2 * 128 * 2 * 1024 * (7168 + 224)
+    # ... but the experts' outputs are in the hidden dtype: FP8 rows on the wire do not
+    # make them fit (they were counted at the wire's size, half of theirs)
+    assert "56.0 GiB" in ll.supports(at(16384, dispatch_dtype=FP8_DTYPE))
+    assert expert_batched_bytes(fp8, 2, outputs=1) == 128 * 2 * 1024 * (2 * 7392 + 7168 * 2)
 
 
 def test_auto_takes_the_first_backend_that_serves_the_spec(fake_registry):
@@ -460,3 +464,17 @@ def test_conformance_suite_names_option_variants():
         registry.check_backend_options(backend_class(base), options)  # real options only
     assert caps_of("deepep_ht(worst_case_rows=True)").graph_safe
     assert split_variant("all_to_all") == ("all_to_all", {})
+
+
+def test_a_dispatch_dtype_equal_to_the_hidden_dtype_is_no_conversion():
+    """``dispatch_dtype=dtype`` is kept as ``None``: a layer built so converts to another
+    dtype later (it was refused, the message naming a dtype the user never passed)."""
+    offsets = epmoe.ExpertPlacement.linear(4, 1).rank_offsets
+    s = CommSpec(16, 2, offsets, 8, torch.float32, CPU, dispatch_dtype=torch.float32)
+    assert s.dispatch_dtype is None and s.wire_dtype == torch.float32
+    layer = epmoe.EPMoE(4, 2, 16, 8, params_dtype=torch.float32, device="cpu",
+                        dispatch_dtype=torch.float32)  # fmt: skip
+    layer.load_experts(torch.randn(4, 16, 16), torch.randn(4, 16, 8))
+    layer.to(torch.bfloat16)
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    assert layer(x, torch.randn(3, 4)).dtype == torch.bfloat16

@@ -706,3 +706,36 @@ def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W)
         for r in range(W):  # combine, receive half (NaN rows where a peer was in another call)
             sim.combine_receive(k, parity, r, inputs[r], max(Ts[r], 1), False, tags=tags)
         sim.assert_reset(parity, n)
+
+
+def test_a_closed_backend_keeps_no_view_and_cannot_be_rebound(monkeypatch):
+    """``close`` gives back the hold and every cached view of the transport's buffers; a
+    ``rebind`` after it is refused (it used to acquire a new transport and serve again).
+    ``check()`` waits for the device only on CUDA (it called ``torch.cuda.synchronize()``
+    on a CPU transport). An explicit ``rows_in_place`` is not overridden by the setting."""
+    E, K, H, M = 4, 2, 128, 4
+    spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, M, torch.float32,
+                    torch.device("cpu"))  # fmt: skip
+    monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "copy")  # (explicit options win)
+    comm = _backend(spec, rows_in_place=True)
+    assert comm.rows_in_place
+    x, ids, w = torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.full((2, K), 0.5)
+    res = comm.dispatch(x, ids, w)
+    comm.combine(_identity(res), res)
+    comm.check()  # (sync=True by default)
+    comm.close()
+    assert comm._views == {} and comm._bound == {}
+    for offsets in ((0, 4), (0, 6)):
+        with pytest.raises(RuntimeError, match="symm_ll backend is closed"):
+            comm.rebind(offsets)
+    with pytest.raises(RuntimeError, match="closed"):
+        comm.dispatch(x, ids, w)
+
+
+@pytest.mark.parametrize("raw", ["inf", "nan", "1e10", "0", "-1"])
+def test_the_timeout_setting_is_a_finite_positive_number(raw, monkeypatch):
+    from epmoe.comm.symm.common import _timeout_s
+
+    monkeypatch.setenv("EPMOE_COMM_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match="EPMOE_COMM_TIMEOUT_S must be a positive number"):
+        _timeout_s()

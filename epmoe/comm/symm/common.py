@@ -57,8 +57,10 @@ def _timeout_s() -> float:
         value = float(raw) if raw else 10.0
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ValueError(f"EPMOE_COMM_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+    if not 0 < value < 9e9:  # (nanoseconds in an int64 on the device: a finite bound)
+        raise ValueError(
+            f"EPMOE_COMM_TIMEOUT_S must be a positive number of seconds below 9e9, got {raw!r}"
+        )
     return value
 
 
@@ -222,8 +224,8 @@ class SymmTransport:
     def check(self, sync: bool = False) -> None:
         """Raise if a kernel reported an error. ``sync`` waits for the device first (else the
         error of a kernel still running shows at a later call)."""
-        if sync:
-            torch.cuda.synchronize()
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if self.broken is None:
             code = int(self._err_word[0])
             if code == 0:
@@ -239,7 +241,8 @@ class SymmTransport:
                 raise RuntimeError(message)
             self.broken = message + (
                 f" for {self.timeout_ns / 1e9:g} s (EPMOE_COMM_TIMEOUT_S): that rank did not "
-                "enter the same call; the transport is out of step, rebuild the layers"
+                "enter the same call; the transport is out of step: on every rank, close the "
+                "shared transports (epmoe.comm.transport.close_all()) and rebuild the layers"
             )
         raise RuntimeError(self.broken)
 
@@ -340,6 +343,8 @@ class SymmBackend(AllToAll):
         self._bind()
 
     def _bind(self) -> None:
+        if getattr(self, "_closed", False):  # (a rebind must not bring it back)
+            raise RuntimeError(f"{self.name} backend is closed; build a new one")
         # what was derived from the old binding goes first (a failure below leaves none)
         self._dispatch_consts = self._combine_consts = None
         self._views = {}
@@ -532,6 +537,11 @@ class SymmBackend(AllToAll):
         tr.check()
 
     def close(self) -> None:
+        """Give back this backend's hold on the shared transport (the last holder frees
+        its buffers) and drop every view of them; the backend cannot be used or rebound
+        after it."""
+        self._closed = True
+        self._views, self._bound = {}, {}
         if self._hold is not None:
             self._hold.release()
 

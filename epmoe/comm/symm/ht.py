@@ -12,8 +12,11 @@ per row in the Standard layout) back to its source, which adds the W partial sum
 float32: on many SMs in the same launch as the send, chunk by chunk while the later rows
 still travel (``reducers``), else in a receive kernel at ``wait()``.
 
-``num_sms`` caps the programs of each kernel (persistent loops over tokens): the
-throughput against SMs is what the comm benchmark reports.
+``num_sms`` caps the programs of each kernel per destination (persistent loops over
+tokens): the dispatch's send and the combine's receive run up to ``num_sms`` programs,
+the dispatch's receive and the combine's send up to ``num_sms`` for each of the W ranks
+(their grids are ``(W, ·)``), so up to W × ``num_sms`` in all. The throughput against it
+is what the comm benchmark reports.
 
 Shape legend: T tokens on this rank · H hidden · G = ceil(H/128) · K top-k · W ranks ·
 M = M_max tokens per rank · R = W·M received rows.
@@ -129,7 +132,9 @@ class SymmHTBackend(SymmBackend):
         reducers: int | None = None,
         combine_chunk: int = STREAM_CHUNK,
     ):
-        """``num_sms``: programs per kernel (default every SM). ``tokens_per_flag``: 0 (the
+        """``num_sms``: programs per kernel and destination (default every SM; see the
+        module docstring: W × ``num_sms`` in all for the kernels with a grid per rank).
+        ``tokens_per_flag``: 0 (the
         default), no flag per row: each program streams all its rows, then fences once and
         adds the number of its tokens to a count per source that the receivers wait for
         (they need every row before the experts run anyway), so no program ever waits for
@@ -199,7 +204,8 @@ class SymmHTBackend(SymmBackend):
 
     @property
     def num_sms(self) -> int:
-        """Programs per kernel: ``num_sms`` if given, else every SM of the device."""
+        """Programs per kernel and destination: ``num_sms`` if given, else every SM of
+        the device."""
         return min(self._sms or self._live().num_sms, self._live().num_sms)
 
     def _grid(self, n: int) -> int:

@@ -94,7 +94,8 @@ class LLCopyTransport(LLTransport):
 def _memory_reason(spec: CommSpec, in_place: bool) -> str | None:
     """Rows in place: the experts' outputs ``[e, W·M, H]``; copied: also two parities of
     received slabs of that size."""
-    return expert_batched_memory_reason("symm_ll", spec, 1 if in_place else 1 + NUM_PARITIES)
+    copies = 0 if in_place else NUM_PARITIES  # (received rows, in the wire dtype)
+    return expert_batched_memory_reason("symm_ll", spec, copies, outputs=1)
 
 
 def _rows_in_place_default() -> bool:
@@ -161,9 +162,12 @@ class SymmLLBackend(SymmBackend):
             return str(exc)
         return super().supports(spec) or _memory_reason(spec, in_place)
 
-    def rebind_reason(self, spec: CommSpec) -> str | None:
-        """As ``supports``, for this backend's own receive design."""
+    def construction_reason(self, spec: CommSpec) -> str | None:
+        """As ``supports``, for this backend's own receive design (an explicit
+        ``rows_in_place`` is not overridden by ``EPMOE_SYMM_LL_ROWS``)."""
         return super().supports(spec) or _memory_reason(spec, self.rows_in_place)
+
+    rebind_reason = construction_reason
 
     @property
     def num_sms(self) -> int:
