@@ -5,7 +5,7 @@ the GPUs and the links between them, which communication backends can run here a
 the others cannot, and the environment settings that matter, each against its
 recommended value. Plain text by default; ``--json`` prints one JSON object with the same
 content (keys: ``epmoe``, ``host``, ``platform``, ``versions``, ``gpus``, ``peer_access``,
-``topology``, ``backends``, ``settings``).
+``topology``, ``backends``, ``expert_kernels``, ``settings``).
 
 Optional packages are looked up by their installed metadata, never imported (importing
 DeepEP or NVSHMEM initialises CUDA or reads the environment). Only the backends'
@@ -192,16 +192,23 @@ def settings() -> dict[str, dict[str, Any]]:
             )
         out[key] = {"value": value, "recommended": good, "ok": ok, "note": note}
     raw = os.environ.get("EPMOE_COMM_TIMEOUT_S")
+    from epmoe.comm.symm.common import comm_timeout_s  # (the backends' own check)
+
     try:
-        ok = raw is None or not raw.strip() or float(raw) > 0  # empty: the 10 s default
+        comm_timeout_s()
+        ok = True
     except ValueError:
         ok = False
     out["EPMOE_COMM_TIMEOUT_S"] = {
         "value": raw,
-        "recommended": "unset (10 s) or a positive number of seconds",
+        "recommended": "unset (10 s) or a positive number of seconds below 9e9",
         "ok": ok,
-        "note": "bound on every wait in the symm_ll kernels"
-        + ("" if ok else f"; {raw!r} is not a positive number: symm_ll will refuse it"),
+        "note": "bound on every wait in the symm_ll and symm_ht kernels"
+        + (
+            ""
+            if ok
+            else f"; {raw!r} is not a positive number below 9e9: symm_ll and symm_ht will refuse it"
+        ),
     }
     raw = os.environ.get("EPMOE_SYMM_LL_ROWS")
     ok = raw is None or raw.strip() in ("", "in_place", "copy")

@@ -29,10 +29,12 @@ import glob
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 from epmoe.distributed import SAFE_GPU_ENV
@@ -98,7 +100,7 @@ class Nodes:
                     "torchrun assigns node ranks: leave it out"
                 )
             host, _, port = self.rdzv_endpoint.rpartition(":")
-            if not host or not port.isdigit():
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(
                     f"--rdzv-endpoint must be HOST:PORT, got {self.rdzv_endpoint!r}; e.g. "
                     "node0.example:29400"
@@ -171,8 +173,13 @@ def torchrun_command(
     if not all_ranks:
         cmd += ["--local-ranks-filter", "0"]
         if nproc > 1 and log_dir is not None:
-            redirects = ",".join(f"{r}:3" for r in range(1, nproc))  # 3: stdout and stderr
-            cmd += ["--log-dir", log_dir, "--redirects", redirects]
+            # 3: stdout and stderr. torchrun's per-rank map takes one-digit local ranks:
+            # above 10 ranks every rank goes to its files, rank 0 teed to the console too
+            if nproc <= 10:
+                redirects = ",".join(f"{r}:3" for r in range(1, nproc))
+                cmd += ["--log-dir", log_dir, "--redirects", redirects]
+            else:
+                cmd += ["--log-dir", log_dir, "--redirects", "3", "--tee", "0:3"]
     return cmd + (["-m"] if module else []) + [script, *args]
 
 
@@ -192,6 +199,11 @@ def failed_rank_logs(log_dir: str, nproc: int, lines: int = TAIL_LINES) -> str:
     Python traceback), for printing after a failed job; when none holds one, the end of
     every non-empty stderr (a rank killed by a signal leaves no traceback)."""
     logs = {r: rank_stderr(log_dir, r) for r in range(1, nproc)}
+    if nproc > 1 and all(text is None for text in logs.values()):
+        return (
+            "epmoe.launch: torchrun stopped before it started the ranks (no rank wrote a "
+            "log); its own error is above"
+        )
     logs = {r: text for r, text in logs.items() if text and text.strip()}
     failed = {r: text for r, text in logs.items() if _TRACEBACK in text}
     chosen, what = (failed, "failed") if failed else (logs, "wrote to stderr")
@@ -204,8 +216,8 @@ def failed_rank_logs(log_dir: str, nproc: int, lines: int = TAIL_LINES) -> str:
     for rank, text in chosen.items():
         tail = text.rstrip().splitlines()[-lines:]
         out.append(
-            f"===== rank {rank} {what}: the last {len(tail)} lines of its stderr "
-            f"(epmoe.launch; rank 0's output is above) ====="
+            f"===== local rank {rank} {what}: the last {len(tail)} lines of its stderr "
+            f"(epmoe.launch; local rank 0's output is above) ====="
         )
         out.extend(tail)
     return "\n".join(out)
@@ -260,6 +272,34 @@ def _source_root() -> str | None:
     return root if os.path.exists(os.path.join(root, "pyproject.toml")) else None
 
 
+def _run(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun, passing SIGTERM and SIGHUP on to it (a scheduler's or ``timeout``'s
+    stop: torchrun stops its ranks, then this launcher cleans up); Ctrl-C reaches the whole
+    process group anyway, and torchrun is given a moment to stop its ranks. Returns its
+    exit code (128 + the signal's number when a signal ended it)."""
+    proc = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, _frame) -> None:
+        proc.send_signal(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # (handlers' rule)
+    signals = (signal.SIGTERM, signal.SIGHUP) if main_thread else ()
+    old = {s: signal.signal(s, forward) for s in signals}
+    try:
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    return 128 - rc if rc < 0 else rc
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """Run the launcher with ``argv`` (default ``sys.argv[1:]``); returns torchrun's exit code."""
     ap = parser(prog)
@@ -267,6 +307,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if opts.nproc is not None and opts.nproc <= 0:
         ap.error(f"--nproc must be positive, got {opts.nproc}")
     nproc = opts.nproc or default_nproc()
+    if opts.all_ranks and opts.log_dir is not None:
+        ap.error("--log-dir keeps the other ranks' output, which --all-ranks shows here: give one")
     try:
         nodes = Nodes(
             nnodes=opts.nnodes,
@@ -278,6 +320,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         )
     except ValueError as exc:
         ap.error(str(exc))
+    if not opts.module and not os.path.isfile(opts.script):
+        ap.error(f"no script {opts.script!r} (a module? add -m)")
     env = dict(os.environ)
     for key, value in SAFE_GPU_ENV.items():
         env.setdefault(key, value)
@@ -290,7 +334,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         cmd = torchrun_command(
             opts.script, opts.args, nproc, opts.all_ranks, opts.module, log_dir, nodes
         )
-        rc = subprocess.call(cmd, env=env)
+        rc = _run(cmd, env)
         if rc != 0 and not opts.all_ranks and nproc > 1:
             sys.stdout.flush()
             print(failed_rank_logs(log_dir, nproc), file=sys.stderr, flush=True)
@@ -301,4 +345,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="python -m epmoe.launch"))

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     launcher.add_argument("--nproc", type=int, default=None)
     opts, demo_args = launcher.parse_known_args(argv)
     launch_args = ["--nproc", str(opts.nproc)] if opts.nproc is not None else []
-    return run_main([*launch_args, DEMO, *demo_args])
+    return run_main([*launch_args, DEMO, *demo_args], prog="launch/demo.py")
 
 
 if __name__ == "__main__":

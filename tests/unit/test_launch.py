@@ -282,7 +282,7 @@ def test_run_shows_the_error_of_a_failing_rank_other_than_rank_0(tmp_path):
     assert done.returncode != 0, out
     assert "rank 0 starts" in out and "rank 1 starts" not in out, out  # rank 0 shown live
     assert "ValueError: boom on rank 1" in out, out
-    assert "===== rank 1 failed" in out, out
+    assert "===== local rank 1 failed" in out, out
 
 
 def test_run_failed_rank_logs_picks_the_ranks_with_a_traceback(tmp_path):

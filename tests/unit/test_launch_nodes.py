@@ -90,6 +90,34 @@ def test_main_reports_a_bad_option_as_a_usage_error(capsys):
     assert "--master-addr HOST" in capsys.readouterr().err
 
 
+def test_more_than_ten_ranks_go_to_their_files_with_rank_0_teed():
+    """torchrun's per-rank --redirects map takes one-digit local ranks (11 ranks failed at
+    once with 'does not match'): above 10, every rank to its files, rank 0 also here."""
+    cmd = torchrun_command("serve.py", [], 11, all_ranks=False, log_dir="/tmp/logs")
+    assert _opt(cmd, "--redirects") == "3" and _opt(cmd, "--tee") == "0:3"
+    assert _opt(cmd, "--local-ranks-filter") == "0"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["no_such_script.py"], "no script 'no_such_script.py' (a module? add -m)"),
+        (["--all-ranks", "--log-dir", "/tmp/x", "-m", "m"], "--log-dir keeps the other ranks'"),
+        (["--nnodes", "2", "--rdzv-endpoint", "h:99999", "-m", "m"], "HOST:PORT"),
+    ],
+)
+def test_main_refuses_what_torchrun_would_fail_on_late(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_no_rank_log_means_torchrun_stopped_before_the_ranks(tmp_path):
+    from epmoe.launch import failed_rank_logs
+
+    assert "torchrun stopped before it started the ranks" in failed_rank_logs(str(tmp_path), 2)
+
+
 def test_python_m_epmoe_launch_runs_a_module_on_two_ranks(tmp_path):
     """The packaged launcher end to end: ``python -m epmoe.launch --all-ranks -m MODULE``."""
     (tmp_path / "hello_ranks.py").write_text(
@@ -107,3 +135,34 @@ def test_python_m_epmoe_launch_runs_a_module_on_two_ranks(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     assert "hello from rank 0 of 2" in out and "hello from rank 1 of 2" in out, out
+
+
+def test_sigterm_to_the_launcher_stops_the_ranks_and_cleans_up(tmp_path):
+    """A scheduler's (or ``timeout``'s) SIGTERM reaches torchrun, which stops its ranks; the
+    launcher then removes its temporary log folder. (It left torchrun and every rank running,
+    and the folder behind.)"""
+    import signal
+    import time
+
+    (tmp_path / "sleeper.py").write_text(
+        "import os, time\n"
+        "open(os.path.join(os.environ['PIDS'], os.environ['LOCAL_RANK']), 'w')"
+        ".write(str(os.getpid()))\n"
+        "time.sleep(120)\n"
+    )
+    env = dict(os.environ, PIDS=str(tmp_path), TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "epmoe.launch", "--nproc", "2", str(tmp_path / "sleeper.py")]
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, **quiet)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / r).exists() for r in "01"):
+        assert time.monotonic() < deadline and proc.poll() is None, "the ranks never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    pids = [int((tmp_path / r).read_text()) for r in "01"]
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        assert time.monotonic() < deadline, f"ranks {pids} still running"
+        time.sleep(0.2)
+    assert not list(tmp_path.glob("epmoe-run-*")), "the temporary log folder was left"

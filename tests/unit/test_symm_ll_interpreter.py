@@ -734,8 +734,8 @@ def test_a_closed_backend_keeps_no_view_and_cannot_be_rebound(monkeypatch):
 
 @pytest.mark.parametrize("raw", ["inf", "nan", "1e10", "0", "-1"])
 def test_the_timeout_setting_is_a_finite_positive_number(raw, monkeypatch):
-    from epmoe.comm.symm.common import _timeout_s
+    from epmoe.comm.symm.common import comm_timeout_s
 
     monkeypatch.setenv("EPMOE_COMM_TIMEOUT_S", raw)
     with pytest.raises(ValueError, match="EPMOE_COMM_TIMEOUT_S must be a positive number"):
-        _timeout_s()
+        comm_timeout_s()

@@ -51,7 +51,7 @@ _KINDS = {
 }
 
 
-def _timeout_s() -> float:
+def comm_timeout_s() -> float:
     raw = os.environ.get("EPMOE_COMM_TIMEOUT_S", "").strip()
     try:
         value = float(raw) if raw else 10.0
@@ -163,7 +163,7 @@ class SymmTransport:
         self.err_host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
         self._err_word = self.err_host.numpy()  # read without torch's indexing overhead
         self.err_addr = self.err_host.data_ptr()
-        self.timeout_ns = int(_timeout_s() * 1e9)
+        self.timeout_ns = int(comm_timeout_s() * 1e9)
         self.num_sms = num_sms(dev) if on_gpu else 4
         # a whole row (up to 8192 columns) per step of a program
         self.block_h = min(max(pow2(H), FP8_GROUP), 8192)
