@@ -189,7 +189,18 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    E, groups = args.num_experts, args.n_group
+    if groups < 1 or E % groups:  # (what the routing of the written model needs)
+        p.error(f"--num-experts {E} must be a multiple of --n-group {groups}")
+    if not 1 <= args.topk_group <= groups:
+        p.error(f"--topk-group must be in 1 … --n-group ({groups}), got {args.topk_group}")
+    if not 1 <= args.top_k <= args.topk_group * E // groups:
+        p.error(
+            f"--top-k {args.top_k} must be at most the experts of the --topk-group "
+            f"{args.topk_group} groups chosen ({args.topk_group * E // groups})"
+        )
     index = write(args.directory, args)
     n = len(set(index["weight_map"].values()))
     gib = index["metadata"]["total_size"] / 2**30

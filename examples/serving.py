@@ -864,6 +864,16 @@ def main(argv: list[str] | None = None) -> None:
 
     group = epmoe.init_distributed()
     rank, W = (dist.get_rank(), dist.get_world_size()) if group is not None else (0, 1)
+    if group is not None:  # the ranks' own collectives follow the options: the same on all
+        everyone: list = [None] * W
+        dist.all_gather_object(everyone, vars(args), group=group)
+        differ = sorted(k for k in vars(args) if len({repr(o[k]) for o in everyone}) > 1)
+        if differ:
+            p.error(
+                "every rank must run with the same options; these differ: "
+                + "; ".join(f"--{k.replace('_', '-')}: " + ", ".join(
+                    f"rank {r} {o[k]!r}" for r, o in enumerate(everyone)) for k in differ)
+            )  # fmt: skip
     device = normalize_device(args.device) if args.device else default_device(group)
     if args.static_cache and args.cuda_graphs == "blocks":
         p.error(
