@@ -775,11 +775,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--max-new-tokens", type=_at_least(2), default=16, help="longest output (tokens)"
     )
-    p.add_argument("--num-layers", type=_at_least(1), default=2)
-    p.add_argument("--num-experts", type=_at_least(1), default=8)
-    p.add_argument("--top-k", type=_at_least(1), default=2)
-    p.add_argument("--hidden-size", type=_at_least(1), default=64)
-    p.add_argument("--vocab", type=_at_least(4), default=512)
+    tiny = "the tiny random model's (without --checkpoint)"
+    p.add_argument("--num-layers", type=_at_least(1), default=2, help=f"{tiny} decoder layers")
+    p.add_argument("--num-experts", type=_at_least(1), default=8, help=f"{tiny} routed experts")
+    p.add_argument("--top-k", type=_at_least(1), default=2, help=f"{tiny} experts per token")
+    p.add_argument(
+        "--hidden-size", type=_at_least(8), default=64,
+        help=f"{tiny} hidden size (a multiple of its 4 attention heads' 2·head_dim: of 8)",
+    )  # fmt: skip
+    p.add_argument("--vocab", type=_at_least(4), default=512, help=f"{tiny} vocabulary size")
     p.add_argument("--backend", default="auto", help="epmoe all-to-all backend")
     p.add_argument("--device", default=None, help="cpu or cuda (default: the group's)")
     p.add_argument("--rebalance-every", type=_at_least(1), default=20, help="EPLB re-plan interval")
@@ -850,6 +854,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error("this example serves a Hugging Face model: pip install 'epmoe[hf]'")
     if args.fp8_experts and not args.checkpoint:
         p.error("--fp8-experts keeps an FP8 checkpoint's experts in FP8: add --checkpoint DIR")
+    if args.hidden_size % 8 and not args.checkpoint:  # (4 heads, rotary halves)
+        p.error(
+            f"--hidden-size must be a multiple of 8 (4 attention heads), got {args.hidden_size}"
+        )
     if args.top_k > args.num_experts and not args.checkpoint:
         p.error(f"--top-k {args.top_k} exceeds --num-experts {args.num_experts}")
     if args.graph_sizes is not None and not (args.cuda_graphs or args.static_cache):
