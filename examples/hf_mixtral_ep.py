@@ -57,14 +57,23 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--num-layers", type=int, default=2)
-    p.add_argument("--num-experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--num-layers", type=int, default=2, help="decoder layers of the tiny model")
+    p.add_argument("--num-experts", type=int, default=8, help="experts per MoE block")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token")
+    p.add_argument(
+        "--hidden-size", type=int, default=128, help="a multiple of 16 (8 heads, rotary halves)"
+    )
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per prompt")
     p.add_argument("--placement", default="linear", choices=["linear", "round_robin"])
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backend", default="auto", help="epmoe all-to-all backend")
     args = p.parse_args(argv)
+    for name in ("num_layers", "num_experts", "top_k", "hidden_size", "new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.top_k > args.num_experts:
+        p.error(f"--top-k {args.top_k} exceeds --num-experts {args.num_experts}")
+    if args.hidden_size % 16:
+        p.error(f"--hidden-size must be a multiple of 16 (8 heads), got {args.hidden_size}")
 
     group = epmoe.init_distributed()  # None without torchrun: a single process
     rank = dist.get_rank() if group is not None else 0
