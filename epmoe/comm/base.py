@@ -372,10 +372,8 @@ class AllToAll(ABC):
         with their count exchange, see :func:`ids_out_of_range`); the graph-safe ones
         report them from the device at the next call or ``check()``.
 
-        The inputs must stay unchanged until ``wait()``; ``topk_ids_TK`` until the
-        combine of this result has finished: ``symm_ll``'s combine reads it again (which
-        rank holds each (token, k)), so a buffer of ids refilled for the next micro-batch
-        before then gives wrong sums. The other backends keep what they need.
+        The inputs must stay unchanged until ``wait()``; after it the caller may refill
+        them (the next micro-batch's): every backend keeps what its combine needs.
         """
 
     @abstractmethod

@@ -537,7 +537,7 @@ def test_bound_launches_run_the_kernels_as_triton_would(monkeypatch):
 
     # as their @triton.jit(do_not_specialize=...) declare (the interpreter drops it)
     loose = {"ll_dispatch_kernel": {"T", "tag"}, "ll_combine_kernel": {"T"}}
-    for real, n in ((k.ll_dispatch_kernel, 28), (k.ll_combine_kernel, 21)):
+    for real, n in ((k.ll_dispatch_kernel, 29), (k.ll_combine_kernel, 22)):
         name = real.__name__
         signature = inspect.signature(real.fn).parameters.values()
         params = [
@@ -739,3 +739,36 @@ def test_the_timeout_setting_is_a_finite_positive_number(raw, monkeypatch):
     monkeypatch.setenv("EPMOE_COMM_TIMEOUT_S", raw)
     with pytest.raises(ValueError, match="EPMOE_COMM_TIMEOUT_S must be a positive number"):
         comm_timeout_s()
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one launch", "split phase"])
+def test_the_combine_needs_not_the_callers_ids(split):
+    """Two micro-batches through one buffer of ids, refilled for the second after the first
+    dispatch: each combine still weights its own tokens' rows (the dispatch keeps each
+    token's ranks in the transport; the combine read the caller's ids again, which gave
+    errors of 2 here)."""
+    E, K, H, M = 4, 2, 128, 4
+    spec = CommSpec(H, K, (0, E), M, torch.float32, torch.device("cpu"))
+    comm = _backend(spec)
+    g = torch.Generator().manual_seed(0)
+    x0, x1 = torch.randn(3, H, generator=g), torch.randn(3, H, generator=g)
+    w = torch.full((3, K), 0.5)
+    ids0 = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    ids1 = torch.tensor([[3, -1], [-1, -1], [0, 3]])
+    ids = ids0.clone()
+
+    def dispatch(x):
+        return comm.dispatch_async(x, ids, w).wait() if split else comm.dispatch(x, ids, w)
+
+    def combine(y, res):
+        return comm.combine_async(y, res).wait() if split else comm.combine(y, res)
+
+    r0 = dispatch(x0)
+    y0 = _identity(r0)
+    ids.copy_(ids1)
+    r1 = dispatch(x1)
+    y1 = _identity(r1)
+    for x, y, res, routed in ((x0, y0, r0, ids0), (x1, y1, r1, ids1)):
+        want = x * (w * (routed >= 0)).sum(1, keepdim=True)
+        assert_close(combine(y, res), want, 1e-6, name=f"split={split}")
+    comm.close()

@@ -460,8 +460,8 @@ class SymmBackend(AllToAll):
 
     def _routes(self, tr: SymmTransport, parity: int) -> torch.Tensor | None:
         """``[M]`` int32 that the dispatch send fills on ``parity`` with the ranks each
-        token went to (a bit per rank), for a combine receive that takes several tokens at
-        once; None: not kept (one token per step reads its routing itself)."""
+        token went to (a bit per rank), read by the combine's receive; None: not kept (the
+        receive reads the caller's ids again, one token per step)."""
         return None
 
     def _combine_receive(
@@ -493,7 +493,7 @@ class SymmBackend(AllToAll):
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
             BLOCK_W=pow2(W), COUNTED=self._counted, ROWS=rows, RANKS=min(ranks, W),
-            PREFETCH=prefetch if rows > 1 else 0,
+            PREFETCH=prefetch if rows > 1 else 0, ROUTES=routes is not None,
             num_warps=num_warps or tr.num_warps, **consts,
         )  # fmt: skip
         self._combine_done(h)

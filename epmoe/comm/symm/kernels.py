@@ -653,10 +653,10 @@ def _dispatch_send(
     T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-    EPS: tl.constexpr, stamps_ptr, pid, STAMPS: tl.constexpr,
+    EPS: tl.constexpr, stamps_ptr, pid, STAMPS: tl.constexpr, routes_ptr,
 ):  # fmt: skip
     """Program ``t`` of a one-token-per-program send half (``symm_ll``'s fused dispatch):
-    each sends its token and raises its flag."""
+    each sends its token (its ranks into ``routes_ptr[t]``) and raises its flag."""
     _stamp(stamps_ptr, pid, 0, STAMPS)
     rr = tl.arange(0, BLOCK_W)
     bases = tl.load(bases_ptr + rr, mask=rr < W, other=0)
@@ -664,7 +664,7 @@ def _dispatch_send(
         t, x_ptr, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases, err_addr,
         T, H, P, M, W, G, src, off_x, off_s, off_ids, off_w,
         K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, False, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
-        x_ptr, False,
+        routes_ptr, True,
     )  # fmt: skip
     _stamp(stamps_ptr, pid, 1, STAMPS)
     tl.debug_barrier()  # every store of this program is issued before the fence
@@ -925,6 +925,7 @@ def ll_dispatch_kernel(
     xo_ptr, so_ptr, cnt_ptr, pos_ptr, recv_t_ptr, stamps_ptr,
     T, H, P, M, W, G, C, src, timeout_ns, tag,
     off_flags, off_x, off_s, off_ids, off_w,
+    routes_ptr,  # [M] int32 (out): the ranks each token went to, for this call's combine
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     FP8: tl.constexpr, WIRE: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
     EPS: tl.constexpr, IN_PLACE: tl.constexpr, STAMPS: tl.constexpr,
@@ -948,7 +949,7 @@ def ll_dispatch_kernel(
             pid - 1, x_ptr, ids_ptr, w_ptr, owner_ptr, local_ptr, bases_ptr, err_addr,
             T, H, P, M, W, G, src, off_flags, off_x, off_s, off_ids, off_w,
             K, BLOCK_K, BLOCK_W, BLOCK_H, FP8, WIRE, FP8_MAX, INV_FP8_MAX, EPS,
-            stamps_ptr, pid, STAMPS,
+            stamps_ptr, pid, STAMPS, routes_ptr,
         )  # fmt: skip
     else:
         q = pid - 1 - T
@@ -1023,10 +1024,13 @@ def _combine_recv(
     T, H, P, W, M, me, timeout_ns, off_flags, off_y,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     stamps_ptr, pid, STAMPS: tl.constexpr, COUNTED: tl.constexpr,
+    routes_ptr, ROUTES: tl.constexpr,
 ):  # fmt: skip
     """Program ``t`` of the combine's receive half: waits for token ``t``'s partial sums
     from the ranks holding its experts and adds them in float32. ``COUNTED``: the caller
-    has waited, once for all its tokens (``_combine_waits``)."""
+    has waited, once for all its tokens (``_combine_waits``). ``ROUTES``: which ranks hold
+    them is read from ``routes_ptr[t]`` (the dispatch's own record, a bit per rank), not
+    from the caller's ids, which it may have refilled since."""
     _stamp(stamps_ptr, pid, 0, STAMPS)
     kk = tl.arange(0, BLOCK_K)
     k_mask = kk < K
@@ -1034,7 +1038,9 @@ def _combine_recv(
     base = tl.load(bases_ptr + me)
     flags = _at(base, off_flags, tl.int32)
     t64 = tl.cast(t, tl.int64)
-    if t < T:  # (its routing does not depend on the waits below)
+    if t < T and ROUTES:  # (its routing does not depend on the waits below)
+        has_W = (tl.load(routes_ptr + t64) >> rr) & 1
+    elif t < T:
         _, _, _, _, has_W = _route_token(ids_ptr, owner_ptr, t64, P, K, kk, k_mask, rr)
     else:
         has_W = tl.zeros((BLOCK_W,), tl.int32)
@@ -1201,6 +1207,7 @@ def combine_recv_kernel(
     RANKS: tl.constexpr = 1,  # ROWS > 1: ranks whose partial rows it loads at once
     PREFETCH: tl.constexpr = 0,  # ROWS > 1: steps ahead whose rows it asks of the L2
     PDL: tl.constexpr = False,
+    ROUTES: tl.constexpr = False,  # ROWS = 1: each token's ranks from routes_ptr, not ids
 ):
     """The receive half alone (split phase; ``symm_ht``'s combine receive): program p
     takes tokens p, p + G, ... of ``max(T, 1)`` (``COUNTED``: after one wait for all),
@@ -1214,7 +1221,7 @@ def combine_recv_kernel(
             _combine_recv(
                 t, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
                 T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-                out_ptr, 0, False, COUNTED,
+                out_ptr, 0, False, COUNTED, routes_ptr, ROUTES,
             )  # fmt: skip
     else:  # each step's routes loaded a step ahead: its rows' loads wait on nothing
         tR = tl.program_id(0) + G * tl.arange(0, ROWS)
@@ -1241,6 +1248,7 @@ def ll_combine_kernel(
     y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, out_ptr, ids_ptr, owner_ptr, err_addr,
     stamps_ptr,
     e_max, T, H, P, M, W, me, timeout_ns, off_flags, off_w, off_y,
+    routes_ptr,  # [M] int32 the ranks each token went to (ll_dispatch_kernel's routes)
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, STAMPS: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -1261,7 +1269,7 @@ def ll_combine_kernel(
         _combine_recv(
             pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
             T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
-            stamps_ptr, pid, STAMPS, False,
+            stamps_ptr, pid, STAMPS, False, routes_ptr, True,
         )  # fmt: skip
 
 

@@ -48,7 +48,9 @@ class LLTransport(SymmTransport):
     (``common.SymmTransport``; the received rows stay there) and, per parity, the row index
     ``out [e_max, C]`` int32, ``counts [e_max]`` int32, ``pos [W, M, K]`` int32 and
     ``recv_t [W]`` int32 (each source's token count; ``-1 - T_s`` for a source in another
-    layer's call, whose rows the combine then weights with NaN)."""
+    layer's call, whose rows the combine then weights with NaN), and ``routes [M]`` int32:
+    the ranks each of this rank's tokens went to, a bit each, written by the dispatch and
+    read by its combine (the caller's ids may have been refilled in between)."""
 
     name = "symm_ll"
     in_place = True
@@ -63,6 +65,7 @@ class LLTransport(SymmTransport):
         self.counts = [torch.zeros(e, **i32) for _ in range(2)]
         self.pos = [torch.empty(W, M, K, **i32) for _ in range(2)]
         self.recv_t = [torch.zeros(W, **i32) for _ in range(2)]
+        self.routes = [torch.zeros(M, **i32) for _ in range(2)]
 
     def _expert_rows(self, e: int) -> torch.Tensor:
         """One parity's per-expert rows: the index into the received rows."""
@@ -70,7 +73,7 @@ class LLTransport(SymmTransport):
 
     def close(self) -> None:
         super().close()
-        self.out = self.out_scale = self.counts = self.pos = []
+        self.out = self.out_scale = self.counts = self.pos = self.routes = []
 
 
 class LLCopyTransport(LLTransport):
@@ -175,6 +178,9 @@ class SymmLLBackend(SymmBackend):
         over up to every SM of the device."""
         return self._live().num_sms
 
+    def _routes(self, tr, parity: int) -> torch.Tensor:
+        return tr.routes[parity]
+
     # ------------------------------------------------------------------ dispatch
     def _dispatch_result(self, tr, b: int, ids: torch.Tensor, T: int) -> DispatchResult:
         views = self._views.get(b)
@@ -221,7 +227,7 @@ class SymmLLBackend(SymmBackend):
             tr.out[b], tr.out_scale[b], tr.counts[b], tr.pos[b], tr.recv_t[b],
             tr.counts[b] if stamps is None else stamps,
             T, tr.H, spec.num_physical, tr.M, W, tr.G, tr.C, self.rank, tr.timeout_ns,
-            tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
+            tag, reg.flags, reg.x, reg.s, reg.ids, reg.w, tr.routes[b],
         )  # fmt: skip
         grid = (1 + T + W * tr.M,)
         meta = dict(IN_PLACE=tr.in_place, STAMPS=stamps is not None, num_warps=tr.num_warps)
@@ -277,7 +283,7 @@ class SymmLLBackend(SymmBackend):
             y, tr.bases, tr.pos[b], tr.recv_t[b], tr.counts[b], out, h.ids_TK, self._owner_P,
             tr.err_addr, out if stamps is None else stamps,
             tr.e_max, T, tr.H, spec.num_physical, tr.M, W, self.rank, tr.timeout_ns,
-            reg.flags, reg.w, reg.y,
+            reg.flags, reg.w, reg.y, tr.routes[b],
         )  # fmt: skip
         grid = (W * tr.M + max(1, T),)
         meta = dict(BLOCK_W=pow2(W), BLOCK_E=BLOCK_E, STAMPS=stamps is not None)
