@@ -215,18 +215,21 @@ def test_a_result_is_combined_in_the_mode_it_was_dispatched_in():
 
 def test_more_ranks_than_the_routes_mask_holds_are_refused(monkeypatch):
     """Each token's destination ranks are an int32 mask: a group of 33 ranks is refused
-    (``_ranks_reason``, which ``unavailable_reason`` adds for ``available_backends`` and
+    (``ranks_reason``, which ``unavailable_reason`` adds for ``available_backends`` and
     ``auto``) and by the constructor, naming the limit and the way out, before any buffer
-    is taken."""
-    import epmoe.comm.symm.ht as ht
+    is taken; by ``symm_ll`` too, whose combine reads the same routes."""
+    import epmoe.comm.symm.common as common
+    from tests.unit.test_symm_ll_interpreter import _backend as ll_backend
 
-    monkeypatch.setattr(ht.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(ht.dist, "get_world_size", lambda group=None: 33)
-    reason = ht._ranks_reason(None)
+    monkeypatch.setattr(common.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(common.dist, "get_world_size", lambda group=None: 33)
+    reason = common.ranks_reason(None)
     assert reason is not None and "at most 32 ranks" in reason and "has 33" in reason
     spec = CommSpec(128, 2, (0, 4), 4, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"symm_ht: at most 32 ranks .* use all_to_all"):
         _backend(spec)
+    with pytest.raises(ValueError, match=r"symm_ll: at most 32 ranks .* use all_to_all"):
+        ll_backend(spec)
 
 
 CALLS = {  # tokens per rank in five calls: T = 0 on some rank, T = M, tokens that loop

@@ -173,6 +173,10 @@ class SymmTransport:
         self.next_parity = 0
         self.broken: str | None = None
         self._row_views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # [M] int32 per parity: the ranks each of this rank's tokens went to, a bit each
+        # (the dispatch send writes it, the combine receive reads it: one load per token,
+        # not its ids and their owners, and not the caller's ids, refilled since maybe)
+        self.routes = [torch.zeros(M, dtype=torch.int32, device=dev) for _ in range(2)]
         self._allocate_local(spec)
         if on_gpu:
             torch.cuda.synchronize(dev)
@@ -250,6 +254,7 @@ class SymmTransport:
         self._handle = None
         self._buffer = None
         self._row_views = {}
+        self.routes = []
 
 
 class SymmHandle:
@@ -324,7 +329,7 @@ class SymmBackend(AllToAll):
         reason = super().unavailable_reason(device, group)
         if reason is not None:
             return reason
-        reason = one_nvlink_node_reason(group)
+        reason = one_nvlink_node_reason(group) or ranks_reason(group)
         if reason is not None:
             return reason
         try:
@@ -335,6 +340,9 @@ class SymmBackend(AllToAll):
         return None
 
     def __init__(self, spec, group, layout=None):
+        reason = ranks_reason(group)
+        if reason is not None:
+            raise ValueError(f"{self.name}: {reason}")
         super().__init__(spec, group, layout)
         self._hold: transport.Hold | None = None
         self._dispatch_consts: dict | None = None  # the dispatch kernels' meta-parameters
@@ -443,26 +451,19 @@ class SymmBackend(AllToAll):
                 from epmoe.kernels.ops import per_token_group_quant_fp8
 
                 x, x_scale = per_token_group_quant_fp8(x)
-            routes = self._routes(tr, b)
             launch(k.dispatch_send_kernel)(
                 (programs,),
                 x, x if x_scale is None else x_scale, ids, w, self._owner_P, self._local_P,
-                tr.bases, tr.err_addr, ids if routes is None else routes,
+                tr.bases, tr.err_addr, tr.routes[b],
                 x.shape[0], tr.H, spec.num_physical, tr.M, self.world_size, tr.G, self.rank,
                 self.kernel_tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 BATCH=self._batch, FENCE=self._fence, PREQUANT=x_scale is not None,
-                COUNTED=self._counted, ROWS=rows, ROUTES=routes is not None,
+                COUNTED=self._counted, ROWS=rows, ROUTES=True,
                 num_warps=tr.num_warps, **consts,
             )  # fmt: skip
         except BaseException:
             tr.give_back(b)
             raise
-
-    def _routes(self, tr: SymmTransport, parity: int) -> torch.Tensor | None:
-        """``[M]`` int32 that the dispatch send fills on ``parity`` with the ranks each
-        token went to (a bit per rank), read by the combine's receive; None: not kept (the
-        receive reads the caller's ids again, one token per step)."""
-        return None
 
     def _combine_receive(
         self,
@@ -483,17 +484,13 @@ class SymmBackend(AllToAll):
         tr, spec, W, T = h.transport, self.spec, self.world_size, h.num_tokens
         reg = tr.regions[h.parity]
         out = torch.empty(T, tr.H, dtype=spec.dtype, device=tr.device)
-        routes = self._routes(tr, h.parity)
-        if rows > 1 and routes is None:
-            raise AssertionError(f"{self.name}: several rows per step read the dispatch's routes")
         launch(k.combine_recv_kernel)(
             (programs,),
-            out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr,
-            h.ids_TK if routes is None else routes,
+            out, h.ids_TK, self._owner_P, tr.bases, tr.err_addr, tr.routes[h.parity],
             T, tr.H, spec.num_physical, W, tr.M, self.rank, tr.timeout_ns,
             reg.flags, reg.y,
             BLOCK_W=pow2(W), COUNTED=self._counted, ROWS=rows, RANKS=min(ranks, W),
-            PREFETCH=prefetch if rows > 1 else 0, ROUTES=routes is not None,
+            PREFETCH=prefetch if rows > 1 else 0, ROUTES=True,
             num_warps=num_warps or tr.num_warps, **consts,
         )  # fmt: skip
         self._combine_done(h)
@@ -544,6 +541,21 @@ class SymmBackend(AllToAll):
         self._views, self._bound = {}, {}
         if self._hold is not None:
             self._hold.release()
+
+
+# Each token's destination ranks are kept as an int32 mask (SymmTransport.routes)
+MAX_RANKS = 32
+
+
+def ranks_reason(group) -> str | None:
+    """Why ``group`` has too many ranks for the symm backends, or ``None``."""
+    W = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    if W > MAX_RANKS:
+        return (
+            f"at most {MAX_RANKS} ranks (each token's destination ranks are kept as a 32-bit "
+            f"mask), the group has {W}: use all_to_all"
+        )
+    return None
 
 
 def _on_device(device: torch.device, **tensors: torch.Tensor) -> None:

@@ -25,7 +25,6 @@ M = M_max tokens per rank · R = W·M received rows.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pending
 from epmoe.comm.symm.common import (
@@ -62,8 +61,6 @@ RECV_PREFETCH = 1
 # and SMs taken for the sum slow it as much as they hide.
 STREAM_CHUNK = 512
 STREAM_MIN_SMS = 64
-# The dispatch keeps each token's destination ranks as an int32 mask (HTTransport.routes)
-MAX_RANKS = 32
 # Rows of routing a program of the counted dispatch's receive publishes at once (after its
 # one wait nothing orders them): 64 rows of ids and weights, 4 KiB in flight per program.
 PUBLISH_ROWS = 64
@@ -72,8 +69,8 @@ PUBLISH_ROWS = 64
 class HTTransport(SymmTransport):
     """``symm_ht``'s buffers for one shape, shared by layers: the symmetric regions
     (``common.SymmTransport``; the received rows stay there) and, per parity, the
-    published ``ids_out [R, K]`` int64 and ``w_out [R, K]`` float32 and ``recv_t [W]``, and
-    ``routes [M]`` of this rank's tokens."""
+    published ``ids_out [R, K]`` int64 and ``w_out [R, K]`` float32 and ``recv_t [W]``
+    (``routes`` as every symm transport)."""
 
     name = "symm_ht"
 
@@ -84,14 +81,10 @@ class HTTransport(SymmTransport):
         self.recv_t = [
             torch.zeros(self.world_size, dtype=torch.int32, device=dev) for _ in range(2)
         ]
-        # [M] int32 per parity: the ranks each of this rank's tokens went to, a bit each
-        # (the dispatch send writes it, the combine receive reads it: one load per token,
-        # not its ids and their owners one after the other)
-        self.routes = [torch.zeros(self.M, dtype=torch.int32, device=dev) for _ in range(2)]
 
     def close(self) -> None:
         super().close()
-        self.ids_out = self.w_out = self.recv_t = self.routes = []
+        self.ids_out = self.w_out = self.recv_t = []
 
 
 class SymmHTBackend(SymmBackend):
@@ -173,9 +166,6 @@ class SymmHTBackend(SymmBackend):
                 f"reducers={reducers} needs tokens_per_flag=0 (the streamed combine counts "
                 f"tokens per chunk), got tokens_per_flag={tokens_per_flag}"
             )
-        reason = _ranks_reason(group)
-        if reason is not None:
-            raise ValueError(f"symm_ht: {reason}")
         from epmoe.comm.symm.kernels import batch_fence
 
         self._sms = num_sms
@@ -194,13 +184,6 @@ class SymmHTBackend(SymmBackend):
         the send's quantization is the bottleneck, 274 against 152. With row flags
         (``tokens_per_flag`` > 0) always first (232 -> 181 µs)."""
         return not self._counted or self.num_sms < FUSED_FP8_MIN_SMS
-
-    def _routes(self, tr: HTTransport, parity: int) -> torch.Tensor:
-        return tr.routes[parity]
-
-    @classmethod
-    def unavailable_reason(cls, device, group=None) -> str | None:
-        return super().unavailable_reason(device, group) or _ranks_reason(group)
 
     @property
     def num_sms(self) -> int:
@@ -313,13 +296,3 @@ class SymmHTBackend(SymmBackend):
             return out
 
         return Pending(receive)
-
-
-def _ranks_reason(group) -> str | None:
-    W = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-    if W > MAX_RANKS:
-        return (
-            f"at most {MAX_RANKS} ranks (each token's destination ranks are kept as a 32-bit "
-            f"mask), the group has {W}: use all_to_all"
-        )
-    return None

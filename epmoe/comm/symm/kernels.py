@@ -1245,9 +1245,8 @@ def combine_recv_kernel(
 
 @triton.jit(do_not_specialize=["T", "me", "off_flags", "off_w", "off_y"])
 def ll_combine_kernel(
-    y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, out_ptr, ids_ptr, owner_ptr, err_addr,
-    stamps_ptr,
-    e_max, T, H, P, M, W, me, timeout_ns, off_flags, off_w, off_y,
+    y_ptr, bases_ptr, pos_ptr, recv_t_ptr, cnt_ptr, out_ptr, err_addr, stamps_ptr,
+    e_max, T, H, M, W, me, timeout_ns, off_flags, off_w, off_y,
     routes_ptr,  # [M] int32 the ranks each token went to (ll_dispatch_kernel's routes)
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_E: tl.constexpr, STAMPS: tl.constexpr,
@@ -1266,9 +1265,9 @@ def ll_combine_kernel(
             stamps_ptr, pid, STAMPS,
         )  # fmt: skip
     else:
-        _combine_recv(
-            pid - n_send, out_ptr, ids_ptr, owner_ptr, bases_ptr, err_addr,
-            T, H, P, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
+        _combine_recv(  # (its routing from routes_ptr: no ids, owners or P to read)
+            pid - n_send, out_ptr, out_ptr, out_ptr, bases_ptr, err_addr,
+            T, H, 0, W, M, me, timeout_ns, off_flags, off_y, K, BLOCK_K, BLOCK_W, BLOCK_H,
             stamps_ptr, pid, STAMPS, False, routes_ptr, True,
         )  # fmt: skip
 

@@ -48,9 +48,8 @@ class LLTransport(SymmTransport):
     (``common.SymmTransport``; the received rows stay there) and, per parity, the row index
     ``out [e_max, C]`` int32, ``counts [e_max]`` int32, ``pos [W, M, K]`` int32 and
     ``recv_t [W]`` int32 (each source's token count; ``-1 - T_s`` for a source in another
-    layer's call, whose rows the combine then weights with NaN), and ``routes [M]`` int32:
-    the ranks each of this rank's tokens went to, a bit each, written by the dispatch and
-    read by its combine (the caller's ids may have been refilled in between)."""
+    layer's call, whose rows the combine then weights with NaN); ``routes`` as every
+    symm transport."""
 
     name = "symm_ll"
     in_place = True
@@ -65,7 +64,6 @@ class LLTransport(SymmTransport):
         self.counts = [torch.zeros(e, **i32) for _ in range(2)]
         self.pos = [torch.empty(W, M, K, **i32) for _ in range(2)]
         self.recv_t = [torch.zeros(W, **i32) for _ in range(2)]
-        self.routes = [torch.zeros(M, **i32) for _ in range(2)]
 
     def _expert_rows(self, e: int) -> torch.Tensor:
         """One parity's per-expert rows: the index into the received rows."""
@@ -73,7 +71,7 @@ class LLTransport(SymmTransport):
 
     def close(self) -> None:
         super().close()
-        self.out = self.out_scale = self.counts = self.pos = self.routes = []
+        self.out = self.out_scale = self.counts = self.pos = []
 
 
 class LLCopyTransport(LLTransport):
@@ -178,9 +176,6 @@ class SymmLLBackend(SymmBackend):
         over up to every SM of the device."""
         return self._live().num_sms
 
-    def _routes(self, tr, parity: int) -> torch.Tensor:
-        return tr.routes[parity]
-
     # ------------------------------------------------------------------ dispatch
     def _dispatch_result(self, tr, b: int, ids: torch.Tensor, T: int) -> DispatchResult:
         views = self._views.get(b)
@@ -270,28 +265,28 @@ class SymmLLBackend(SymmBackend):
         out = torch.empty(T, tr.H, dtype=self.spec.dtype, device=tr.device)
         bound = self._bound.get(("combine", b))
         programs = self.world_size * tr.M + max(1, T)
-        if bound is None or stamps is not None or not bound(programs, y, out, h.ids_TK, out, T):
+        if bound is None or stamps is not None or not bound(programs, y, out, out, T):
             self._launch_combine(tr, h, y, out, c, stamps)
         self._combine_done(h)
         return out
 
     def _launch_combine(self, tr, h, y, out, c, stamps) -> None:
         """The fused combine through ``launch`` (and bound, as ``_launch_dispatch``)."""
-        spec, W, T, b = self.spec, self.world_size, h.num_tokens, h.parity
+        W, T, b = self.world_size, h.num_tokens, h.parity
         reg = tr.regions[b]
         args = (
-            y, tr.bases, tr.pos[b], tr.recv_t[b], tr.counts[b], out, h.ids_TK, self._owner_P,
-            tr.err_addr, out if stamps is None else stamps,
-            tr.e_max, T, tr.H, spec.num_physical, tr.M, W, self.rank, tr.timeout_ns,
+            y, tr.bases, tr.pos[b], tr.recv_t[b], tr.counts[b], out, tr.err_addr,
+            out if stamps is None else stamps,
+            tr.e_max, T, tr.H, tr.M, W, self.rank, tr.timeout_ns,
             reg.flags, reg.w, reg.y, tr.routes[b],
         )  # fmt: skip
         grid = (W * tr.M + max(1, T),)
         meta = dict(BLOCK_W=pow2(W), BLOCK_E=BLOCK_E, STAMPS=stamps is not None)
         launcher = launch(kernels().ll_combine_kernel)
         launcher(grid, *args, num_warps=tr.num_warps, **meta, **c)
-        if stamps is None:  # (y, out, ids, T vary; the rest is the parity's)
+        if stamps is None:  # (y, out, T vary; the rest is the parity's)
             self._bound[("combine", b)] = launcher.bind(
-                grid, *args, variable=(0, 5, 6, 9, 11), num_warps=tr.num_warps, **meta, **c
+                grid, *args, variable=(0, 5, 7, 9), num_warps=tr.num_warps, **meta, **c
             )
 
     def combine_async(self, expert_out, result) -> Pending[torch.Tensor]:
