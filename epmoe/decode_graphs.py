@@ -71,7 +71,7 @@ def _agree(group: dist.ProcessGroup | None, error: Exception | None, config: str
     arguments (it raises its own error, the others a ``RuntimeError`` naming it) and
     whether the ranks' buckets, hidden size and dtype differ (each would replay another
     graph: every rank raises naming them). One object all-gather; nothing on one rank."""
-    rank, world = world_of(group)
+    _, world = world_of(group)
     if world == 1:
         if error is not None:
             raise error
@@ -85,8 +85,7 @@ def _agree(group: dist.ProcessGroup | None, error: Exception | None, config: str
         raise RuntimeError(
             f"DecodeGraphs: {ranks_phrase(refused, 'refused')} "
             f"{'its' if len(refused) == 1 else 'their'} arguments (each one's own error "
-            "says why); "
-            "this rank stopped too, before the captures"
+            "says why); this rank stopped too, before the captures"
         )
     configs = [c for _, c in gathered]
     if len(set(configs)) > 1:

@@ -468,12 +468,12 @@ def expert_batched_memory_reason(
     if spec.device.type != "cuda" or not torch.cuda.is_available():
         return None
     gib = expert_batched_bytes(spec, copies, outputs) / 2**30
-    copies += outputs
     have = torch.cuda.get_device_properties(spec.device).total_memory / 2**30
     if gib <= have / 4:
         return None
     return (
-        f"{name}'s ExpertBatched buffers [{copies}, e={spec.max_local}, W·M={spec.world_size}·"
+        f"{name}'s ExpertBatched buffers [{copies + outputs}, e={spec.max_local}, "
+        f"W·M={spec.world_size}·"
         f"{spec.max_num_tokens}, H={spec.hidden_size}] take {gib:.1f} GiB of the GPU's "
         f"{have:.0f} GiB; lower max_num_tokens (the layer chunks larger batches) or use a "
         "Standard-layout backend (symm_ht) for prefill"
