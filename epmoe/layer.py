@@ -175,10 +175,10 @@ class EPMoE(nn.Module):
             ``w13_scale [e, ceil(2I/128), ceil(H/128)]``, ``w2_scale [e, ceil(H/128),
             ceil(I/128)]``) or ``"per_expert"`` (``[e]``).
         backend_options: keyword options for the constructor of a backend chosen by name
-            (``epmoe.comm.backend_option_names``): ``symm_ht``'s ``num_sms`` (SMs its
-            kernels take) and ``tokens_per_flag`` (0: one count per program),
-            ``deepep_ht``'s ``worst_case_rows`` (no CPU sync, graph safe), ``symm_ll``'s
-            ``rows_in_place``. Every rank passes the same (part of the agreement).
+            (``epmoe.comm.backend_option_names``): ``symm_ht``'s ``num_sms`` (the most
+            programs any launch of its kernels runs) and ``tokens_per_flag`` (0: one count
+            per program), ``deepep_ht``'s ``worst_case_rows`` (no CPU sync, graph safe),
+            ``symm_ll``'s ``rows_in_place``. Every rank passes the same (part of the agreement).
     """
 
     @cpu_by_default

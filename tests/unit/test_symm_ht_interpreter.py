@@ -191,6 +191,42 @@ def test_num_sms_tokens_per_flag_and_reducers_are_checked(monkeypatch):
     assert _backend(spec, num_sms=3, tokens_per_flag=0, reducers=5).reducers == 2
 
 
+@pytest.mark.parametrize("W", [2, 3, 8])
+def test_num_sms_is_a_budget_for_every_launch(W, monkeypatch):
+    """With ``num_sms`` given, no launch runs more programs than it: the kernels with a
+    column per rank (dispatch receive, combine send) split it among the W columns, a
+    streamed combine's reducers first; unset, each column may take every SM (the CPU
+    counts as 4). The rank count is set by hand: one process, the host arithmetic only."""
+    import epmoe.comm.symm.ht as ht
+
+    monkeypatch.setattr(ht, "STREAM_MIN_SMS", 4)
+    spec = CommSpec(128, 2, (0, 4), 64, torch.float32, "cpu")
+    for sms in (1, 3, 4):
+        comm = _backend(spec, num_sms=sms, tokens_per_flag=0)
+        comm.world_size = W
+        assert comm.num_sms == sms and comm._grid(64) == sms
+        assert comm._grid_per_rank(64) == max(1, sms // W)  # (at least one per column)
+        assert W * comm._grid_per_rank(64) <= max(sms, W)
+        assert comm._grid_per_rank(1) == 1
+        comm.close()
+    budget = 4 * W
+    comm = _backend(spec, num_sms=100, tokens_per_flag=0, reducers=W)
+    comm.world_size = W
+    assert comm.num_sms == 4  # (at most the device's)
+    comm._sms = budget  # (a device with more SMs than the CPU's 4)
+    monkeypatch.setattr(type(comm), "num_sms", property(lambda self: self._sms))
+    reducers = comm.reducers
+    senders = comm._grid_per_rank(64, taken=reducers)
+    assert reducers == W and senders == 3  # the budget: W reducers and 3 senders per column
+    assert reducers + W * senders == budget
+    comm.close()
+    uncapped = _backend(spec, tokens_per_flag=0)
+    uncapped.world_size = W
+    assert uncapped._grid_per_rank(64) == 4 and uncapped._grid_per_rank(64, taken=2) == 2
+    assert uncapped.reducers == 2
+    uncapped.close()
+
+
 def test_a_result_is_combined_in_the_mode_it_was_dispatched_in():
     """Two symm_ht on one transport, one streaming its combine and one not: a result of
     the one combined by the other is refused (the streamed combine waits for chunk counts

@@ -12,11 +12,16 @@ per row in the Standard layout) back to its source, which adds the W partial sum
 float32: on many SMs in the same launch as the send, chunk by chunk while the later rows
 still travel (``reducers``), else in a receive kernel at ``wait()``.
 
-``num_sms`` caps the programs of each kernel per destination (persistent loops over
-tokens): the dispatch's send and the combine's receive run up to ``num_sms`` programs,
-the dispatch's receive and the combine's send up to ``num_sms`` for each of the W ranks
-(their grids are ``(W, ·)``), so up to W × ``num_sms`` in all. The throughput against it
-is what the comm benchmark reports.
+``num_sms`` is the SM budget, as DeepEP's: no launch of the backend runs more than
+``num_sms`` programs (persistent loops over tokens). The dispatch's send and the combine's
+receive have one grid axis and take it whole; the dispatch's receive and the combine's
+send have a grid ``(W, ·)``, one column per rank, and split it (``num_sms // W`` each, at
+least one); a streamed combine's reducers come out of it first. Unset, nothing is capped:
+every kernel runs up to one program per SM for each rank (``W`` × the SMs in the kernels
+with a column per rank; what the records without a budget measured). The FP8 quantization
+that runs before a send on few SMs (``_quantize_first``) is a kernel of its own, outside
+the budget, as DeepEP's callers quantize before its dispatch. The throughput against the
+budget is what the comm benchmark reports.
 
 Shape legend: T tokens on this rank · H hidden · G = ceil(H/128) · K top-k · W ranks ·
 M = M_max tokens per rank · R = W·M received rows.
@@ -125,9 +130,8 @@ class SymmHTBackend(SymmBackend):
         reducers: int | None = None,
         combine_chunk: int = STREAM_CHUNK,
     ):
-        """``num_sms``: programs per kernel and destination (default every SM; see the
-        module docstring: W × ``num_sms`` in all for the kernels with a grid per rank).
-        ``tokens_per_flag``: 0 (the
+        """``num_sms``: the SM budget, the most programs any one launch runs (default
+        none: up to every SM per rank; see the module docstring). ``tokens_per_flag``: 0 (the
         default), no flag per row: each program streams all its rows, then fences once and
         adds the number of its tokens to a count per source that the receivers wait for
         (they need every row before the experts run anyway), so no program ever waits for
@@ -145,7 +149,9 @@ class SymmHTBackend(SymmBackend):
         the same values (the modes signal differently: a mismatch reads as a timeout)."""
         # checked before the transport is taken (nothing to release on a refusal)
         if num_sms is not None and (type(num_sms) is not int or num_sms < 1):
-            raise ValueError(f"num_sms must be a positive int (SMs per kernel), got {num_sms!r}")
+            raise ValueError(
+                f"num_sms must be a positive int (the SMs the kernels may occupy), got {num_sms!r}"
+            )
         if tokens_per_flag not in (0, 1, 2, 4, 8) or type(tokens_per_flag) is not int:
             raise ValueError(
                 f"tokens_per_flag must be 0 (one count per program), 1, 2, 4 or 8, got "
@@ -187,12 +193,23 @@ class SymmHTBackend(SymmBackend):
 
     @property
     def num_sms(self) -> int:
-        """Programs per kernel and destination: ``num_sms`` if given, else every SM of
-        the device."""
+        """The SM budget: ``num_sms`` if given (at most the device's), else every SM of the
+        device (then per rank in the kernels with a column per rank: nothing is capped)."""
         return min(self._sms or self._live().num_sms, self._live().num_sms)
 
     def _grid(self, n: int) -> int:
+        """Programs of a kernel with one grid axis, for ``n`` units of work."""
         return max(1, min(n, self.num_sms))
+
+    def _grid_per_rank(self, n: int, taken: int = 0) -> int:
+        """Programs in each rank's column of a kernel whose grid is ``(W, ·)``, for ``n``
+        units of work per rank, once ``taken`` programs went elsewhere (a streamed
+        combine's reducers): the budget shared among the W columns when ``num_sms`` was
+        given (at least one each), else up to every SM in each."""
+        per_rank = self.num_sms - taken
+        if self._sms is not None:
+            per_rank //= self.world_size
+        return max(1, min(n, per_rank))
 
     @property
     def reducers(self) -> int:
@@ -200,8 +217,9 @@ class SymmHTBackend(SymmBackend):
         the sum runs at ``wait()``); see ``__init__``."""
         if not self._counted:
             return 0
-        if self._reducers is not None:
-            return min(self._reducers, max(self.num_sms - 1, 1))
+        if self._reducers is not None:  # (one sender left per column: see _grid_per_rank)
+            senders = self.world_size if self._sms is not None else 1
+            return min(self._reducers, max(self.num_sms - senders, 1))
         sms = self.num_sms
         return sms // 2 if sms >= STREAM_MIN_SMS else 0
 
@@ -223,7 +241,7 @@ class SymmHTBackend(SymmBackend):
 
         def receive() -> DispatchResult:
             launch(k.ht_dispatch_recv_kernel)(
-                (W, self._grid(-(-tr.M // publish))),
+                (W, self._grid_per_rank(-(-tr.M // publish))),
                 tr.bases, tr.ids_out[b], tr.w_out[b], tr.recv_t[b], tr.err_addr,
                 tr.M, W, self.rank, tr.timeout_ns, tag, reg.flags, reg.ids, reg.w,
                 K=c["K"], BLOCK_K=c["BLOCK_K"], COUNTED=self._counted, ROWS=publish,
@@ -259,7 +277,7 @@ class SymmHTBackend(SymmBackend):
         if reducers:
             return self._combine_streamed(h, y, c, reducers)
         launch(k.ht_combine_send_kernel)(
-            (W, self._grid(tr.M)),
+            (W, self._grid_per_rank(tr.M)),
             y, tr.bases, tr.ids_out[b], tr.recv_t[b],
             tr.H, tr.M, W, self.rank, reg.flags, reg.y,
             y, tr.recv_t[b], tr.err_addr, 0, 1, 0,  # (a streamed combine's only)
@@ -273,11 +291,12 @@ class SymmHTBackend(SymmBackend):
         return Pending(lambda: self._combine_receive(h, c, programs, **recv))
 
     def _combine_streamed(self, h, y, c, reducers: int) -> Pending[torch.Tensor]:
-        """One launch: senders (the SM budget less the ``reducers``) send the rows back
-        chunk by chunk, the reducers sum each chunk of this rank's tokens as it completes."""
+        """One launch: senders (the SM budget less the ``reducers``, per rank column) send
+        the rows back chunk by chunk, the reducers sum each chunk of this rank's tokens as
+        it completes."""
         tr, W, b, T = h.transport, self.world_size, h.parity, h.num_tokens
         reg = tr.regions[b]
-        senders = max(1, min(tr.M, self.num_sms - reducers))
+        senders = self._grid_per_rank(tr.M, taken=reducers)
         out = torch.empty(T, tr.H, dtype=self.spec.dtype, device=tr.device)
         launch(kernels().ht_combine_send_kernel)(
             (W, senders + reducers),
