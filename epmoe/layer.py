@@ -1158,6 +1158,18 @@ class EPMoE(nn.Module):
         num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`forward` outside the compiler (and inside ``epmoe::moe_forward``)."""
+        dev = self.device
+        if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+            # one process driving several GPUs (a model split with device_map="auto"):
+            # Triton launches on the current device and its stream, so run there
+            with torch.cuda.device(dev):
+                return self._eager_forward(
+                    hidden_states,
+                    router_logits,
+                    max_tokens_across_ranks=max_tokens_across_ranks,
+                    step=step,
+                    num_valid_tokens=num_valid_tokens,
+                )
         if self._comm_pending:
             self._rebuild_comm()
         if step is not None and max_tokens_across_ranks is not None:

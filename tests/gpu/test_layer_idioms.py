@@ -88,3 +88,28 @@ def test_a_layer_built_under_a_cuda_default_device_keeps_its_host_tables_on_the_
             out = layer(x, logits, max_tokens_across_ranks=T)
         graph.replay()
         assert_close(out, ref, TOLERANCES[torch.bfloat16], name=f"{backend} graph")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs in one process")
+@pytest.mark.parametrize("backend", ["symm_ll", "symm_ht", "all_to_all"])
+def test_a_layer_on_another_gpu_than_the_current_one(backend):
+    """One process driving two GPUs (a model split with ``device_map="auto"``): a layer on
+    cuda:1 called while cuda:0 is current runs its Triton kernels on cuda:1 and matches
+    the oracle; the current device is left as it was."""
+    dev = torch.device("cuda", 1)
+    reason = epmoe.available_backends(dev).get(backend, f"{backend!r} is not registered")
+    if reason is not None:
+        pytest.skip(f"backend {backend!r} cannot run here: {reason}")
+    with torch.cuda.device(0):
+        layer = epmoe.EPMoE(E, K, H, I, backend=backend, experts="triton", device=dev,
+                            params_dtype=torch.bfloat16)  # fmt: skip
+        w13, w2 = full_weights(E, H, I, torch.float32, dev, seed=7)
+        layer.load_experts(w13.bfloat16(), w2.bfloat16())
+        x, logits = rank_tokens(0, T, H, E, torch.float32, dev, seed=7)
+        for _ in range(2):  # (the second call: the backend built by the first)
+            out = layer(x.bfloat16(), logits)
+            assert torch.cuda.current_device() == 0 and out.device == dev
+        ref = epmoe.reference.moe(
+            x.bfloat16(), w13.bfloat16(), w2.bfloat16(), *epmoe.select_experts(logits, K)
+        )
+        assert_close(out, ref, TOLERANCES[torch.bfloat16], name=f"{backend} on cuda:1")
