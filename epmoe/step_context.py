@@ -158,6 +158,12 @@ def _pending(ranks: tuple[int, ...]) -> int:
     )
 
 
+def _int_in(value, low: int, high: int) -> bool:
+    """Whether ``value`` is an int (not a bool) in ``[low, high)``: what the step's
+    all-gather of int64 carries, checked before it on this rank."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
 @contextlib.contextmanager
 def step(
     group: dist.ProcessGroup | None = None,
@@ -187,29 +193,19 @@ def step(
     if group is None and dist.is_available() and dist.is_initialized():
         group = dist.group.WORLD
     error = None
-    if (
-        isinstance(num_tokens, bool)
-        or not isinstance(num_tokens, int)
-        or not 0 <= num_tokens < 2**31
-    ):
+    if not _int_in(num_tokens, 0, 2**31):
         error = ValueError(
             f"epmoe.step: num_tokens must be an int in [0, 2**31) (this rank's token count; "
             f"0 when it is idle), got {num_tokens!r}"
         )
-    if step_id is not None and (
-        isinstance(step_id, bool) or not isinstance(step_id, int) or not 0 <= step_id < 2**62
-    ):
+    if step_id is not None and not _int_in(step_id, 0, 2**62):
         step_id, bad_id = None, step_id
         error = error or ValueError(
             f"epmoe.step: step_id must be an int in [0, 2**62) or None, got {bad_id!r}"
         )
     if not isinstance(decode, bool):
         error = error or TypeError(f"epmoe.step: decode must be True or False, got {decode!r}")
-    if graph_max_tokens is not None and (
-        isinstance(graph_max_tokens, bool)
-        or not isinstance(graph_max_tokens, int)
-        or not 0 < graph_max_tokens < 2**31
-    ):
+    if graph_max_tokens is not None and not _int_in(graph_max_tokens, 1, 2**31):
         graph_max_tokens, bad_bound = None, graph_max_tokens
         error = error or ValueError(  # agreed like the others: raised on every rank
             f"epmoe.step: graph_max_tokens must be a positive int below 2**31 or None, got "
