@@ -845,6 +845,16 @@ class EPMoE(nn.Module):
                     )
         if not self.fp8_weights:
             if fp8_in:  # dequantize into the layer's dtype, whatever scale format came
+                if w13_scale.dim() == len(lead) + 2 and self.intermediate_size % FP8_GROUP:
+                    # (gate's and up's scales stacked like their rows would be read on one
+                    # block grid over [2I, H]: silently wrong rows where I % 128 > 64)
+                    raise ValueError(
+                        f"{where}: FP8 w13 with block scales needs intermediate_size % 128 "
+                        f"== 0 (w13 stacks the gate and up rows: their 128-row blocks must "
+                        f"not straddle), got {self.intermediate_size}; dequantize gate_proj "
+                        "and up_proj apart (epmoe.reference.dequantize_block) and load "
+                        "full-precision weights"
+                    )
                 w13 = dequantize_block(_lead(w13, lead), _lead(w13_scale, lead))
                 w2 = dequantize_block(_lead(w2, lead), _lead(w2_scale, lead))
                 if not lead:

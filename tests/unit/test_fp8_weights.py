@@ -97,6 +97,30 @@ def test_a_full_precision_layer_dequantizes_fp8_weights():
     torch.testing.assert_close(layer.w2[2], dequantize_block(q2b[2], s2b[2]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("I_", [200, 192], ids=["I % 128 > 64", "I % 128 <= 64"])
+def test_a_full_precision_layer_refuses_block_scaled_fp8_w13_of_straddling_blocks(I_):
+    """With ``I % 128 != 0`` the gate's and up's 128-row blocks straddle in w13 [2I, H]: a
+    checkpoint's two scale grids stacked are read on one grid over the stacked rows (above
+    64 the shapes even agree, and part of the up rows took the gate's scales). Refused with
+    the fix; per-expert scales are unambiguous and still load."""
+    g = torch.Generator().manual_seed(0)
+    gate, up, w2 = (
+        torch.randn(I_, H, generator=g),
+        torch.randn(I_, H, generator=g),
+        torch.randn(H, I_, generator=g),
+    )
+    (gq, gs), (uq, us), (dq, ds) = (quantize_block(w[None]) for w in (gate, up, w2))
+    gq, gs, uq, us, dq, ds = (t[0] for t in (gq, gs, uq, us, dq, ds))
+    layer = epmoe.EPMoE(E, K, H, I_, params_dtype=torch.float32, device="cpu")
+    want = r"load_expert: FP8 w13 with block scales needs intermediate_size % 128 == 0 .* gate_proj"
+    with pytest.raises(ValueError, match=want):
+        layer.load_expert(0, torch.cat([gq, uq]), dq, w13_scale=torch.cat([gs, us]), w2_scale=ds)
+    q13, s13 = quantize_block(torch.cat([gate, up])[None], per_matrix=True)
+    q2, s2 = quantize_block(w2[None], per_matrix=True)
+    layer.load_expert(0, q13[0], q2[0], w13_scale=s13[0], w2_scale=s2[0])
+    torch.testing.assert_close(layer.w13[0], dequantize_block(q13, s13)[0], rtol=0, atol=0)
+
+
 def test_what_loading_refuses():
     w13, w2 = _weights()
     q13, s13 = quantize_block(w13)
