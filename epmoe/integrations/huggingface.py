@@ -820,6 +820,13 @@ def _hf_state_dict(
         layout, prefix = block._hf_layout, f"{name}."
         for key, original in layout.renamed.items():
             out[prefix + original] = state[prefix + key]
+        # the correction bias the layer routes with: its own float32 copy, which
+        # load_full_experts and load_state_dict update, not the router's buffer
+        routing_bias = block.moe.e_score_correction_bias
+        router_bias = layout.renamed.get("gate.e_score_correction_bias")
+        if routing_bias is not None and router_bias is not None:
+            kept = state[f"{prefix}gate.e_score_correction_bias"]
+            out[prefix + router_bias] = routing_bias.detach().to(kept.dtype)
         w13, w2 = full[name]["w13"], full[name]["w2"]
         # in the layer's dtype now (the model's, also after model.to(dtype)); FP8 expert
         # weights are written dequantized (the unconverted model holds no FP8 experts)
@@ -1115,6 +1122,7 @@ def load_sharded(
     filled: set[int] = set()
     pending: dict[tuple[str, int], list] = {}  # (block, expert) → [gate, up, down]
     expert_keys: set[str] = set()  # every routed-expert tensor of the checkpoint (+ scales)
+    loaded: dict[str, set[int]] = {n: set() for n in blocks}  # local experts read this call
     unused = []
     with CheckpointReader(path) as reader:
         for key in reader.tensor_names():
@@ -1138,6 +1146,7 @@ def load_sharded(
                 if all(p is not None for p in parts):
                     gate, up, down = pending.pop((n, j))
                     blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
+                    loaded[n].add(j)
                 continue
             m = _FUSED_KEY.match(name)
             if m and m["block"] in block_of:
@@ -1147,6 +1156,12 @@ def load_sharded(
                     raise ValueError(f"{key}: FP8 fused expert tensors are not supported")
                 stacked = reader.slice(key)
                 E_, *each = stacked.get_shape()
+                E = blocks[n].moe.num_experts
+                if E_ != E:
+                    raise ValueError(
+                        f"{key}: the checkpoint holds {E_} experts of {[E_, *each]}, the "
+                        f"model's {n} has {E}; is the config the checkpoint's?"
+                    )
                 if m["proj"] == "down_proj":
                     _check_expert_part(key, n, None, "down_proj", each, blocks[n].moe)
                 else:  # (gate and up stacked: [E, 2I, H])
@@ -1164,6 +1179,7 @@ def load_sharded(
                     if all(p is not None for p in parts):
                         gate, up, down = pending.pop((n, j))
                         blocks[n].moe.load_expert(j, torch.cat([gate, up], dim=0), down)
+                        loaded[n].add(j)
                 continue
             target = _resolve(name, targets, prefix)
             if target is None:
@@ -1186,11 +1202,14 @@ def load_sharded(
             f"{missing[:6]}{' ...' * (len(missing) > 6)}"
         )
     for n, block in blocks.items():
-        if not block.moe.weights_loaded:
-            got = sorted({j for (b, j) in pending if b == n})
+        # (what this call read: experts loaded before it would hide a missing one)
+        lacking = sorted(set(local[n]) - loaded[n])
+        if lacking:
+            partly = sorted({j for (b, j) in pending if b == n})
+            partly_note = f" ({partly} only in part)" if partly else ""
             raise ValueError(
-                f"{n}: the checkpoint at {os.fspath(path)} lacks some of this rank's experts "
-                f"{local[n]} (incomplete: {got}); is it a checkpoint of this model?"
+                f"{n}: the checkpoint at {os.fspath(path)} lacks some of this rank's experts: "
+                f"{lacking} of {local[n]}{partly_note}; is it a checkpoint of this model?"
             )
         bias = getattr(block.gate, "e_score_correction_bias", None)
         if isinstance(bias, torch.Tensor) and block.moe.e_score_correction_bias is not None:

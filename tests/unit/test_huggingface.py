@@ -269,6 +269,28 @@ def test_save_pretrained_writes_the_original_layout(family, tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_save_pretrained_writes_the_correction_bias_the_layer_routes_with(tmp_path):
+    """DeepSeek-V3: the layer routes with its own float32 copy of the router's correction
+    bias, which ``load_full_experts`` updates; the saved model routes as the running one."""
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.checkpoint import gather_full_experts, load_full_experts
+
+    model = hf_cases.tiny_model("deepseek_v3")
+    hf.replace_moe_blocks(model)
+    blocks = [m for m in model.modules() if isinstance(m, hf.EPMoEBlock)]
+    for block in blocks:
+        full = gather_full_experts(block.moe)
+        E = full["e_score_correction_bias"].numel()
+        full["e_score_correction_bias"] = torch.linspace(-1, 1, E)
+        load_full_experts(block.moe, full)
+    ids = _input_ids()
+    hf.save_pretrained(model, tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_save_pretrained_refuses_what_it_cannot_save(tmp_path):
     model = hf_cases.tiny_model("mixtral")
     with pytest.raises(ValueError, match="holds no EPMoEBlock"):

@@ -168,6 +168,36 @@ def test_missing_expert_is_refused(tmp_path):
         from_pretrained_sharded(tmp_path, experts="torch")
 
 
+def test_missing_expert_is_refused_over_experts_loaded_before(tmp_path):
+    """A model whose experts hold weights already (``load_sharded`` overwrites them): a
+    checkpoint without one of them is refused naming it, not run with the old weights."""
+    key = "model.layers.0.block_sparse_moe.experts.1.{}.weight"
+    tiny_model("mixtral").save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = safetensors_torch.load_file(path)
+    for w in ("w1", "w2", "w3"):
+        del state[key.format(w)]
+    safetensors_torch.save_file(state, path)
+    model = tiny_model("mixtral", seed=7)
+    replace_moe_blocks(model, experts="torch")  # (its own experts loaded)
+    with pytest.raises(ValueError, match=r"lacks some of this rank's experts: \[1\] of"):
+        load_sharded(model, tmp_path)
+
+
+def test_fused_experts_of_another_count_are_refused_naming_the_key(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    safetensors_torch.save_file(state, os.path.join(tmp_path, "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    E = config.pop("num_experts", None) or config["num_local_experts"]
+    config["num_local_experts"] = E + 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    want = rf"experts\.\w+: the checkpoint holds {E} experts .* has {E + 4}; is the config"
+    with pytest.raises(ValueError, match=want):
+        from_pretrained_sharded(tmp_path, experts="torch")
+
+
 def test_a_causal_lm_checkpoint_loads_into_the_base_model(tmp_path):
     """As transformers' AutoModel.from_pretrained does: the checkpoint's keys carry the
     base model's prefix (``model.``), the base model's do not, experts included."""
