@@ -10,7 +10,9 @@ collective and is named instead of crashing the transport:
 
     [MAGIC, operation, layer index, call count, T, status, digest, previous step]
 
-* operation: ``construction``, ``forward``, ``rebalance`` or ``step`` (a step record
+* operation: ``construction``, ``forward``, ``rebalance``, ``backend rebuild``, ``step``
+  or ``EPLB re-plan`` (an ``EPLBManager``'s: ``-2`` as layer index, its re-plan count as
+  call count, a digest of its settings and layers; a step record
   holds ``-1`` as layer index, the caller's ``step_id`` or the group's step number as
   call count, and as digest its rank's ``decode`` wish in bit 0, its pending-conversion
   digest in bits 1–31 and its ``graph_max_tokens`` (0: none) in bits 32–62);
@@ -68,15 +70,17 @@ from epmoe.comm.collectives import all_gather_rows, world_of
 __all__ = ["RECORD_LEN", "LayerAgreement", "StepAgreement", "describe_placement"]
 
 MAGIC = 0x45504D6F45  # "EPMoE"
-CONSTRUCTION, FORWARD, REBALANCE, STEP, REBUILD = 1, 2, 3, 4, 5
+CONSTRUCTION, FORWARD, REBALANCE, STEP, REBUILD, REPLAN = 1, 2, 3, 4, 5, 6
 OPERATIONS = {
     CONSTRUCTION: "construction",
     FORWARD: "forward",
     REBALANCE: "rebalance",
     STEP: "step",
     REBUILD: "backend rebuild",
+    REPLAN: "EPLB re-plan",
 }
 STEP_INDEX = -1  # the layer index field of a step record (a step belongs to no layer)
+REPLAN_INDEX = -2  # and of an EPLBManager's re-plan record (it spans the layers)
 OK, REJECTED, IDS_OUT_OF_RANGE, COUNT_OUT_OF_RANGE = 0, 1, 2, 4
 DEVICE_CHECKS = IDS_OUT_OF_RANGE | COUNT_OUT_OF_RANGE  # the status bits set on the device
 _MAGIC, _OP, _INDEX, _COUNT, _T, _STATUS, _DIGEST, _PREVIOUS = range(8)
@@ -223,16 +227,16 @@ class LayerAgreement:
         )
         if device_flags is not None and error is None:  # on the device: no host sync
             row[_STATUS] = device_flags.to(device=device, dtype=torch.int64)
-        what = f"EPMoE.{OPERATIONS[op]} agreement (layer #{self.index}, call {count})"
+        what = (
+            f"EPLBManager.rebalance agreement (re-plan {count})"
+            if op == REPLAN
+            else f"EPMoE.{OPERATIONS[op]} agreement (layer #{self.index}, call {count})"
+        )
         return all_gather_rows(row, self.group, what)
 
     def _check(self, records, op, error, fields, device_error) -> None:
         W = self.world_size
-        where = (
-            f"epmoe.step (step {self.calls})"
-            if op == STEP
-            else f"EPMoE.{OPERATIONS[op]} (layer #{self.index})"
-        )
+        where = self._where(op)
         if any(r[_MAGIC] != MAGIC for r in records):
             others = [r for r in range(W) if records[r][_MAGIC] != MAGIC]
             raise RuntimeError(
@@ -245,6 +249,8 @@ class LayerAgreement:
         places = [
             f"step {r[_COUNT]}"
             if r[_OP] == STEP
+            else f"EPLB re-plan {r[_COUNT]}"
+            if r[_OP] == REPLAN
             else f"{OPERATIONS.get(r[_OP], '?')} of layer #{r[_INDEX]} (call {r[_COUNT]})"
             for r in records
         ]
@@ -262,6 +268,11 @@ class LayerAgreement:
                 else "every rank must build its layers, call each (also with T = 0) and "
                 "rebalance it in the same order"
             )
+            if REPLAN in {r[_OP] for r in records}:
+                rule = (
+                    "every rank must call its EPLBManager's step() once per model step (or "
+                    "rebalance() at the same point), built with the same rebalance_interval"
+                )
             if REBUILD in {r[_OP] for r in records}:
                 rule = (
                     "a rank changed this layer (model.to(dtype), or a copy.deepcopy) and "
@@ -302,6 +313,14 @@ class LayerAgreement:
         if op != STEP and len({r[_DIGEST] for r in records}) > 1:
             raise ValueError(self._differences(op, fields or {}))
 
+    def _where(self, op) -> str:
+        """This call in messages: ``EPMoE.forward (layer #3)``, ``epmoe.step (step 7)``."""
+        if op == STEP:
+            return f"epmoe.step (step {self.calls})"
+        if op == REPLAN:
+            return f"EPLBManager.rebalance (re-plan {self.calls})"
+        return f"EPMoE.{OPERATIONS[op]} (layer #{self.index})"
+
     def _differences(self, op, fields: Mapping[str, str]) -> str:
         """The message for differing fields; collective (every rank calls it alike)."""
         texts: list = [None] * self.world_size
@@ -317,16 +336,34 @@ class LayerAgreement:
         fix = {
             CONSTRUCTION: "build every rank's layer with the same arguments",
             REBUILD: "convert every rank's model to the same dtype",
+            REPLAN: "build every rank's EPLBManager over the same layers with the same settings",
         }.get(
             op,
             "every rank must pass the same placement (plan it from the all-reduced load, "
             "as EPLBManager does)",
         )
         return (
-            f"EPMoE.{OPERATIONS[op]} (layer #{self.index}): the EP ranks disagree; "
+            f"{self._where(op)}: the EP ranks disagree; "
             + "; ".join(lines or ["(the fields' digests differ)"])
             + f"; {fix}"
         )
+
+
+class ReplanAgreement(LayerAgreement):
+    """The agreement of an :class:`~epmoe.eplb.manager.EPLBManager`'s re-plans: the same
+    record as a layer's, ``[MAGIC, REPLAN, -2, re-plan count, 0, status, settings, 0]``, so
+    a rank that re-plans while another runs a layer's forward (or a step) meets it in the
+    same collective and both are named, before the load all-reduce that would otherwise
+    meet a layer's collective. The digest covers the manager's settings and its layers."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        super().__init__(group)
+        self.index = REPLAN_INDEX
+
+    def replan(self, fields: Mapping[str, str], device: torch.device) -> None:
+        """Agree on a re-plan: every rank is in the same one, with the same ``fields``."""
+        if self.world_size > 1:
+            self._change(REPLAN, fields, None, device)
 
 
 def pending_digest(layers) -> int:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from epmoe.agreement import ReplanAgreement
 from epmoe.comm.collectives import world_of
 from epmoe.eplb.migration import MigrationStats
 from epmoe.eplb.recorder import logical_load
@@ -130,8 +131,13 @@ class EPLBManager:
             rank when it has one); ``None`` leaves each layer's setting.
 
     Cross-rank contract: every rank of the group calls :meth:`step` (or :meth:`rebalance`)
-    at the same points, because a re-plan is collective. The plan is computed on every
-    rank from the same all-reduced counts, so it is identical (and checked).
+    at the same points, because a re-plan is collective. Each re-plan first agrees (one
+    small all-gather, :mod:`epmoe.agreement`) that every rank is in it with the same
+    settings, step count and layers: a rank built with another ``rebalance_interval``
+    (which re-plans while the others run a forward with its own agreement, or a step)
+    or over other layers raises on every rank, naming the difference. The plan is then
+    computed on every rank from the same all-reduced counts, so it is identical (and
+    checked).
     """
 
     def __init__(
@@ -207,6 +213,7 @@ class EPLBManager:
         self.tolerance = tolerance
         self.steps = 0
         self.last_report: RebalanceReport | None = None
+        self._agreement = ReplanAgreement(self.group)
 
     def step(self) -> RebalanceReport | None:
         """Count one serving step (call it once per model forward, on every rank); every
@@ -221,6 +228,9 @@ class EPLBManager:
         """Re-plan every layer from its recorded window and migrate (collective)."""
         E, W = self.num_experts, self.ep_size
         t0 = time.perf_counter()
+        # every rank in this re-plan, with the same settings and layers: else a rank would
+        # meet a layer's collective with the load all-reduce (or one of another size)
+        self._agreement.replan(self._settings(), self.layers[0].device)
         physical = self._global_physical_load()  # per layer [P_l] int64, CPU
         t1 = time.perf_counter()
 
@@ -230,26 +240,31 @@ class EPLBManager:
         ).to(torch.float64)
         planned = [i for i in range(len(self.layers)) if float(load_LE[i].sum()) > 0]
         news = list(olds)
-        if planned:
-            P = E + self.num_redundant
-            current = [olds[i] for i in planned]
-            same_slots = all(
-                c.num_physical == P and c.rank_offsets == tuple(range(0, P + 1, P // W))
-                for c in current
-            )
+        P = E + self.num_redundant
+        even = tuple(range(0, P + 1, P // W))
+        # layers whose slot layout stays are planned from their current placement (the
+        # planner keeps experts in place and applies the tolerance), the others from scratch
+        for same_slots in (True, False):
+            part = [
+                i
+                for i in planned
+                if (olds[i].num_physical == P and olds[i].rank_offsets == even) == same_slots
+            ]
+            if not part:
+                continue
             plans = ExpertPlacement.balanced_layers(
-                load_LE[planned],
+                load_LE[part],
                 W,
                 num_redundant=self.num_redundant,
                 num_groups=self.num_groups,
                 num_nodes=self.num_nodes,
-                current=current if same_slots else None,
+                current=[olds[i] for i in part] if same_slots else None,
                 tolerance=self.tolerance,
             )
-            for i, p in zip(planned, plans):
-                # The planner applies the tolerance itself when it gets the current plans;
+            for i, p in zip(part, plans):
                 # when the slot layout changes (e.g. redundant slots are added) apply the
-                # same rule here: keep a layer whose current placement is within tolerance.
+                # planner's rule here: keep a layer whose current placement is within
+                # tolerance
                 keep = not same_slots and (
                     olds[i].balancedness(load_LE[i]) >= p.balancedness(load_LE[i]) - self.tolerance
                 )
@@ -281,6 +296,20 @@ class EPLBManager:
         )
         self.last_report = report
         return report
+
+    def _settings(self) -> dict[str, str]:
+        """What every rank's manager must hold equal at a re-plan (its agreement's fields):
+        its settings, its step count and its layers (their agreement indices and slots)."""
+        return {
+            "layers": str([layer._agreement.index for layer in self.layers]),
+            "slots per layer": str([layer.placement.num_physical for layer in self.layers]),
+            "num_redundant": str(self.num_redundant),
+            "num_groups": str(self.num_groups),
+            "num_nodes": str(self.num_nodes),
+            "rebalance_interval": str(self.rebalance_interval),
+            "tolerance": repr(self.tolerance),
+            "steps": str(self.steps),
+        }
 
     def _global_physical_load(self) -> list[torch.Tensor]:
         """Every layer's window load summed over the EP ranks: one all-reduce of the

@@ -230,17 +230,21 @@ def migrate_slots(
     """
     tensors = list(tensors_eX)
     error = None
-    try:
+    try:  # (every check of this rank's arguments, before the agreement)
+        _check_compatible(old, new)
         _check_tensors(tensors, old, rank)
         _check_group(group, old.ep_size, rank)
-    except ValueError as exc:
+        if in_place and new.num_local(rank) != old.num_local(rank):
+            raise ValueError(_in_place_message(rank, old.num_local(rank), new.num_local(rank)))
+    except (TypeError, ValueError) as exc:
         if not check:
             raise
         error = exc
     if check:  # (a rank whose arguments are wrong raises its error; the others name it)
-        device = default_device(group) if error else tensors[0].device
+        on_device = not error and tensors and isinstance(tensors[0], torch.Tensor)
+        device = tensors[0].device if on_device else default_device(group)
         fingerprint = 0 if error else _fingerprint(old, new, tensors)
-        _agree(group, device, fingerprint, ok=True, error=error)
+        _agree(group, device, fingerprint, error=error)
     plan = MigrationPlan.build(old, new)
     return _execute(plan, rank, tensors, group, in_place)
 
@@ -259,35 +263,20 @@ def rebalance_layer(
     the backend binding (``rebind``) and a reset load recorder, with no forward in between.
     Extra memory while it runs: at most one layer's local weights.
 
-    Every rank must pass the same placement; this is checked with one small all-reduce
-    (ranks that computed different plans get a ``RuntimeError`` on every rank). A placement
-    equal to the current one changes nothing (the recorder keeps counting). ``agreed``:
-    the caller has checked the placement and agreed on it and on loaded weights already
-    (:meth:`EPMoE.rebalance`, through the layer's agreement): no second check.
+    Every rank must pass the same placement. Without ``agreed`` this is
+    :meth:`EPMoE.rebalance` (the layer's own agreement: the ranks must be in the same call
+    of the same layer, hold the same placement and have their weights loaded; one rank's
+    bad placement raises on every rank). A placement equal to the current one changes
+    nothing (the recorder keeps counting). ``agreed``: the caller checked the placement
+    and agreed on it already (what :meth:`EPMoE.rebalance` passes): no second check.
     """
+    if not agreed:  # (its agreement names the layer and the call: see EPMoE.rebalance)
+        return layer.rebalance(new_placement)
     start = time.perf_counter()
     old = layer.placement
     slot_tensors = layer.slot_tensors()  # name -> [e_old, *X]
     tensors = list(slot_tensors.values())
     rank, group = layer.rank, layer.group
-    if not agreed and layer._comm_pending:  # (a converted layer or a copy: its own backends)
-        layer._rebuild_comm()
-    error = None
-    try:
-        if not isinstance(new_placement, ExpertPlacement):
-            raise TypeError(
-                f"new_placement must be an ExpertPlacement, got {type(new_placement).__name__}; "
-                "build one with ExpertPlacement.balanced(...)"
-            )
-        if not agreed:
-            layer.check_placement(new_placement)
-    except (TypeError, ValueError) as exc:
-        if agreed:
-            raise
-        error = exc
-    if not agreed:  # (a rank whose placement does not fit raises its error, the others name it)
-        fingerprint = 0 if error else _fingerprint(old, new_placement, tensors)
-        _agree(group, layer.device, fingerprint, ok=layer.weights_loaded, error=error)
     if new_placement == old:
         return MigrationStats(0, 0, 0, 0, 0, 0, time.perf_counter() - start)
 
@@ -312,11 +301,8 @@ def _execute(
 ) -> list[torch.Tensor]:
     """Run ``plan``'s share of ``rank`` on ``tensors`` (``[e_old, *X]`` each)."""
     mine = plan.ranks[rank]
-    if in_place and mine.num_new != mine.num_old:
-        raise ValueError(
-            f"in_place=True needs the same number of local slots before and after, rank "
-            f"{rank} goes from {mine.num_old} to {mine.num_new}; pass in_place=False"
-        )
+    if in_place and mine.num_new != mine.num_old:  # (migrate_slots checks it first)
+        raise ValueError(_in_place_message(rank, mine.num_old, mine.num_new))
     changed = mine.changed
     if in_place:  # stage the changed slots: the old ones may still have to be sent
         row = {s: i for i, s in enumerate(changed)}
@@ -356,6 +342,13 @@ def _execute(
     for t, stage in zip(tensors, stages):
         _wire(t).index_copy_(0, index, _wire(stage))  # (no float8 index_copy_ kernel)
     return tensors
+
+
+def _in_place_message(rank: int, e_old: int, e_new: int) -> str:
+    return (
+        f"in_place=True needs the same number of local slots before and after, rank "
+        f"{rank} goes from {e_old} to {e_new}; pass in_place=False"
+    )
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
@@ -433,13 +426,12 @@ def _agree(
     group: dist.ProcessGroup | None,
     device: torch.device,
     fingerprint: int,
-    ok: bool,
     error: BaseException | None = None,
 ) -> None:
     """Raise on every rank if some rank failed its own checks (``error``: raised there, the
-    others name it), the ranks' fingerprints differ, or some rank is not ``ok`` (its
-    weights are not loaded). One all-reduce of four int64, before anything moves."""
-    mine = (fingerprint, -fingerprint, int(not ok), int(error is not None))
+    others name it) or the ranks' fingerprints differ. One all-reduce of three int64,
+    before anything moves."""
+    mine = (fingerprint, -fingerprint, int(error is not None))
     if world_of(group)[1] == 1:
         flags = mine
     else:
@@ -448,22 +440,16 @@ def _agree(
         flags = tuple(t.tolist())
     if error is not None:
         raise error
-    if flags[3]:
+    if flags[2]:
         raise RuntimeError(
-            "another EP rank refused this migration (its own error says why: a placement it "
-            "cannot take, or tensors or a group that do not fit it); nothing was moved"
+            "another EP rank refused this migration (its own error says why: placements, "
+            "tensors or a group that do not fit it); nothing was moved"
         )
     if flags[0] != -flags[1]:
         raise RuntimeError(
             "EP ranks disagree on the migration: their old or new placements (or the shapes "
             "and dtypes of the expert tensors) differ. Every rank must plan from the same "
             "all-reduced load with the same settings (EPLBManager does this)"
-        )
-    if flags[2]:
-        raise RuntimeError(
-            "expert weights are not loaded on "
-            + ("this rank" if not ok else "some rank")
-            + ": call load_experts(w13, w2) on every rank before rebalancing"
         )
 
 

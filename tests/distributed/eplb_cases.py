@@ -228,9 +228,30 @@ def check_rebalance_errors(rank, world, device="cpu"):
     bad = (
         ExpertPlacement.linear(E, world + 1) if rank == 0 else ExpertPlacement.round_robin(E, world)
     )
-    with pytest.raises(ValueError if rank == 0 else RuntimeError,
-                       match="ep_size" if rank == 0 else "another EP rank refused"):  # fmt: skip
+    own = "ep_size" if rank == 0 else "rank 0 rejected its arguments"
+    with pytest.raises(ValueError if rank == 0 else RuntimeError, match=own):
         rebalance_layer(layer, bad)
+    # one rank's in_place migration that changes its slot count, or a placement that is
+    # none: refused in the agreement, on every rank (before, the others waited in the
+    # transfers or the all-reduce until the group's timeout)
+    offsets = (0, 3, *[3 + (E - 3) * (r + 1) // (world - 1) for r in range(world - 1)])
+    grown = ExpertPlacement(E, world, torch.arange(E), offsets)  # rank 0 holds fewer slots
+    grows = grown.num_local(rank) != linear.num_local(rank)
+    own = "in_place=True needs the same number" if grows else "another EP rank refused"
+    with pytest.raises(ValueError if grows else RuntimeError, match=own):
+        migrate_slots(linear, grown, rank, [layer.w13, layer.w2], in_place=True)
+    new = None if rank == world - 1 else linear
+    with pytest.raises(TypeError if rank == world - 1 else RuntimeError,
+                       match="new must be an ExpertPlacement, got NoneType"
+                       if rank == world - 1 else "another EP rank refused"):  # fmt: skip
+        migrate_slots(linear, new, rank, [layer.w13, layer.w2])
+    # rebalance_layer is the layer's own rebalance: ranks that walk their layers in other
+    # orders are named (before, weights were swapped between the layers silently)
+    other = epmoe.EPMoE(E, K, H, I, params_dtype=torch.float32, device=dev, experts="torch")
+    other.load_experts(w13, w2)
+    rr = ExpertPlacement.round_robin(E, world)
+    with pytest.raises(RuntimeError, match="the EP ranks are in different layers"):
+        rebalance_layer(layer if rank == 0 else other, rr)
     assert layer.placement == ExpertPlacement.linear(E, world)
     x, logits = rank_tokens(rank, 5, H, E, torch.float32, dev)
     assert_close(
@@ -325,3 +346,66 @@ def check_manager(rank, world, device="cpu", dtype_name="float32"):
     for i, (out, ref) in enumerate(outs):
         assert_close(out, ref, TOLERANCES[dtype], name=f"layer {i} after the re-plan")
     return before, after
+
+
+def check_manager_agreement(rank, world, device="cpu"):
+    """Managers that differ between ranks raise on every rank at the re-plan, naming the
+    difference: other layers, another tolerance, and another ``rebalance_interval`` (rank
+    1 re-plans a step later: the others meet it with a layer's forward, which names both).
+    Then a layer idle in the first window (its placement stays linear) does not stop the
+    others from being re-planned from where they are: the busy layer moves as many slots
+    at its second re-plan as when both layers were busy."""
+    import pytest
+
+    dev = device_for(rank, device)
+    E, K = 16, 2
+
+    def build(n):
+        layers = [
+            epmoe.EPMoE(
+                E, K, H, I, params_dtype=torch.float32, device=dev, experts="torch", load_window=8
+            )  # fmt: skip
+            for _ in range(n)
+        ]
+        w13, w2 = full_weights(E, H, I, torch.float32, dev)
+        for layer in layers:
+            layer.load_experts(w13, w2)
+        return layers
+
+    def tokens(step):
+        g = torch.Generator().manual_seed(7 + step)  # the same on every rank
+        x, logits = torch.randn(32, H, generator=g), torch.randn(32, E, generator=g)
+        logits[:, 0] += 2 + step  # one hot expert, getting hotter
+        return x.to(dev), logits.to(dev)
+
+    layers = build(2)
+    for kwargs, want in [
+        (dict(layers=layers[: 1 + (rank == 0)]), "layers differs"),
+        (dict(tolerance=0.1 * rank), "tolerance differs"),
+    ]:
+        manager = EPLBManager(kwargs.pop("layers", layers), num_redundant=world, **kwargs)
+        with pytest.raises(ValueError, match=f"EPLBManager.rebalance .* disagree; {want}"):
+            manager.rebalance()
+    manager = EPLBManager(layers, num_redundant=world, rebalance_interval=1 + (rank == 1))
+    x, logits = tokens(0)
+    for layer in layers:
+        layer(x, logits)
+    with pytest.raises(RuntimeError, match="in different EPMoE calls: .*EPLB re-plan 0"):
+        if manager.step() is None:  # (rank 1: not yet, its next forward meets the re-plan)
+            layers[0](x, logits)
+
+    moved = []
+    for idle in (False, True):
+        layers = build(2)
+        manager = EPLBManager(layers, num_redundant=world, rebalance_interval=2)
+        moves = []
+        for step in range(4):
+            x, logits = tokens(step)
+            layers[0](x, logits)
+            quiet = idle and step < 2
+            layers[1](x[:0] if quiet else x, logits[:0] if quiet else logits)
+            report = manager.step()
+            if report is not None:
+                moves.append(report.layers[0].migration.slots_moved)
+        moved.append(moves)
+    assert moved[0] == moved[1], f"busy layer's moves, both busy / one idle: {moved}"

@@ -192,7 +192,7 @@ def test_rebalance_moves_only_changed_slots(world) -> None:
     run_on_ranks(eplb_cases.check_rebalance, world, device_under_test(), _dtype())
 
 
-@pytest.mark.parametrize("world", [2], ids=["W=2"])
+@pytest.mark.parametrize("world", [2, 3], ids=["W=2", "W=3"])
 def test_rebalance_errors_raise_on_every_rank(world) -> None:
     run_on_ranks(eplb_cases.check_rebalance_errors, world, device_under_test())
 
@@ -201,3 +201,8 @@ def test_rebalance_errors_raise_on_every_rank(world) -> None:
 def test_manager_improves_measured_balance(world) -> None:
     results = run_on_ranks(eplb_cases.check_manager, world, device_under_test(), _dtype())
     assert all(r == results[0] for r in results), f"ranks measured differently: {results}"
+
+
+@pytest.mark.parametrize("world", [2], ids=["W=2"])
+def test_managers_that_differ_raise_on_every_rank(world) -> None:
+    run_on_ranks(eplb_cases.check_manager_agreement, world, device_under_test())
