@@ -757,7 +757,8 @@ class EPMoE(nn.Module):
         ``slot_tensors``: every name of :meth:`slot_tensors` → ``[e_new, *X]`` tensor of the
         same dtype and device; passing the current tensor keeps it (in-place migration).
         Installed in this order: the backend (:meth:`AllToAll.rebind` to the new
-        ``rank_offsets``, else a fresh backend; the only collective step), the weights (new
+        ``rank_offsets``, else a fresh backend; the only collective step; when it fails
+        after an in-place migration, the layer's weights count as not loaded), the weights (new
         ``nn.Parameter(requires_grad=False)`` where the tensor changed, the old ones freed),
         the placement and its device maps, the loaded mask, and the load recorder (reset
         for the new P). A CUDA graph captured before must be captured again.
@@ -780,7 +781,15 @@ class EPMoE(nn.Module):
                     f"{new.dtype} on {new.device}"
                 )
         if placement.rank_offsets != self.placement.rank_offsets:
-            self._rebind_comm(placement.rank_offsets)
+            try:
+                self._rebind_comm(placement.rank_offsets)
+            except BaseException:
+                if any(new is current[name] for name, new in slot_tensors.items()):
+                    # migrated in place: the slots hold the new placement's experts, the
+                    # layer still the old placement; never serve them (every forward and
+                    # rebalance refuses a layer whose weights are not loaded, naming it)
+                    self._loaded = [False] * len(self._loaded)
+                raise
         for name, new in slot_tensors.items():
             if new is not current[name]:
                 if isinstance(current[name], nn.Parameter):

@@ -409,3 +409,40 @@ def check_manager_agreement(rank, world, device="cpu"):
                 moves.append(report.layers[0].migration.slots_moved)
         moved.append(moves)
     assert moved[0] == moved[1], f"busy layer's moves, both busy / one idle: {moved}"
+
+
+def check_failed_rebind_after_in_place_migration(rank, world, device="cpu"):
+    """A rebalance whose backend rebind fails (e.g. out of memory for larger buffers) after
+    rank 0's slots were migrated in place (its slot count stays, the others' change): the
+    layer keeps its old placement, so rank 0's weights count as not loaded and the next
+    forward raises on every rank, naming it, instead of serving experts in the wrong
+    slots. Loading the weights again brings the layer back."""
+    import pytest
+
+    dev = device_for(rank, device)
+    E, K = 8, 2
+    layer = epmoe.EPMoE(E, K, H, I, params_dtype=torch.float32, device=dev, experts="torch")
+    w13, w2 = full_weights(E, H, I, torch.float32, dev)
+    layer.load_experts(w13, w2)
+    old = layer.placement
+    offsets = (0, 3, *[3 + (E - 3) * (r + 1) // (world - 1) for r in range(world - 1)])
+    new = ExpertPlacement(E, world, torch.arange(E).roll(1), offsets)
+    assert new.num_local(0) == old.num_local(0) and new.rank_offsets != old.rank_offsets
+
+    def refuse(rank_offsets):
+        raise MemoryError("simulated: no memory for the rebound buffers")
+
+    layer._rebind_comm = refuse
+    with pytest.raises(MemoryError, match="simulated"):
+        layer.rebalance(new)
+    del layer._rebind_comm
+    assert layer.placement == old
+    assert layer.weights_loaded == (rank != 0)
+    x, logits = rank_tokens(rank, 5, H, E, torch.float32, dev)
+    own = "not loaded" if rank == 0 else "rank 0 rejected"
+    with pytest.raises((ValueError, RuntimeError), match=own):
+        layer(x, logits)
+    layer.load_experts(w13, w2)
+    assert_close(
+        layer(x, logits), epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
+    )

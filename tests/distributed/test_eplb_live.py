@@ -206,3 +206,8 @@ def test_manager_improves_measured_balance(world) -> None:
 @pytest.mark.parametrize("world", [2], ids=["W=2"])
 def test_managers_that_differ_raise_on_every_rank(world) -> None:
     run_on_ranks(eplb_cases.check_manager_agreement, world, device_under_test())
+
+
+@pytest.mark.parametrize("world", [3], ids=["W=3"])
+def test_a_failed_rebind_after_an_in_place_migration_is_not_served(world) -> None:
+    run_on_ranks(eplb_cases.check_failed_rebind_after_in_place_migration, world, "cpu")
