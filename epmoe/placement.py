@@ -211,6 +211,11 @@ class ExpertPlacement:
         if load.dim() != 2:
             raise ValueError(f"expert_load_LE must be [L, E], got shape {tuple(load.shape)}")
         L, E = load.shape
+        if E == 0:
+            raise ValueError(
+                "the expert load must hold one value per expert (E >= 1), got shape "
+                f"{tuple(load.shape)}"
+            )
         _check_load("expert_load_LE", load)
         ep_size = _check_positive_int("ep_size", ep_size)
         num_redundant = _check_int("num_redundant", num_redundant, minimum=0)
@@ -284,6 +289,10 @@ class ExpertPlacement:
         split (then P must be a multiple of ``ep_size``).
         """
         p2l = _tensor_arg("physical_to_logical", physical_to_logical)
+        if p2l.numel() == 0:
+            raise ValueError(
+                "physical_to_logical must hold the logical expert id of each slot, got none"
+            )
         if p2l.is_floating_point() or p2l.is_complex() or p2l.dtype == torch.bool:
             raise TypeError(f"physical_to_logical must hold integer ids, got dtype {p2l.dtype}")
         ep_size = _check_positive_int("ep_size", ep_size)

@@ -89,9 +89,7 @@ def rebalance(
     weight = _check_weight(weight_LE)
     L, E = weight.shape
     _check_config(E, num_replicas, num_groups, num_nodes, num_gpus)
-    tolerance = float(tolerance)
-    if not 0.0 <= tolerance <= 1.0:
-        raise ValueError(f"tolerance must be in [0, 1] (a balancedness margin), got {tolerance}")
+    tolerance = check_tolerance(tolerance)
     current = None
     if current_phy2log is not None:
         current = _check_phy2log(current_phy2log, L, num_replicas, E, "current_phy2log")
@@ -507,6 +505,17 @@ def _keep_slots(new_BC: torch.Tensor, cur_BC: torch.Tensor) -> torch.Tensor:
 def _inverse_perm(perm_BN: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(perm_BN)
     return inv.scatter_(1, perm_BN, torch.arange(perm_BN.shape[1]).expand_as(perm_BN).contiguous())
+
+
+def check_tolerance(tolerance) -> float:
+    """``tolerance`` as a float, refused (naming it) unless a real number in [0, 1]."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)):
+        raise TypeError(
+            f"tolerance must be a float in [0, 1] (a balancedness margin), got {tolerance!r}"
+        )
+    if not 0.0 <= tolerance <= 1.0:
+        raise ValueError(f"tolerance must be in [0, 1] (a balancedness margin), got {tolerance}")
+    return float(tolerance)
 
 
 def _check_weight(weight_LE: torch.Tensor) -> torch.Tensor:

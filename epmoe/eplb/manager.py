@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from epmoe.agreement import ReplanAgreement
 from epmoe.comm.collectives import world_of
+from epmoe.eplb.algorithm import check_tolerance
 from epmoe.eplb.migration import MigrationStats
 from epmoe.eplb.recorder import logical_load
 from epmoe.placement import ExpertPlacement
@@ -57,7 +58,7 @@ class LayerRebalance:
     """
 
     layer: int
-    tokens: int
+    tokens: int  # (token, expert) assignments recorded in the window: K per routed token
     measured_before: float
     expected_before: float
     expected_after: float
@@ -153,6 +154,11 @@ class EPLBManager:
     ) -> None:
         from epmoe.layer import EPMoE
 
+        if isinstance(layers, torch.nn.Module) or not isinstance(layers, Sequence):
+            raise TypeError(
+                f"layers must be a list of EPMoE layers, got {type(layers).__name__}; pass "
+                "[layer] for one"
+            )
         layers = list(layers)
         if not layers:
             raise ValueError("layers must hold at least one EPMoE layer, got none")
@@ -196,11 +202,7 @@ class EPLBManager:
             raise ValueError(f"the EP size {W} must be a multiple of num_nodes={num_nodes}")
         if E % num_groups:
             raise ValueError(f"num_experts={E} must be a multiple of num_groups={num_groups}")
-        tolerance = float(tolerance)
-        if not 0.0 <= tolerance <= 1.0:
-            raise ValueError(
-                f"tolerance must be in [0, 1] (a balancedness margin), got {tolerance}"
-            )
+        tolerance = check_tolerance(tolerance)
         if prefer_local_replica is not None:
             for layer in layers:
                 layer.prefer_local_replica = bool(prefer_local_replica)

@@ -124,7 +124,10 @@ def test_hierarchical_keeps_every_group_on_one_node() -> None:
             nodes_of_group[e // (E // G)].add(slot // per_node)
         assert all(len(s) == 1 for s in nodes_of_group)
         # and each node holds G / N whole groups
-        assert sorted(len(s) for s in nodes_of_group) == [1] * G
+        groups_per_node = [0] * N
+        for s in nodes_of_group:
+            groups_per_node[next(iter(s))] += 1
+        assert groups_per_node == [G // N] * N
 
 
 def test_global_fallback_when_groups_do_not_split_over_nodes() -> None:
@@ -328,3 +331,23 @@ def test_replan_speed_sanity() -> None:
     elapsed = time.perf_counter() - t0
     assert elapsed < 61 * 0.010 * 3, f"{elapsed * 1e3:.0f} ms for 61 layers"
     assert (balancedness(weight, phy2log, 64) > 0.95).all()
+
+
+def test_bad_arguments_are_refused_naming_them() -> None:
+    import epmoe
+    from epmoe.eplb.recorder import LoadRecorder
+    from epmoe.placement import ExpertPlacement
+
+    with pytest.raises(TypeError, match="tolerance must be a float in \\[0, 1\\].*got 'x'"):
+        ExpertPlacement.balanced(torch.ones(8), 2, tolerance="x")
+    with pytest.raises(ValueError, match="one value per expert \\(E >= 1\\)"):
+        ExpertPlacement.balanced(torch.zeros(0), 2)
+    with pytest.raises(ValueError, match="physical_to_logical must hold .* got none"):
+        ExpertPlacement.from_physical_to_logical([], 2)
+    with pytest.raises(ValueError, match="num_physical must be a positive int, got True"):
+        LoadRecorder(16, 4, "cpu").reset(True)
+    layer = epmoe.EPMoE(8, 2, 16, 8, device="cpu", load_window=2)
+    with pytest.raises(TypeError, match="layers must be a list of EPMoE layers, got EPMoE"):
+        epmoe.EPLBManager(layer)
+    with pytest.raises(TypeError, match="tolerance must be a float"):
+        epmoe.EPLBManager([layer], tolerance="x")
