@@ -83,11 +83,25 @@ def _quantize_fp8(w: torch.Tensor, block: int = 128):
     return q, s
 
 
+def _dequantize_fp8(q: torch.Tensor, s: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The oracle of ``dequantize_fp8``: block by block, each FP8 value times its block's
+    scale_inv (what the loader's function must give exactly)."""
+    w = torch.empty(q.shape)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            w[rows, cols] = q[rows, cols].float() * s[i, j]
+    return w
+
+
 def test_dequantize_fp8_blocks():
     w = torch.randn(200, 130, generator=torch.Generator().manual_seed(0))
     q, s = _quantize_fp8(w)
     assert s.shape == (2, 2)
+    torch.testing.assert_close(dequantize_fp8(q, s), _dequantize_fp8(q, s), rtol=0, atol=0)
     torch.testing.assert_close(dequantize_fp8(q, s), w, rtol=7e-2, atol=1e-2)
+    q, s = _quantize_fp8(w, 64)  # another block size
+    torch.testing.assert_close(dequantize_fp8(q, s, (64, 64)), _dequantize_fp8(q, s, 64))
 
 
 def test_fp8_checkpoint_is_dequantised(tmp_path):
@@ -99,7 +113,7 @@ def test_fp8_checkpoint_is_dequantised(tmp_path):
     for key, t in state.items():  # quantise every linear weight, experts included
         if key.endswith("proj.weight") and t.dim() == 2:
             out[key], out[key + "_scale_inv"] = _quantize_fp8(t)
-            state[key] = dequantize_fp8(out[key], out[key + "_scale_inv"])
+            state[key] = _dequantize_fp8(out[key], out[key + "_scale_inv"])
         else:
             out[key] = t
     safetensors_torch.save_file(out, path)
@@ -242,7 +256,7 @@ def _fp8_checkpoint(directory, block: int) -> dict:
     for key, t in state.items():
         if key.endswith("proj.weight") and t.dim() == 2:
             out[key], out[key + "_scale_inv"] = _quantize_fp8(t, block)
-            state[key] = dequantize_fp8(out[key], out[key + "_scale_inv"], (block, block))
+            state[key] = _dequantize_fp8(out[key], out[key + "_scale_inv"], block)
         else:
             out[key] = t
     safetensors_torch.save_file(out, path)
