@@ -334,13 +334,19 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def assert_close(
-    out: torch.Tensor, ref: torch.Tensor, rtol: float | None = None, name: str = ""
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    rtol: float | None = None,
+    name: str = "",
+    row_rtol: float | None = None,
 ) -> None:
-    """Raise AssertionError if ``relative_error(out, ref) > rtol``.
+    """Raise AssertionError if ``relative_error(out, ref) > rtol``, or, with ``row_rtol``,
+    if any row's (leading index) relative error exceeds it: over many rows one wrong row
+    hides in the whole (a wrong row among R moves the error by about ``1/√R``).
 
     ``rtol`` defaults to ``TOLERANCES[out.dtype]``. The message gives the measured error,
-    the tolerance, both shapes and dtypes, and the worst row (leading index) with its
-    error and reference norm, so a failure says where to look.
+    the tolerance, both shapes and dtypes, and the worst row with its error and
+    reference norm, so a failure says where to look.
     """
     label = f"{name}: " if name else ""
     if rtol is None:
@@ -352,7 +358,7 @@ def assert_close(
             f"{label}shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}"
         )
     err = relative_error(out, ref)
-    if err <= rtol:
+    if err <= rtol and (row_rtol is None or out.numel() == 0):
         return
     o = out.detach().to(device=ref.device, dtype=torch.float64)
     r = ref.detach().to(torch.float64)
@@ -361,10 +367,20 @@ def assert_close(
     o_rows, r_rows = o.reshape(o.shape[0], -1), r.reshape(r.shape[0], -1)
     row_err = torch.linalg.vector_norm(o_rows - r_rows, dim=1)
     row_err = torch.nan_to_num(row_err, nan=math.inf)
+    row_norm = torch.linalg.vector_norm(r_rows, dim=1)
+    if err <= rtol:  # (row_rtol given): each row against its own norm
+        rel = torch.where(row_norm > 0, row_err / row_norm, torch.where(row_err > 0, math.inf, 0))
+        if float(rel.max()) <= row_rtol:
+            return
+        worst = int(torch.argmax(rel))
+        raise AssertionError(
+            f"{label}row {worst}'s relative error {float(rel[worst]):.3e} > row_rtol "
+            f"{row_rtol:.1e} (the whole: {err:.3e}); out {tuple(out.shape)} {out.dtype}, ref "
+            f"{tuple(ref.shape)} {ref.dtype}"
+        )
     worst = int(torch.argmax(row_err))
     raise AssertionError(
         f"{label}relative error {err:.3e} > rtol {rtol:.1e}; out {tuple(out.shape)} "
         f"{out.dtype}, ref {tuple(ref.shape)} {ref.dtype}; worst row {worst}: "
-        f"‖Δ‖ = {float(row_err[worst]):.3e}, ‖ref‖ = "
-        f"{float(torch.linalg.vector_norm(r_rows[worst])):.3e}"
+        f"‖Δ‖ = {float(row_err[worst]):.3e}, ‖ref‖ = {float(row_norm[worst]):.3e}"
     )

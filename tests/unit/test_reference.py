@@ -372,6 +372,20 @@ def test_assert_close_passes_and_reports_worst_row():
     assert f"{relative_error(out, ref):.3e}" in msg
 
 
+def test_assert_close_row_rtol_finds_one_wrong_row_among_many():
+    ref = _rand(2733, 64, seed=4)
+    out = ref * (1 + 1e-3 * _rand(2733, 64, seed=5))
+    out[1000] = _rand(1, 64, seed=6)[0]  # one row wholly wrong: 1/√2733 of the whole
+    assert_close(out, ref, rtol=0.03)  # the whole does not see it
+    with pytest.raises(AssertionError, match=r"row 1000's relative error .* > row_rtol 4\.0e-03"):
+        assert_close(out, ref, rtol=0.03, row_rtol=4e-3)
+    out[1000] = ref[1000]
+    assert_close(out, ref, rtol=0.03, row_rtol=4e-3)
+    zeros = torch.zeros(3, 4, dtype=torch.float64)
+    assert_close(zeros, zeros, rtol=0.0, row_rtol=0.0)  # (zero rows of the reference)
+    assert_close(torch.empty(0, 4), torch.empty(0, 4), rtol=0.0, row_rtol=0.0)
+
+
 def test_assert_close_nan_shape_and_default_rtol():
     ref = _rand(4, 4).float()
     bad = ref.clone()
