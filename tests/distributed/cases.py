@@ -19,9 +19,10 @@ from tests.harness import Sweep
 
 
 def e_top_k(W: int) -> list[tuple[int, int]]:
-    """The (E, K) of the oracle sweep at W ranks: E not a multiple of W (so linear placement
-    is uneven: 6 for W = 4) and at least W + 2 (so every rank holds an expert)."""
-    return [(6, 2), (8, 3)] if W <= 4 else [(W + 2, 2), (W + 4, 3)]
+    """The (E, K) of the oracle sweep at W ranks: the first E not a multiple of W (so
+    linear placement is uneven: 7 gives 4 + 3 experts at W = 2, 2, 2, 2, 1 at W = 4) and
+    every E at least W + 2 (so every rank holds an expert)."""
+    return [(7, 2), (8, 3)] if W <= 4 else [(W + 3, 2), (W + 4, 3)]
 
 
 def device_for(rank: int, device: str) -> torch.device:

@@ -265,9 +265,6 @@ def test_fp8_dispatch_needs_a_backend_that_offers_it(monkeypatch):
     with pytest.raises(ValueError, match="dispatch_dtype") as info:
         layer_and_weights(backend="no_fp8", dispatch_dtype=torch.float8_e4m3fn)
     assert "fp8_dispatch" in str(info.value) and str(offering) in str(info.value)
-    if not NaiveBackend.capabilities.fp8_dispatch:
-        with pytest.raises(ValueError, match="dispatch_dtype"):
-            layer_and_weights(backend="naive", dispatch_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="dispatch_dtype"):
         layer_and_weights(dispatch_dtype=torch.float16)
 
