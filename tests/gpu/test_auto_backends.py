@@ -37,6 +37,7 @@ def test_auto_takes_symm_ll_for_decode_and_symm_ht_for_prefill():
         x = torch.randn(T, H, generator=g, device=dev).to(BF16)
         logits = torch.randn(T, E, generator=g, device=dev)
         ref = epmoe.reference.moe(x, w13, w2, *epmoe.select_experts(logits, K))
-        assert_close(layer(x, logits), ref, TOLERANCES[BF16], name=f"T={T}")
+        tol = TOLERANCES[BF16]  # (row by row too: a dropped token hides among 5000)
+        assert_close(layer(x, logits), ref, tol, name=f"T={T}", row_rtol=tol)
     layer.comm.close()
     layer.decode_comm.close()

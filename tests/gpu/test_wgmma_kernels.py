@@ -112,9 +112,10 @@ def test_every_tile_boundary(dtype, half_tail, kernel):
     out = _run(x, ids, w, weights, cfg)
     ref = moe(x.double(), w13d, w2d, w, ids)
     rtol = TOLERANCES[FP8 if dtype == "fp8" else BF16]
-    assert_close(out, ref, rtol, name=f"wgmma {dtype}")
+    # row by row as well: among R = 2733 rows one wrong row moves the whole by 1/√R
+    assert_close(out, ref, rtol, name=f"wgmma {dtype}", row_rtol=rtol)
     portable = _run(x, ids, w, weights, DOT[dtype])
-    assert_close(out, portable, rtol / 4, name=f"wgmma vs dot {dtype}")
+    assert_close(out, portable, rtol / 4, name=f"wgmma vs dot {dtype}", row_rtol=rtol / 2)
 
 
 @pytest.mark.parametrize("kernel", WS)
