@@ -1226,6 +1226,9 @@ class EPMoE(nn.Module):
             else:
                 real_T = torch.arange(T, device=ids_TK.device) < num_valid_tokens.reshape(())
             ids_TK = torch.where(real_T[:, None], ids_TK, -1)
+            # and no weight: a padding row's logits may be garbage (NaN weights), and an
+            # ExpertBatched combine weights every slot, unused ones included (0 · NaN)
+            weights_TK = torch.where(real_T[:, None], weights_TK, 0)
         if self.load_recorder is not None:
             self.load_recorder.record(ids_TK)
         if self.apply_router_weight_on_input:  # in float32, or float64 for float64 layers

@@ -28,9 +28,10 @@ def dequantized(weights: ExpertWeights, dtype: torch.dtype) -> tuple[torch.Tenso
         return weights.w13.to(dtype), weights.w2.to(dtype)
     from epmoe.reference import dequantize_block
 
+    wide = torch.promote_types(dtype, torch.float32)  # (float64 layers: FP8 × scale exactly)
     return (
-        dequantize_block(weights.w13, weights.w13_scale).to(dtype),
-        dequantize_block(weights.w2, weights.w2_scale).to(dtype),
+        dequantize_block(weights.w13, weights.w13_scale, dtype=wide).to(dtype),
+        dequantize_block(weights.w2, weights.w2_scale, dtype=wide).to(dtype),
     )
 
 

@@ -121,6 +121,21 @@ def test_a_full_precision_layer_refuses_block_scaled_fp8_w13_of_straddling_block
     torch.testing.assert_close(layer.w13[0], dequantize_block(q13, s13)[0], rtol=0, atol=0)
 
 
+def test_a_float64_layer_computes_fp8_weights_in_float64():
+    """FP8 values times float32 scales need more than float32's 24 bits: a float64 layer
+    (torch experts) dequantizes in float64, as the oracle does, to float64's tolerance."""
+    w13, w2 = _weights()
+    layer = epmoe.EPMoE(E, K, H, I, params_dtype=torch.float64, weight_dtype=FP8,
+                        device="cpu", experts="torch")  # fmt: skip
+    layer.load_experts(w13.double(), w2.double())
+    x, logits = _tokens()
+    x = x.double()
+    d13 = dequantize_block(layer.w13, layer.w13_scale, dtype=torch.float64)
+    d2 = dequantize_block(layer.w2, layer.w2_scale, dtype=torch.float64)
+    ref = moe(x, d13, d2, *epmoe.select_experts(logits, K))
+    assert_close(layer(x, logits), ref, TOLERANCES[torch.float64])
+
+
 def test_what_loading_refuses():
     w13, w2 = _weights()
     q13, s13 = quantize_block(w13)

@@ -533,6 +533,23 @@ def test_rows_masked_out_by_num_valid_tokens_go_to_no_expert(hinted):
     assert int(layer.load_recorder.window_load().sum()) == int(real.sum()) * 2
 
 
+@pytest.mark.parametrize("layout", ["standard", "expert_batched"])
+@pytest.mark.parametrize("mask", [False, True], ids=["a count", "a mask"])
+def test_padding_rows_with_garbage_logits_give_zero_rows(layout, mask):
+    """A padding row's router logits may be garbage (NaN, or all -inf where the caller
+    masked it: softmax gives NaN weights): its routed output is still zero. The
+    ExpertBatched combine weights every slot, so the weights are zeroed with the ids."""
+    layer, w13, w2 = layer_and_weights(layout=layout)
+    T, n = 5, 3
+    x, logits = torch.randn(T, 16), torch.randn(T, 8)
+    logits[3], logits[4] = float("nan"), float("-inf")
+    valid = torch.arange(T) < n if mask else torch.tensor(n)
+    out = layer(x, logits, num_valid_tokens=valid)
+    w, ids = epmoe.select_experts(logits[:n], 2)
+    assert_close(out[:n], epmoe.reference.moe(x[:n], w13, w2, w, ids), 1e-5)
+    assert torch.equal(out[n:], torch.zeros(T - n, 16))
+
+
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [(3, TypeError, "one-element integer tensor"), (torch.tensor([1.0]), ValueError, "integer"),
