@@ -267,6 +267,11 @@ def _run_custom(
                 f"custom_routing_function returned {name} of shape {tuple(t.shape)}; "
                 f"expected [T, K] = [{T}, {top_k}]"
             )
+        if t.device != router_logits.device:
+            raise ValueError(
+                f"custom_routing_function returned {name} on {t.device}, the router logits "
+                f"are on {router_logits.device}: return them on the logits' device"
+            )
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(
             f"custom_routing_function returned ids of dtype {ids.dtype}; expected integers"

@@ -223,6 +223,11 @@ def test_custom_routing_function_overrides_and_is_cast():
             lambda T, K: (torch.zeros(T, K), torch.full((T, K), -2, dtype=torch.long)),
             ValueError, r"in \[-2, -2\]; they must lie in \[-1, E\)", id="ids-below-minus-one",
         ),
+        pytest.param(
+            lambda T, K: (torch.zeros(T, K, device="meta"), torch.zeros(T, K, dtype=torch.long)),
+            ValueError, r"returned weights on meta, the router logits are on cpu: return them "
+            r"on the logits' device", id="another-device",
+        ),
     ],
 )  # fmt: skip
 def test_custom_routing_function_output_is_validated(bad_return, err, match):
