@@ -51,12 +51,15 @@ def _specialization(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() & 15 == 0, a.get_device()
     if type(a) is int:
-        return a == 1, a & 15 == 0, _int32(a)
+        return a == 1, a & 15 == 0, _int_width(a)
     return a
 
 
-def _int32(a: int) -> bool:
-    return -(2**31) <= a < 2**31
+def _int_width(a: int) -> str:
+    """The type Triton gives an int argument: ``i32``, ``i64`` or ``u64`` (from 2⁶³)."""
+    if -(2**31) <= a < 2**31:
+        return "i32"
+    return "u64" if a >= 2**63 else "i64"
 
 
 def _device_index() -> int:
@@ -144,9 +147,15 @@ class Launcher:
             for i, p in enumerate(getattr(fn, "params", ()))
             if getattr(p, "do_not_specialize", False)
         }
+        # constexprs are keyed by value as keywords; passed by position they would be keyed
+        # as ints (refused at their first launch, see _check_new)
+        self.constexprs = {
+            i for i, p in enumerate(getattr(fn, "params", ())) if getattr(p, "is_constexpr", False)
+        }
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
-        self._memo: tuple[tuple, tuple] | None = None  # the previous launch's args, parts
+        # the previous launch's args, their parts and their tensors' addresses
+        self._memo: tuple[tuple, tuple, tuple] | None = None
 
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
         num_warps_and = dict(num_warps=num_warps)
@@ -165,15 +174,18 @@ class Launcher:
         # part is reused, only new objects (the caller's inputs) are looked at again
         # (a memo of the last two calls would skip the parity-alternating buffers too, 3 µs
         # of a round trip on a CPU core, but would keep the caller's tensors a call longer)
+        # (a tensor is the same only at the same address: a Parameter converted by
+        # Module.to() is the same object holding other data, of another dtype)
         memo = self._memo
+        ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args)
         if memo is not None and len(memo[0]) == len(args):
             parts = tuple(
-                part if a is b else self._part(i, a)
-                for i, (a, b, part) in enumerate(zip(args, memo[0], memo[1]))
+                part if a is b and p == q else self._part(i, a)
+                for i, (a, b, part, p, q) in enumerate(zip(args, memo[0], memo[1], ptrs, memo[2]))
             )
         else:
             parts = self._parts(args)
-        self._memo = (args, parts)
+        self._memo = (args, parts, ptrs)
         key = _cache_key(dev, num_warps, consts, parts)
         kernel = self.compiled.get(key)
         if kernel is None:
@@ -181,7 +193,7 @@ class Launcher:
             self.compiled[key] = self.fn[grid](*args, **num_warps_and, **consts)
             return
         try:
-            values = self._values(args, consts)
+            values = self._values(args, consts, ptrs)
             stream = _current_raw_stream(dev)
             g = (*grid, 1, 1)
             kernel.run(
@@ -203,7 +215,7 @@ class Launcher:
         """Argument ``i``'s part of the cache key: an int Triton does not specialise on
         (``do_not_specialize``) by its width only, else ``_specialization``."""
         if type(a) is int and i in self.unspecialized:
-            return _WIDTH, _int32(a)
+            return _WIDTH, _int_width(a)
         return _specialization(a)
 
     def _parts(self, args: tuple) -> tuple:
@@ -216,6 +228,12 @@ class Launcher:
         address as it is: a CPU tensor's, or another GPU's, read as garbage or a fault),
         is refused, by name."""
         name = getattr(self.fn, "__name__", self.fn)
+        positional = [self.names[i] for i in sorted(self.constexprs) if i < len(args)]
+        if positional:
+            raise TypeError(
+                f"{name}: pass the constexprs {positional} by keyword (a launch is keyed on "
+                "their values as keywords)"
+            )
         tensors = [n for n, value in consts.items() if isinstance(value, torch.Tensor)]
         if tensors:
             raise TypeError(
@@ -223,7 +241,7 @@ class Launcher:
                 "constants of the launch cache)"
             )
         for i, (a, part) in enumerate(zip(args, parts)):
-            if type(a) is torch.Tensor and part[2] != dev:
+            if isinstance(a, torch.Tensor) and part[2] != dev:
                 arg = self.names[i] if i < len(self.names) else f"argument {i}"
                 fix = (
                     f"move it to cuda:{dev}"
@@ -236,10 +254,13 @@ class Launcher:
                     f"device, cuda:{dev}: {fix}"
                 )
 
-    def _values(self, args: tuple, consts: dict) -> list:
-        """The compiled kernel's arguments: each tensor as its address, the other
-        arguments as given, then the constexprs in order (defaults where not given)."""
-        values = [a.data_ptr() if type(a) is torch.Tensor else a for a in args]
+    def _values(self, args: tuple, consts: dict, ptrs: tuple | None = None) -> list:
+        """The compiled kernel's arguments: each tensor as its address (``ptrs``: the
+        tensors' addresses, None elsewhere, when the caller has them), the other arguments
+        as given, then the constexprs in order (defaults where not given)."""
+        if ptrs is None:
+            ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args)
+        values = [a if p is None else p for a, p in zip(args, ptrs)]
         values += [consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]]
         return values
 
@@ -253,6 +274,8 @@ class Launcher:
         capture of a kernel with ``PDL``."""
         if not self.direct or len(grid) != 1:
             return None
+        if any(type(args[i]) not in (torch.Tensor, int) for i in variable):
+            return None  # (a bound slot is re-checked as a tensor or an int only)
         dev = _device_index()
         if self.pdl:
             if pdl_enabled(dev) and _capturing():
@@ -268,10 +291,11 @@ class Launcher:
 
 def _cache_key(dev: int, num_warps: int, consts: dict, parts: tuple) -> tuple:
     """A compiled kernel's key in ``Launcher.compiled`` (launches and bindings alike)."""
-    return dev, num_warps, tuple(consts.items()), parts
+    # (with each value's type: True, 1 and 1.0 are equal keys in Python, not to Triton)
+    return dev, num_warps, tuple((k, type(v), v) for k, v in consts.items()), parts
 
 
-_WIDTH = "int width"  # a bound int argument's check: only whether it fits int32
+_WIDTH = "int width"  # a bound int argument's check: only its width (_int_width)
 
 
 class BoundLaunch:
@@ -308,7 +332,7 @@ class BoundLaunch:
                 if (not a & 15) is not part[1]:
                     return False
             elif part[0] is _WIDTH:
-                if type(a) is not int or _int32(a) is not part[1]:
+                if type(a) is not int or _int_width(a) != part[1]:
                     return False
             elif _specialization(a) != part:
                 return False

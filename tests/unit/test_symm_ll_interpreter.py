@@ -777,3 +777,34 @@ def test_the_combine_needs_not_the_callers_ids(split):
         want = x * (w * (routed >= 0)).sum(1, keepdim=True)
         assert_close(combine(y, res), want, 1e-6, name=f"split={split}")
     comm.close()
+
+
+def test_launcher_keys_what_triton_keys(monkeypatch):
+    """What a review found the launch cache confusing (latent: no caller does it today):
+    constexprs equal in Python but not to Triton (True, 1, 1.0), an int from 2**63 (u64 to
+    Triton), a constexpr passed by position (refused by name), a Parameter converted in
+    place (the same object at another address and dtype), and a bound slot that is neither
+    a tensor nor an int (not bound)."""
+    from types import SimpleNamespace
+
+    fn = _FakeKernel()
+    fn.params = [SimpleNamespace(name=n, has_default=False, is_constexpr=n == "BLOCK")
+                 for n in _FakeKernel.arg_names]  # fmt: skip
+    launcher = _direct(monkeypatch, fn, [CPU])
+    x = torch.zeros(4)
+    for block in (True, 1, 1.0, True):
+        launcher((3,), x, 5, None, num_warps=4, BLOCK=block)
+    assert [c["BLOCK"] for *_, c in fn.plain] == [True, 1, 1.0]  # three kernels, then reuse
+    for n in (2**62, 2**63, 2**63 + 16):
+        launcher((3,), x, n, None, num_warps=4, BLOCK=16)
+    assert [args[1] for _, args, *_ in fn.plain[3:]] == [2**62, 2**63]  # i64, then u64
+    with pytest.raises(TypeError, match=r"pass the constexprs \['BLOCK'\] by keyword"):
+        launcher((3,), x, 7, None, 32, num_warps=4)
+    w = torch.nn.Parameter(torch.zeros(8, dtype=torch.float16), requires_grad=False)
+    launcher((3,), w, 5, None, num_warps=4, BLOCK=16)
+    w.data = torch.zeros(8, dtype=torch.float32)  # what Module.to(torch.float32) does
+    plain = len(fn.plain)
+    launcher((3,), w, 5, None, num_warps=4, BLOCK=16)
+    assert len(fn.plain) == plain + 1 and fn.plain[-1][1][0].dtype == torch.float32
+    assert launcher.bind((3,), x, 5, None, variable=(2,), num_warps=4, BLOCK=16) is None
+    assert launcher.bind((3,), x, 5, None, variable=(0,), num_warps=4, BLOCK=16) is not None
