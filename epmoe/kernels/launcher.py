@@ -55,6 +55,9 @@ def _specialization(a):
     return a
 
 
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})  # (a type test at C speed)
+
+
 def _int_width(a: int) -> str:
     """The type Triton gives an int argument: ``i32``, ``i64`` or ``u64`` (from 2⁶³)."""
     if -(2**31) <= a < 2**31:
@@ -176,12 +179,16 @@ class Launcher:
         # of a round trip on a CPU core, but would keep the caller's tensors a call longer)
         # (a tensor is the same only at the same address: a Parameter converted by
         # Module.to() is the same object holding other data, of another dtype)
+        # (list comprehensions, C-level type tests: this is an eager call's host time)
         memo = self._memo
-        ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args)
+        ptrs = [a.data_ptr() if type(a) in _TENSOR_TYPES else None for a in args]
         if memo is not None and len(memo[0]) == len(args):
+            old_args, old_parts, old_ptrs = memo
             parts = tuple(
-                part if a is b and p == q else self._part(i, a)
-                for i, (a, b, part, p, q) in enumerate(zip(args, memo[0], memo[1], ptrs, memo[2]))
+                [
+                    old_parts[i] if a is old_args[i] and p == old_ptrs[i] else self._part(i, a)
+                    for i, (a, p) in enumerate(zip(args, ptrs))
+                ]
             )
         else:
             parts = self._parts(args)
@@ -254,12 +261,12 @@ class Launcher:
                     f"device, cuda:{dev}: {fix}"
                 )
 
-    def _values(self, args: tuple, consts: dict, ptrs: tuple | None = None) -> list:
+    def _values(self, args: tuple, consts: dict, ptrs: list | None = None) -> list:
         """The compiled kernel's arguments: each tensor as its address (``ptrs``: the
         tensors' addresses, None elsewhere, when the caller has them), the other arguments
         as given, then the constexprs in order (defaults where not given)."""
         if ptrs is None:
-            ptrs = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else None for a in args)
+            ptrs = [a.data_ptr() if type(a) in _TENSOR_TYPES else None for a in args]
         values = [a if p is None else p for a, p in zip(args, ptrs)]
         values += [consts[n] if n in consts else self.defaults[n] for n in self.names[len(args) :]]
         return values
@@ -291,8 +298,8 @@ class Launcher:
 
 def _cache_key(dev: int, num_warps: int, consts: dict, parts: tuple) -> tuple:
     """A compiled kernel's key in ``Launcher.compiled`` (launches and bindings alike)."""
-    # (with each value's type: True, 1 and 1.0 are equal keys in Python, not to Triton)
-    return dev, num_warps, tuple((k, type(v), v) for k, v in consts.items()), parts
+    # (with the values' types: True, 1 and 1.0 are equal keys in Python, not to Triton)
+    return dev, num_warps, tuple(consts.items()), tuple(map(type, consts.values())), parts
 
 
 _WIDTH = "int width"  # a bound int argument's check: only its width (_int_width)
