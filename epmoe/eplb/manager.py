@@ -18,7 +18,7 @@ bounded by one layer.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -154,7 +154,7 @@ class EPLBManager:
     ) -> None:
         from epmoe.layer import EPMoE
 
-        if isinstance(layers, torch.nn.Module) or not isinstance(layers, Sequence):
+        if isinstance(layers, torch.nn.Module) or not isinstance(layers, Iterable):
             raise TypeError(
                 f"layers must be a list of EPMoE layers, got {type(layers).__name__}; pass "
                 "[layer] for one"

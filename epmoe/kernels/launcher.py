@@ -158,7 +158,7 @@ class Launcher:
         self.direct = os.environ.get("TRITON_INTERPRET", "0") != "1"
         self.pdl = self.direct and "PDL" in self.names  # see pdl_enabled
         # the previous launch's args, their parts and their tensors' addresses
-        self._memo: tuple[tuple, tuple, tuple] | None = None
+        self._memo: tuple[tuple, tuple, list] | None = None
 
     def __call__(self, grid: tuple[int, ...], *args, num_warps: int, **consts) -> None:
         num_warps_and = dict(num_warps=num_warps)
