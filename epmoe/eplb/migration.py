@@ -234,8 +234,12 @@ def migrate_slots(
         _check_compatible(old, new)
         _check_tensors(tensors, old, rank)
         _check_group(group, old.ep_size, rank)
-        if in_place and new.num_local(rank) != old.num_local(rank):
-            raise ValueError(_in_place_message(rank, old.num_local(rank), new.num_local(rank)))
+        e_old, e_new = old.num_local(rank), new.num_local(rank)
+        if in_place and e_new != e_old:
+            raise ValueError(
+                f"in_place=True needs the same number of local slots before and after, rank "
+                f"{rank} goes from {e_old} to {e_new}; pass in_place=False"
+            )
     except (TypeError, ValueError) as exc:
         if not check:
             raise
@@ -299,10 +303,9 @@ def _execute(
     group: dist.ProcessGroup | None,
     in_place: bool,
 ) -> list[torch.Tensor]:
-    """Run ``plan``'s share of ``rank`` on ``tensors`` (``[e_old, *X]`` each)."""
+    """Run ``plan``'s share of ``rank`` on ``tensors`` (``[e_old, *X]`` each); ``in_place``
+    only where this rank's slot count stays (its callers check it)."""
     mine = plan.ranks[rank]
-    if in_place and mine.num_new != mine.num_old:  # (migrate_slots checks it first)
-        raise ValueError(_in_place_message(rank, mine.num_old, mine.num_new))
     changed = mine.changed
     if in_place:  # stage the changed slots: the old ones may still have to be sent
         row = {s: i for i, s in enumerate(changed)}
@@ -342,13 +345,6 @@ def _execute(
     for t, stage in zip(tensors, stages):
         _wire(t).index_copy_(0, index, _wire(stage))  # (no float8 index_copy_ kernel)
     return tensors
-
-
-def _in_place_message(rank: int, e_old: int, e_new: int) -> str:
-    return (
-        f"in_place=True needs the same number of local slots before and after, rank "
-        f"{rank} goes from {e_old} to {e_new}; pass in_place=False"
-    )
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:

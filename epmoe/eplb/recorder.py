@@ -112,14 +112,10 @@ class LoadRecorder:
         place; a new ``num_physical`` allocates ``[S, P_new]`` (a graph that captured the old
         buffers must be captured again, as it must after any re-plan)."""
         if num_physical is not None and (
-            isinstance(num_physical, bool) or num_physical != self.num_physical
+            isinstance(num_physical, bool) or not isinstance(num_physical, int) or num_physical <= 0
         ):
-            if (
-                isinstance(num_physical, bool)
-                or not isinstance(num_physical, int)
-                or num_physical <= 0
-            ):
-                raise ValueError(f"num_physical must be a positive int, got {num_physical!r}")
+            raise ValueError(f"num_physical must be a positive int, got {num_physical!r}")
+        if num_physical is not None and num_physical != self.num_physical:
             self.num_physical = num_physical
             self.counts_SP = self.counts_SP.new_zeros(self.window, num_physical)
         else:
