@@ -34,7 +34,11 @@ def backends_matrix() -> str:
         fp8 = yes(caps.fp8_dispatch)
         if caps.fp8_dispatch and not caps.fp8_reference_quantizer:
             fp8 += " (its own quantizer)"
-        empty = "sent to expert 0, weight 0" if caps.empty_entries_to_expert_0 else "not sent"
+        empty = (
+            "sent to an unused expert, weight 0"
+            if caps.empty_entries_to_unused_expert
+            else "not sent"
+        )
         rows.append(
             f"| `{name}` | {', '.join(sorted(x.value for x in caps.layouts))} | {dtypes} | "
             f"{', '.join(sorted(caps.device_types))} | {yes(caps.graph_safe)} | "

@@ -97,7 +97,10 @@ def _why_not(
         cls = backend_class(name)
     except ImportError as exc:  # a backend module whose own imports fail, or not there yet
         return f"import failed ({exc})"
-    reason = cls.unavailable_reason(device, group)
+    try:
+        reason = cls.unavailable_reason(device, group)
+    except Exception as exc:  # a check that breaks must not break the others' report
+        reason = f"its availability check failed ({type(exc).__name__}: {exc})"
     if reason is not None:
         return reason
     caps = cls.capabilities
@@ -165,9 +168,14 @@ def resolve_backend(
         return cls
     reasons = {}
     for candidate in _BACKENDS:
-        reason = _why_not(candidate, device, group, layout, spec, capturing)
-        if reason is None and not backend_class(candidate).capabilities.auto:
+        try:
+            named_only = not backend_class(candidate).capabilities.auto
+        except ImportError:
+            named_only = False  # _why_not names the failed import
+        if named_only:  # its library is not even imported: "auto" never picks it
             reason = "not chosen by 'auto' (name it to use it)"
+        else:
+            reason = _why_not(candidate, device, group, layout, spec, capturing)
         if reason is None:
             return backend_class(candidate)
         reasons[candidate] = reason

@@ -34,6 +34,12 @@ def import_deep_ep() -> Any:
         return importlib.import_module("deep_ep")
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+    except Exception as exc:  # e.g. a version check at its import (DeepEP V2: NCCL)
+        raise ImportError(
+            f"deep_ep is installed but importing it failed ({type(exc).__name__}: {exc}); "
+            "epmoe adapts the classic deep_ep.Buffer (DeepEP V1): build that from "
+            "https://github.com/deepseek-ai/DeepEP"
+        ) from exc
 
 
 def unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
@@ -45,10 +51,11 @@ def unavailable_reason(group: dist.ProcessGroup | None) -> str | None:
         import_deep_ep()  # extension (deep_ep_cpp) is found but cannot run
     except ImportError as exc:
         return str(exc)
-    if dist.is_available() and dist.is_initialized():
-        W = dist.get_world_size(group)
-        if W not in (2, 4, 8):
-            return f"DeepEP's intranode kernels take 2, 4 or 8 ranks, not {W}"
+    if not (dist.is_available() and dist.is_initialized()):
+        return "DeepEP needs torch.distributed initialised with 2, 4 or 8 NCCL ranks (torchrun)"
+    W = dist.get_world_size(group)
+    if W not in (2, 4, 8):
+        return f"DeepEP's intranode kernels take 2, 4 or 8 ranks, not {W}"
     return None
 
 
@@ -78,6 +85,7 @@ class SharedBuffer:
     def __init__(self, buffer: Any, sizes: dict[str, int]) -> None:
         self.buffer = buffer
         self.sizes = sizes
+        self.held = 0  # results of the group's layers not yet combined (low-latency mode)
 
     def close(self) -> None:
         if self.buffer is not None:

@@ -148,9 +148,10 @@ class Capabilities:
     # FP8 rows and scales are epmoe.reference.quantize_groups of the hidden rows, bit for bit
     # (False: a library quantizes with its own arithmetic; values within one e4m3 step)
     fp8_reference_quantizer: bool = True
-    # entries without an expert (-1) send their token to physical expert 0 with weight 0
-    # (a library with no empty entry): outputs are the same, expert 0 computes extra rows
-    empty_entries_to_expert_0: bool = False
+    # entries without an expert (-1) send their token with weight 0 to the lowest physical
+    # experts it does not use (a library with no empty entry; no expert gets a token twice):
+    # outputs are the same, those experts compute extra rows
+    empty_entries_to_unused_expert: bool = False
     # dispatch results the caller may hold before their combine; None: no limit
     max_in_flight: int | None = None
     # fixed buffers sized for M_max tokens per rank: the M_max a layer picks when the user

@@ -53,6 +53,12 @@ def _check_tuning(num_sms, nvl_chunks) -> None:
             )
 
 
+# DeepEP's normal-mode limits (csrc/kernels/intranode.cu at 567632d): shared memory per
+# warp for a staged half row (its TMA bytes), and threads of its layout notification
+MAX_STAGED_BYTES = 8192
+MAX_LOCAL_EXPERTS = 128
+
+
 class DeepEPHTBackend(AllToAll):
     """Standard-layout dispatch/combine over ``deep_ep.Buffer`` (normal mode, one node).
 
@@ -95,6 +101,28 @@ class DeepEPHTBackend(AllToAll):
             )
         if spec.fp8_dispatch and spec.hidden_size % FP8_GROUP:
             return f"DeepEP's FP8 rows need H divisible by 128, not {spec.hidden_size}"
+        # its dispatch stages each half row in 8 KiB of shared memory per warp, behind an
+        # mbarrier, and traps on other rows (intranode.cu, 567632d): whole 16-byte vectors
+        # in each half, H * wire bytes / 2 + 8 <= 8192
+        H, row_bytes = spec.hidden_size, spec.hidden_size * spec.wire_dtype.itemsize
+        if row_bytes % 32 or row_bytes // 2 + 8 > MAX_STAGED_BYTES:
+            largest = (MAX_STAGED_BYTES - 8) * 2 // 32 * 32 // spec.wire_dtype.itemsize
+            hint = (
+                ""
+                if spec.fp8_dispatch
+                else "; FP8 dispatch (dispatch_dtype=float8_e4m3fn) takes rows twice as wide"
+            )
+            return (
+                f"DeepEP's normal-mode dispatch takes rows of H * {spec.wire_dtype.itemsize} "
+                f"bytes with H a multiple of {32 // spec.wire_dtype.itemsize} and at most "
+                f"{largest}, not H={H}{hint}; or use symm_ht / all_to_all"
+            )
+        if spec.num_physical // spec.world_size > MAX_LOCAL_EXPERTS:
+            return (
+                f"DeepEP's normal mode takes at most {MAX_LOCAL_EXPERTS} expert slots per rank, "
+                f"this placement has {spec.num_physical // spec.world_size} (P={spec.num_physical}"
+                f" over W={spec.world_size}): use more ranks, fewer redundant slots, or symm_ht"
+            )
         return _deepep.even_partition_reason(spec)
 
     def __init__(

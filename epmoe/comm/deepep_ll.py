@@ -22,6 +22,8 @@ experts · P physical experts.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from epmoe.comm import _deepep, transport
@@ -38,8 +40,17 @@ from epmoe.comm.base import (
 
 SUPPORTED_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 MAX_TOP_K = 11
-MAX_TOKENS = 511  # (M + 1) * 2 <= NVSHMEM_QP_DEPTH, 1024 by default
 NUM_BUFFERS = 2
+
+
+def max_tokens() -> int:
+    """DeepEP's largest ``max_num_tokens``: ``(M + 1) * 2 <= NVSHMEM_QP_DEPTH``, which it
+    reads from the environment when its buffer is built (1024 unset: 511 tokens)."""
+    raw = os.environ.get("NVSHMEM_QP_DEPTH", "1024")
+    try:
+        return int(raw) // 2 - 1
+    except ValueError:
+        raise ValueError(f"NVSHMEM_QP_DEPTH must be an integer, got {raw!r}") from None
 
 
 class DeepEPLLBackend(AllToAll):
@@ -78,10 +89,12 @@ class DeepEPLLBackend(AllToAll):
         W, M = spec.world_size, spec.max_num_tokens
         if (W * M) % 4:
             return f"DeepEP's low-latency kernels need W * max_num_tokens % 4 == 0, got {W} * {M}"
-        if M > MAX_TOKENS:
+        limit = max_tokens()
+        if spec.max_num_tokens > limit:
             return (
-                f"DeepEP's low-latency mode takes max_num_tokens <= {MAX_TOKENS} (its NVSHMEM "
-                f"queue depth), got {M}"
+                f"DeepEP's low-latency mode takes max_num_tokens <= {limit} (its NVSHMEM "
+                f"queue depth, (M + 1) * 2 <= NVSHMEM_QP_DEPTH), got {M}: lower max_num_tokens "
+                "or raise NVSHMEM_QP_DEPTH on every rank"
             )
         return _deepep.even_partition_reason(spec)
 
@@ -91,7 +104,7 @@ class DeepEPLLBackend(AllToAll):
         W, P, M, H = self.world_size, spec.num_physical, spec.max_num_tokens, spec.hidden_size
         Buffer = self._deep_ep.Buffer
         rdma_bytes = Buffer.get_low_latency_rdma_size_hint(M, H, W, P)
-        transport.claim_nvshmem("deep_ep")  # its low-latency buffer initialises NVSHMEM
+        transport.check_nvshmem_owner("deep_ep")  # its low-latency buffer initialises NVSHMEM
         self._hold = _deepep.acquire_buffer(
             self.name,
             self.group,
@@ -106,7 +119,7 @@ class DeepEPLLBackend(AllToAll):
                 explicitly_destroy=True,
             ),
         )
-        self._held = 0  # dispatch results not yet combined (DeepEP has two buffers)
+        transport.claim_nvshmem("deep_ep")  # once its buffer exists: a failure locks no one out
 
     def _buffer(self):
         return self._hold.get().buffer
@@ -133,19 +146,21 @@ class DeepEPLLBackend(AllToAll):
         return self._dispatch(hidden_TH, topk_ids_TK, topk_weights_TK, hook=True)
 
     def _dispatch(self, hidden_TH, topk_ids_TK, topk_weights_TK, hook: bool):
-        spec, buffer = self.spec, self._buffer()
+        spec = self.spec
         check_dispatch_args(spec, hidden_TH, topk_ids_TK, topk_weights_TK, True)
-        if self._held >= 1:
+        shared = self._hold.get()
+        if shared.held >= 1:  # any layer's: the buffer is the group's
             raise RuntimeError(
-                "deepep_ll holds one dispatch result at a time (DeepEP's next call clears the "
-                "other buffer's signals): combine it before the next dispatch"
+                "deepep_ll holds one dispatch result at a time, for every layer of the group "
+                "(DeepEP's next call clears the other buffer's signals): combine it before the "
+                "next dispatch"
             )
         # copies, kept for the combine: the caller may reuse its buffers once the dispatch
         # has finished (the contract), and .to() of a matching tensor would return it
         idx_dtype = getattr(self._deep_ep, "topk_idx_t", torch.int64)
         ids = topk_ids_TK.to(idx_dtype, copy=True).contiguous()
         weights = topk_weights_TK.to(torch.float32, copy=True).contiguous()
-        recv, counts, handle, _, recv_hook = buffer.low_latency_dispatch(
+        recv, counts, handle, _, recv_hook = shared.buffer.low_latency_dispatch(
             hidden_TH.contiguous(),
             ids,
             spec.max_num_tokens,
@@ -153,7 +168,7 @@ class DeepEPLLBackend(AllToAll):
             use_fp8=spec.fp8_dispatch,
             return_recv_hook=hook,
         )
-        self._held += 1
+        shared.held += 1
 
         def receive() -> DispatchResult:
             if recv_hook is not None:  # (None without a hook: one kernel did both phases)
@@ -186,14 +201,15 @@ class DeepEPLLBackend(AllToAll):
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"deepep_ll combines bf16 rows, got {expert_out.dtype}")
         handle, ids, weights = result.handle
-        combined, _, recv_hook = self._buffer().low_latency_combine(
+        shared = self._hold.get()
+        combined, _, recv_hook = shared.buffer.low_latency_combine(
             expert_out.contiguous(), ids, weights, handle, return_recv_hook=hook
         )
 
         def receive() -> torch.Tensor:
             if recv_hook is not None:
                 recv_hook()
-            self._held = max(self._held - 1, 0)
+            shared.held = max(shared.held - 1, 0)
             return combined
 
         return Pending(receive)

@@ -95,15 +95,21 @@ def holders(key: Hashable) -> int:
 _nvshmem_owner: str | None = None
 
 
-def claim_nvshmem(owner: str) -> None:
-    """Record that ``owner`` (a backend family) initialises NVSHMEM in this process; a
-    second, different owner gets a clear error instead of a crash inside NVSHMEM."""
-    global _nvshmem_owner
+def check_nvshmem_owner(owner: str) -> None:
+    """Raise a clear error (instead of a crash inside NVSHMEM) if another backend family
+    than ``owner`` initialised NVSHMEM in this process."""
     if _nvshmem_owner not in (None, owner):
         raise RuntimeError(
             f"NVSHMEM in this process belongs to {_nvshmem_owner!r}; {owner!r} cannot initialise "
             "it again: use backends of one family per process (e.g. deepep_ll or pplx)"
         )
+
+
+def claim_nvshmem(owner: str) -> None:
+    """Record that ``owner`` (a backend family) initialised NVSHMEM in this process (call
+    it once that succeeded; :func:`check_nvshmem_owner` before trying)."""
+    global _nvshmem_owner
+    check_nvshmem_owner(owner)
     _nvshmem_owner = owner
 
 

@@ -225,6 +225,22 @@ def float64_experts(res: DispatchResult, w13_e, w2_e, out_dtype) -> torch.Tensor
     return out.to(out_dtype)
 
 
+def _stand_ins(ids_TK: torch.Tensor) -> torch.Tensor:
+    """What a backend with no empty entry sends for ids of -1: the token to the lowest
+    experts it does not use, one each (rows with no expert at all after the last row with
+    one are not sent, so they keep their -1)."""
+    out = ids_TK.clone()
+    real = (ids_TK >= 0).any(1).nonzero()
+    last = int(real.max()) if real.numel() else -1
+    for t in range(last + 1):
+        used = set(ids_TK[t].tolist())
+        free = (p for p in itertools.count() if p not in used)
+        for k in range(ids_TK.shape[1]):
+            if ids_TK[t, k] < 0:
+                out[t, k] = next(free)
+    return out
+
+
 def expected_delivery(phys: Physical, rank: int, backend: str, layout: Layout, inputs):
     """What ``rank`` must receive, from every rank's inputs ``[(x, ids, w), …]``.
 
@@ -244,13 +260,11 @@ def expected_delivery(phys: Physical, rank: int, backend: str, layout: Layout, i
             ids.append(torch.where(here_TK, ids_TK - lo, -1)[keep])
             weights.append(w[keep])
         return torch.cat(rows), torch.cat(ids), torch.cat(weights)
-    stand_in = caps_of(backend).empty_entries_to_expert_0
+    if caps_of(backend).empty_entries_to_unused_expert:
+        inputs = [(x, _stand_ins(ids_TK), w) for x, ids_TK, w in inputs]
 
     def rows_of(p: int) -> torch.Tensor:
-        rows = [x[(ids_TK == p).any(1)] for x, ids_TK, _ in inputs]
-        if p == 0 and stand_in:  # and one copy of the token per entry without an expert
-            rows += [x.repeat_interleave((ids_TK < 0).sum(1), dim=0) for x, ids_TK, _ in inputs]
-        return torch.cat(rows)
+        return torch.cat([x[(ids_TK == p).any(1)] for x, ids_TK, _ in inputs])
 
     return [rows_of(p) for p in range(lo, hi)]
 

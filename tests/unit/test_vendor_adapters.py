@@ -13,6 +13,8 @@ registry).
 
 from __future__ import annotations
 
+import importlib
+import importlib.machinery
 import sys
 import types
 
@@ -21,7 +23,7 @@ import torch
 
 import epmoe
 from epmoe.comm import transport
-from epmoe.comm.base import FP8_DTYPE, CommSpec, Layout
+from epmoe.comm.base import FP8_DTYPE, AllToAll, CommSpec, Layout
 from epmoe.reference import assert_close, expert_mlp, quantize_groups
 
 E, K, H, I, T = 8, 3, 2048, 32, 5  # H: one of DeepEP LL's hidden sizes
@@ -341,6 +343,24 @@ def test_supports_refuses_what_deepep_cannot_do():
     assert "same number of expert slots" in DeepEPHTBackend.supports(uneven)
     assert "moves" in DeepEPHTBackend.supports(CommSpec(7168, 8, (0, 8), 8, torch.float32, cuda))
 
+    # its dispatch traps on rows whose half does not fit 8 KiB of shared memory, or of odd
+    # 16-byte vectors (bf16: H % 16, H <= 8176; FP8: H % 32, H <= 16352)
+    def ht(H, fp8=False, offsets=(0, 128, 256)):
+        dispatch = FP8_DTYPE if fp8 else None
+        return DeepEPHTBackend.supports(
+            CommSpec(H, 8, offsets, 128, torch.bfloat16, cuda, dispatch_dtype=dispatch)
+        )
+
+    assert ht(8176) is None and ht(8192, fp8=True) is None and ht(16256, fp8=True) is None
+    assert "at most 8176, not H=8192; FP8 dispatch" in ht(8192)
+    assert "a multiple of 16" in ht(2056)
+    assert "at most 16352, not H=16384" in ht(16384, fp8=True)
+    # and at most 128 expert slots per rank (its layout notification's threads)
+    assert ht(7168, offsets=(0, 128, 256)) is None
+    assert "at most 128 expert slots per rank, this placement has 136" in ht(
+        7168, offsets=(0, 136, 272)
+    )
+
 
 def test_without_deep_ep_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # import fails
@@ -394,6 +414,8 @@ class _FakeATA:
             for k in range(indices.shape[1]):
                 e = int(indices[t, k])
                 row = int(out_counts[e])
+                # pplx's slot per (source rank, expert): M rows, written past unchecked
+                assert row < self.kwargs["max_num_tokens"], f"expert {e}'s slot overflows"
                 out_x[e, row] = x[t]
                 if x_scale is not None:
                     out_scale[e, row] = x_scale[t]
@@ -423,9 +445,13 @@ def fake_pplx(monkeypatch):
     core.get_unique_id = lambda empty=False: "uid"
     core.init = lambda **kwargs: None
     nvshmem.core = core
+    nvshmem.__spec__ = importlib.machinery.ModuleSpec("nvshmem", None)  # found, as installed
     for name, module in (("pplx_kernels", pplx), ("nvshmem", nvshmem), ("nvshmem.core", core)):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.setattr(transport, "_nvshmem_owner", None)
+    from epmoe.comm.pplx import _ensure_nvshmem
+
+    monkeypatch.setattr(_ensure_nvshmem, "done", False, raising=False)  # a fresh process
     _FakeATA.created = _FakeATA.destroyed = 0
     yield
     transport.close_all()
@@ -511,7 +537,7 @@ def test_pplx_does_not_send_a_padded_tail(fake_pplx):
     comm._out.fill_(float("nan"))  # what an earlier call may have left there
     res = comm.dispatch(x, ids, w)
     real = ids[:T]
-    assert int(res.counts.sum()) == real.numel()  # -1 entries of real rows: to expert 0
+    assert int(res.counts.sum()) == real.numel()  # -1 entries of real rows: stand-ins
     rows = _rows(res.hidden, res.hidden_scale)
     y = torch.zeros_like(rows)
     for e, n in enumerate(res.counts.tolist()):
@@ -520,3 +546,168 @@ def test_pplx_does_not_send_a_padded_tail(fake_pplx):
     assert torch.equal(out[T:], torch.zeros(3, x.shape[1], dtype=out.dtype))
     assert_close(out[:T], epmoe.reference.moe(x[:T].float(), w13, w2, w[:T], real), 2e-2)
     comm.close()
+
+
+def test_pplx_sends_no_expert_a_token_twice(fake_pplx):
+    """Rows without an expert in the middle of a batch (a mask of valid tokens) are sent
+    with stand-in experts, weight 0: each to experts the token does not use, so no expert
+    gets more than one copy per token (pplx's slot per source and expert holds M rows;
+    one fixed stand-in would overflow it)."""
+    from epmoe.comm.pplx import stand_in_ids
+
+    ids = torch.tensor([[2, -1, 0], [-1, -1, -1], [-1, 1, -1], [4, 5, 6]])
+    assert stand_in_ids(ids).tolist() == [[2, 1, 0], [0, 1, 2], [0, 1, 2], [4, 5, 6]]
+    x, _, w, w13, w2 = _inputs(2)
+    T = 6
+    x = torch.randn(T, H).to(torch.bfloat16)
+    w = torch.rand(T, K)
+    ids = torch.full((T, K), -1)
+    ids[-1] = torch.tensor([1, 2, 3])  # only the last row has experts: every row is sent
+    comm = _backend("pplx", _spec(M=T), Layout.EXPERT_BATCHED)
+    res = comm.dispatch(x, ids, w)
+    assert res.counts.tolist()[:K] == [T - 1, T, T]  # the masked rows' stand-ins; no overflow
+    rows = _rows(res.hidden, res.hidden_scale)
+    y = torch.zeros_like(rows)
+    for e, n in enumerate(res.counts.tolist()):
+        y[e, :n] = expert_mlp(rows[e, :n], w13[e], w2[e])
+    out = comm.combine(y.to(torch.bfloat16), res)
+    assert torch.equal(out[:-1], torch.zeros(T - 1, H, dtype=out.dtype))
+    expected = epmoe.reference.moe(x[-1:].float(), w13, w2, w[-1:], ids[-1:])
+    assert_close(out[-1:], expected, 2e-2, name="pplx")
+    comm.close()
+
+
+def test_pplx_layers_share_the_receive_tensors(fake_pplx):
+    """Layers of one shape share pplx's AllToAll and its receive tensors (one set per
+    model, not per layer), and one layer's held result blocks every layer's dispatch."""
+    a = _backend("pplx", _spec(), Layout.EXPERT_BATCHED)
+    b = _backend("pplx", _spec(), Layout.EXPERT_BATCHED)
+    assert _FakeATA.created == 1 and a._hold.get() is b._hold.get()
+    x, ids, w, _, _ = _inputs(2)
+    pending = a.dispatch_async(x, ids, w)
+    with pytest.raises(RuntimeError, match="one dispatch result at a time"):
+        b.dispatch_async(x, ids, w)
+    res = pending.wait()
+    a.combine(torch.zeros(res.hidden.shape, dtype=torch.bfloat16), res)
+    b.combine(torch.zeros(res.hidden.shape, dtype=torch.bfloat16), b.dispatch(x, ids, w))
+    a.close()
+    b.close()
+    assert _FakeATA.destroyed == 1
+
+
+@pytest.mark.parametrize("package", ["deep_ep", "pplx_kernels"])
+def test_a_library_whose_import_fails_otherwise_is_reported_not_raised(
+    package, tmp_path, monkeypatch
+):
+    """DeepEP V2 checks NCCL's version when imported (an AssertionError here), pplx-kernels
+    loads NVSHMEM: ``available_backends()`` and ``auto`` report it as the reason, the
+    adapter's construction raises an ImportError saying what failed."""
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text(
+        "raise AssertionError('Invalid NCCL versions: 2.28 < 2.30.4')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, package, raising=False)
+    monkeypatch.setitem(sys.modules, "nvshmem", types.ModuleType("nvshmem"))
+    from epmoe.comm import _deepep, available_backends, pplx, resolve_backend
+
+    # as on a GPU node (the import is what is tested): no device or node check
+    monkeypatch.setattr(_deepep, "one_nvlink_node_reason", lambda group: None)
+    monkeypatch.setattr(pplx, "one_nvlink_node_reason", lambda group: None)
+    monkeypatch.setattr(AllToAll, "unavailable_reason", classmethod(lambda cls, d, g: None))
+    reasons = available_backends("cpu")
+    names = ["deepep_ht", "deepep_ll"] if package == "deep_ep" else ["pplx"]
+    for name in names:
+        assert "importing it failed (AssertionError: Invalid NCCL versions" in reasons[name]
+    imported = []
+
+    def recording(name, *args):
+        imported.append(name)
+        return importlib.import_module(name, *args)
+
+    for module in (_deepep, pplx):
+        monkeypatch.setattr(module, "importlib", types.SimpleNamespace(import_module=recording))
+    resolve_backend("auto", "cpu", None)  # picks a portable backend
+    assert imported == []  # and never tried the adapters' libraries
+    assert "importing it failed" in available_backends("cpu")[names[0]]  # (the recorder works)
+    assert imported
+    with pytest.raises(ImportError, match="importing it failed"):
+        (_deepep.import_deep_ep if package == "deep_ep" else lambda: pplx._import(package))()
+
+
+def test_deepep_ll_results_in_flight_are_counted_for_the_group(fake_deep_ep):
+    """DeepEP's low-latency buffer is the group's, shared by every layer: one layer's
+    result not yet combined blocks another layer's dispatch (its next call would clear the
+    first one's signals), with an error, not a hang."""
+    a = _backend("deepep_ll", _spec(), Layout.EXPERT_BATCHED)
+    b = _backend("deepep_ll", _spec(), Layout.EXPERT_BATCHED)
+    x, ids, w, _, _ = _inputs(2)
+    res = a.dispatch(x, ids, w)
+    with pytest.raises(RuntimeError, match="for every layer of the group"):
+        b.dispatch(x, ids, w)
+    a.combine(torch.zeros(res.hidden.shape, dtype=torch.bfloat16), res)
+    res = b.dispatch(x, ids, w)  # free again once combined
+    b.combine(torch.zeros(res.hidden.shape, dtype=torch.bfloat16), res)
+    a.close()
+    b.close()
+
+
+def test_deepep_ll_token_limit_follows_the_queue_depth(monkeypatch):
+    from epmoe.comm.deepep_ll import DeepEPLLBackend
+
+    def at(M):
+        return DeepEPLLBackend.supports(
+            CommSpec(7168, 8, (0, 128, 256), M, torch.bfloat16, torch.device("cuda"))
+        )
+
+    monkeypatch.delenv("NVSHMEM_QP_DEPTH", raising=False)
+    assert at(508) is None and "max_num_tokens <= 511" in at(512)  # DeepEP's default 1024
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "4096")
+    assert at(1024) is None
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "256")
+    assert "max_num_tokens <= 127" in at(128)
+    monkeypatch.setenv("NVSHMEM_QP_DEPTH", "deep")
+    with pytest.raises(ValueError, match="NVSHMEM_QP_DEPTH must be an integer"):
+        at(128)
+
+
+def test_adapters_without_torch_distributed_say_what_they_need(monkeypatch, fake_pplx):
+    """One process without a process group: not usable, and the reason says to launch
+    ranks, instead of failing inside the library at construction."""
+    from epmoe.comm import _deepep, pplx
+
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setattr(_deepep, "one_nvlink_node_reason", lambda group: None)  # as on a GPU
+    monkeypatch.setattr(pplx, "one_nvlink_node_reason", lambda group: None)
+    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
+    assert "initialised with 2, 4 or 8 NCCL ranks" in _deepep.unavailable_reason(None)
+    monkeypatch.setattr(AllToAll, "unavailable_reason", classmethod(lambda cls, d, g: None))
+    reason = pplx.PPLXBackend.unavailable_reason(torch.device("cuda"), None)
+    assert "initialised with at least 2 ranks" in reason
+
+
+def test_a_failed_nvshmem_start_locks_no_other_library_out(fake_pplx, fake_deep_ep):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no NVSHMEM heap")
+
+    fake_deep_ep.Buffer = type("Broken", (_FakeBuffer,), {"__init__": broken})
+    with pytest.raises(RuntimeError, match="no NVSHMEM heap"):
+        _backend("deepep_ll", _spec(), Layout.EXPERT_BATCHED)
+    assert transport._nvshmem_owner is None
+    _backend("pplx", _spec(), Layout.EXPERT_BATCHED).close()  # not refused
+    assert transport._nvshmem_owner == "pplx"
+
+
+def test_pplx_names_its_gloo_group_again_after_a_new_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    from epmoe.comm import pplx
+
+    monkeypatch.setattr(pplx, "_NAMED", {})
+    for attempt in range(2):  # a group re-created under the same name after a destroy
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            assert pplx._resolves(pplx._named_group(None)), attempt
+        finally:
+            dist.destroy_process_group()
