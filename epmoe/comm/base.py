@@ -227,14 +227,16 @@ R = TypeVar("R")
 
 class Pending(Generic[R]):
     """A started dispatch or combine. ``wait()`` finishes it and returns its result; later
-    calls return the same result. Until ``wait()`` the inputs given to the start must stay
-    alive and unchanged. Every rank must finish what it started, in the same order."""
+    calls return the same result (or raise the same error). Until ``wait()`` the inputs
+    given to the start must stay alive and unchanged. Every rank must finish what it
+    started, in the same order."""
 
-    __slots__ = ("_finish", "_result")
+    __slots__ = ("_finish", "_result", "_error")
 
     def __init__(self, finish: Callable[[], R]) -> None:
         self._finish: Callable[[], R] | None = finish
         self._result: R | None = None
+        self._error: BaseException | None = None
 
     @classmethod
     def done(cls, value: R) -> Pending[R]:
@@ -248,9 +250,18 @@ class Pending(Generic[R]):
         return self._finish is None
 
     def wait(self) -> R:
-        if self._finish is not None:
-            self._result = self._finish()
+        """The result; an error of the finish is raised again by later calls (the finish
+        runs once: a second receive would wait for flags the first one consumed)."""
+        finish = self._finish
+        if finish is not None:
             self._finish = None
+            try:
+                self._result = finish()
+            except BaseException as exc:
+                self._error = exc
+                raise
+        if self._error is not None:
+            raise self._error
         return self._result  # type: ignore[return-value]
 
 
@@ -460,24 +471,37 @@ def expert_batched_bytes(spec: CommSpec, copies: int = 1, outputs: int = 0) -> i
 
 
 def expert_batched_memory_reason(
-    name: str, spec: CommSpec, copies: int = 1, outputs: int = 0
+    name: str, spec: CommSpec, copies: int = 1, outputs: int = 0, extra_bytes: int = 0
 ) -> str | None:
     """Why ``copies`` ExpertBatched buffers of received rows (wire dtype) and ``outputs``
-    of the experts' outputs (hidden dtype) for ``spec`` do not fit on its GPU (more than a
-    quarter of its memory, leaving the rest to weights), with the fix; ``None`` when they
-    fit or the device is not a CUDA GPU."""
+    of the experts' outputs (hidden dtype) for ``spec``, plus ``extra_bytes`` (e.g. a
+    symmetric buffer), do not fit on its GPU (more than a quarter of its memory, leaving
+    the rest to weights), with the fix; ``None`` when they fit or the device is not a CUDA
+    GPU."""
+    what = (
+        f"{name}'s ExpertBatched buffers [{copies + outputs}, e={spec.max_local}, "
+        f"W·M={spec.world_size}·{spec.max_num_tokens}, H={spec.hidden_size}]"
+    )
+    nbytes = expert_batched_bytes(spec, copies, outputs) + extra_bytes
+    return gpu_memory_reason(
+        what, spec, nbytes, "or use a Standard-layout backend (symm_ht) for prefill"
+    )
+
+
+def gpu_memory_reason(what: str, spec: CommSpec, nbytes: int, hint: str = "") -> str | None:
+    """Why ``nbytes`` of buffers (``what``) do not fit on ``spec``'s GPU (more than a
+    quarter of its memory), with the fix; ``None`` when they fit or it is not a GPU. Every
+    rank of a layer judges the same spec alike: a refusal, never one rank failing to
+    allocate while the others wait for it."""
     if spec.device.type != "cuda" or not torch.cuda.is_available():
         return None
-    gib = expert_batched_bytes(spec, copies, outputs) / 2**30
+    gib = nbytes / 2**30
     have = torch.cuda.get_device_properties(spec.device).total_memory / 2**30
     if gib <= have / 4:
         return None
     return (
-        f"{name}'s ExpertBatched buffers [{copies + outputs}, e={spec.max_local}, "
-        f"W·M={spec.world_size}·"
-        f"{spec.max_num_tokens}, H={spec.hidden_size}] take {gib:.1f} GiB of the GPU's "
-        f"{have:.0f} GiB; lower max_num_tokens (the layer chunks larger batches) or use a "
-        "Standard-layout backend (symm_ht) for prefill"
+        f"{what} take {gib:.1f} GiB of the GPU's {have:.0f} GiB; lower max_num_tokens (the "
+        f"layer chunks larger batches){' ' + hint if hint else ''}"
     )
 
 

@@ -69,3 +69,29 @@ def test_ids_out_of_range_raise_on_every_rank_within_seconds():
     slowest = max(max(s.values()) for s in results)
     print(f"\nslowest raise: {slowest:.3f} s over {len(results[0])} cases x {WORLD} ranks")
     assert slowest < 5.0, results
+
+
+def check_symm_allocation_agreement(rank, world, device="cpu"):
+    """One rank's failed allocation of the symm buffers: every rank raises naming it,
+    instead of the others waiting in the rendezvous until the group's timeout."""
+    import torch.distributed as dist
+
+    from epmoe.comm.symm.common import _agree_allocated
+
+    dev = device_for(rank, device)
+    group = dist.group.WORLD
+    _agree_allocated(group, dev, None, "symm_ll: 1.00 GiB of symmetric memory")  # all fine
+    failure = torch.OutOfMemoryError("CUDA out of memory") if rank == 1 else None
+    with pytest.raises(RuntimeError) as info:
+        _agree_allocated(group, dev, failure, "symm_ll: 1.00 GiB of symmetric memory")
+    msg = str(info.value)
+    assert "symm_ll: 1.00 GiB of symmetric memory failed on rank(s) [1]" in msg, msg
+    assert ("here: OutOfMemoryError" in msg) == (rank == 1), msg
+    return True
+
+
+def test_a_failed_symm_allocation_raises_on_every_rank():
+    requires_world(WORLD)
+    assert all(
+        run_on_ranks(check_symm_allocation_agreement, WORLD, device_under_test(), timeout_s=60)
+    )

@@ -334,19 +334,20 @@ def test_symm_ll_refuses_receive_buffers_too_large_for_the_gpu(monkeypatch):
     # [2, 128, 2·M, 7168] bf16: 7 GiB at M = 1024; 112 GiB at M = 16384
     assert expert_batched_bytes(at(1024), copies=2) == 2 * 128 * 2 * 1024 * 7168 * 2
     assert ll.supports(at(1024)) is None
-    # rows read in place: only the experts' outputs [128, 2·M, 7168] grow with e·W·M
+    # rows read in place: only the experts' outputs [128, 2·M, 7168] grow with e·W·M (56.0
+    # GiB), plus the symmetric buffer (two parities of rows each way, 1.75 GiB)
     reason = ll.supports(at(16384))
-    assert "56.0 GiB of the GPU's 140 GiB" in reason and "lower max_num_tokens" in reason
+    assert "57.8 GiB of the GPU's 140 GiB" in reason and "lower max_num_tokens" in reason
     assert ll.supports(at(8192)) is None
     # rows copied into slabs: two parities of them too, refused before any buffer is taken
-    with pytest.raises(ValueError, match="84.0 GiB of the GPU's 140 GiB"):
+    with pytest.raises(ValueError, match="84.9 GiB of the GPU's 140 GiB"):  # 84.0 + 0.88
         ll(at(8192), None, Layout.EXPERT_BATCHED, rows_in_place=False)
     # FP8 rows are half as large, plus one float32 scale per 128 values
     fp8 = at(1024, dispatch_dtype=FP8_DTYPE)
     assert expert_batched_bytes(fp8, copies=2) == 2 * 128 * 2 * 1024 * (7168 + 224)
     # ... but the experts' outputs are in the hidden dtype: FP8 rows on the wire do not
     # make them fit (they were counted at the wire's size, half of theirs)
-    assert "56.0 GiB" in ll.supports(at(16384, dispatch_dtype=FP8_DTYPE))
+    assert "57.3 GiB" in ll.supports(at(16384, dispatch_dtype=FP8_DTYPE))  # 56.0 + 1.33
     assert expert_batched_bytes(fp8, 2, outputs=1) == 128 * 2 * 1024 * (2 * 7392 + 7168 * 2)
 
 
@@ -436,7 +437,7 @@ def test_symm_ll_refuses_copies_too_large_when_the_environment_asks_for_them(mon
     monkeypatch.delenv("EPMOE_SYMM_LL_ROWS", raising=False)
     assert ll.supports(spec) is None
     monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "copy")
-    assert "84.0 GiB of the GPU's 140 GiB" in ll.supports(spec)
+    assert "84.9 GiB of the GPU's 140 GiB" in ll.supports(spec)
     monkeypatch.setenv("EPMOE_SYMM_LL_ROWS", "bogus")
     assert "EPMOE_SYMM_LL_ROWS must be in_place or copy" in ll.supports(spec)
 
@@ -478,3 +479,65 @@ def test_a_dispatch_dtype_equal_to_the_hidden_dtype_is_no_conversion():
     layer.to(torch.bfloat16)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     assert layer(x, torch.randn(3, 4)).dtype == torch.bfloat16
+
+
+def test_a_failed_wait_raises_again_and_never_runs_its_finish_twice():
+    """A receive that raised (a timeout, an overflow) is not run again by a second
+    ``wait()``: it would wait for flags the first run consumed."""
+    from epmoe.comm.base import Pending
+
+    runs = []
+
+    def finish():
+        runs.append(1)
+        raise RuntimeError("overflowed an expert's rows")
+
+    pending = Pending(finish)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="overflowed"):
+            pending.wait()
+    assert runs == [1] and pending.finished
+    assert Pending.done(3).wait() == 3
+
+
+def test_kernel_tags_keep_layers_and_their_copies_apart():
+    from epmoe.comm.base import COPY_INDEX, layer_call_tag
+    from epmoe.comm.symm.common import kernel_tag
+
+    layers = [kernel_tag(layer_call_tag(i)) for i in range(200)]
+    copies = [kernel_tag(layer_call_tag(COPY_INDEX + i)) for i in range(200)]
+    assert layers == list(range(1, 201))  # a layer's own index + 1, as before
+    assert len(set(layers + copies)) == 400 and all(0 < t < 2**15 for t in layers + copies)
+    assert kernel_tag(0) == 0 and kernel_tag(layer_call_tag(16382)) == 16383
+    assert kernel_tag(layer_call_tag(16383)) != 0  # wraps, never "untagged"
+
+
+def test_symm_buffers_too_large_for_the_gpu_are_refused_alike_on_every_rank(monkeypatch):
+    """symm_ht had no memory check: a buffer too large failed on some rank's allocation
+    while the others waited in the rendezvous. Both symm backends now count their
+    symmetric buffer in supports()."""
+    from types import SimpleNamespace
+
+    from epmoe.comm import backend_class
+    from epmoe.comm.base import CommSpec
+    from epmoe.comm.symm.common import symm_buffer_bytes
+
+    gpu = SimpleNamespace(multi_processor_count=132, total_memory=140 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: gpu)
+    cuda = torch.device("cuda", 0)
+    offsets = tuple(range(0, 257, 32))  # W = 8
+    fits = CommSpec(16384, 8, offsets, 4096, torch.bfloat16, cuda)
+    huge = CommSpec(16384, 8, offsets, 40000, torch.bfloat16, cuda)  # 39 GiB
+    assert symm_buffer_bytes(huge) > 35 * 2**30 > symm_buffer_bytes(fits)
+    ht, ll = backend_class("symm_ht"), backend_class("symm_ll")
+    assert ht.supports(fits) is None
+    assert "symm_ht's buffers" in ht.supports(huge) and "lower max_num_tokens" in ht.supports(huge)
+    # symm_ll: its symmetric buffer counts with the experts' outputs; with one expert per
+    # rank it is the larger part (4x the outputs), here what no longer fits 10 GiB
+    gpu.total_memory = 40 * 2**30
+    one_each = CommSpec(16384, 8, tuple(range(9)), 16000, torch.bfloat16, cuda)  # e = 1
+    outputs = 8 * 16000 * 16384 * 2
+    assert outputs < 10 * 2**30 < outputs + symm_buffer_bytes(one_each)
+    assert "take 19.5 GiB of the GPU's 40 GiB" in ll.supports(one_each)
+    assert ll.supports(CommSpec(16384, 8, tuple(range(9)), 4000, torch.bfloat16, cuda)) is None

@@ -465,3 +465,32 @@ def test_counted_send_of_several_tokens_stores_what_one_at_a_time_stores(W, Ts, 
     for r in range(W):
         assert torch.equal(one[r], several[r]), f"rank {r}"
     assert torch.equal(one[W], several[W]), "routes"
+
+
+def test_an_idle_rank_launches_the_kernel_variant_a_busy_one_does(monkeypatch):
+    """FP8 quantized before the send: with T = 0 the send gets FP8 rows and scales too
+    (empty), so a rank's first idle step compiles no new variant while its peers wait."""
+    import epmoe.comm.symm.common as common
+
+    seen, launch = [], common.launch
+
+    def recording(kernel):
+        run = launch(kernel)
+
+        def call(grid, *args, **kwargs):
+            if "PREQUANT" in kwargs:
+                seen.append((kwargs["PREQUANT"], args[0].dtype, args[1].dtype))
+            return run(grid, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(common, "launch", recording)
+    E, K, H = 4, 2, 256
+    spec = CommSpec(H, K, (0, E), 4, torch.float32, "cpu", dispatch_dtype=FP8_DTYPE)
+    comm = _backend(spec, num_sms=1, tokens_per_flag=1)  # row flags: quantized first
+    for T in (0, 3):
+        ids = torch.zeros(T, K, dtype=torch.int64) + torch.arange(K)
+        res = comm.dispatch(torch.randn(T, H), ids, torch.full((T, K), 0.5))
+        comm.combine(torch.zeros(res.hidden.shape), res)
+    assert seen == [(True, FP8_DTYPE, torch.float32)] * 2
+    comm.close()

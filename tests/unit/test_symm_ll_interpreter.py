@@ -171,8 +171,8 @@ def test_a_source_in_another_layers_dispatch_is_named_once_and_the_transport_goe
     E, K, H = 4, 2, 128
     spec = CommSpec(H, K, epmoe.ExpertPlacement.linear(E, 1).rank_offsets, 2, torch.float32, "cpu")
     comm = _backend(spec)
-    comm.call_tag = 2**40 + 5  # (a copy's index: the kernels carry 31 bits of it)
-    assert comm.kernel_tag == 5
+    comm.call_tag = 2**40 + 5  # (layer 2**40 + 4: the kernels carry it in 14 bits)
+    assert comm.kernel_tag == (2**40 + 4) % 0x3FFF + 1
     x, ids, w = torch.randn(2, H), torch.tensor([[0, 1], [2, 3]]), torch.full((2, K), 0.5)
     res = comm.dispatch(x, ids, w)
     torch.testing.assert_close(comm.combine(_identity(res), res), x)  # one rank: no mismatch

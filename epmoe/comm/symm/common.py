@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from epmoe.comm import transport
 from epmoe.comm.base import (
+    COPY_INDEX,
     FP8_DTYPE,
     FP8_GROUP,
     AllToAll,
@@ -119,6 +120,41 @@ def layout(W: int, M: int, H: int, K: int, wire: torch.dtype, dtype: torch.dtype
     return regions, offset
 
 
+def symm_buffer_bytes(spec: CommSpec) -> int:
+    """Bytes of a rank's symmetric buffer for ``spec`` (both parities; see ``layout``)."""
+    W, M, H, K = spec.world_size, spec.max_num_tokens, spec.hidden_size, spec.top_k
+    return layout(W, M, H, K, spec.wire_dtype, spec.dtype, spec.fp8_dispatch)[1]
+
+
+def kernel_tag(call_tag: int) -> int:
+    """A call tag (``base.layer_call_tag``) in the 15 bits the kernels carry: layers'
+    tags in ``[1, 2**14)`` (index + 1, wrapping past 16382 layers), copies'
+    (``COPY_INDEX + i``) in ``[2**14, 2**15)``, so no copy looks like a layer; 0 stays
+    untagged."""
+    if call_tag >= COPY_INDEX:
+        return 0x4000 | (call_tag & 0x3FFF)
+    return (call_tag - 1) % 0x3FFF + 1 if call_tag else 0
+
+
+def _agree_allocated(
+    group: dist.ProcessGroup, device: torch.device, failure: BaseException | None, what: str
+) -> None:
+    """Raise on every rank of ``group`` if allocating ``what`` failed on any (``failure``:
+    this rank's error), naming the ranks; a collective, so also a barrier."""
+    W = dist.get_world_size(group)
+    ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int32, device=device)
+    every = torch.empty(W, dtype=torch.int32, device=device)
+    dist.all_gather_into_tensor(every, ok, group=group)
+    failed = [r for r, v in enumerate(every.tolist()) if v == 0]
+    if failed:
+        mine = f" (here: {type(failure).__name__}: {failure})" if failure is not None else ""
+        raise RuntimeError(
+            f"allocating {what} failed on rank(s) {failed} of the group{mine}: free GPU memory "
+            "on those ranks, or lower max_num_tokens (the buffers grow with it); every rank "
+            "raises this"
+        ) from failure
+
+
 class SymmTransport:
     """The symmetric buffer (``Regions`` per parity; peers write into it), the table of
     every rank's buffer address, one host-mapped int32 error word and the parities in use.
@@ -147,7 +183,14 @@ class SymmTransport:
             os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
             import torch.distributed._symmetric_memory as symm_mem
 
-            self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=dev)
+            failure = None
+            try:
+                self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=dev)
+            except (RuntimeError, torch.OutOfMemoryError) as exc:  # (OOM on this rank only)
+                failure = exc
+            # every rank learns of one rank's failure, instead of waiting in the rendezvous
+            _agree_allocated(group, dev, failure, f"{self.name}: {nbytes / 2**30:.2f} GiB of "
+                             "symmetric memory")  # fmt: skip
             self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
             ptrs = list(self._handle.buffer_ptrs)
         else:  # one rank: the buffer needs no peers
@@ -176,12 +219,19 @@ class SymmTransport:
         # [M] int32 per parity: the ranks each of this rank's tokens went to, a bit each
         # (the dispatch send writes it, the combine receive reads it: one load per token,
         # not its ids and their owners, and not the caller's ids, refilled since maybe)
-        self.routes = [torch.zeros(M, dtype=torch.int32, device=dev) for _ in range(2)]
-        self._allocate_local(spec)
-        if on_gpu:
-            torch.cuda.synchronize(dev)
+        failure = None
+        try:
+            self.routes = [torch.zeros(M, dtype=torch.int32, device=dev) for _ in range(2)]
+            self._allocate_local(spec)
+            if on_gpu:
+                torch.cuda.synchronize(dev)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            if world_size == 1:
+                raise
+            failure = exc
         if world_size > 1:
-            dist.barrier(group=group)  # every buffer is zeroed before any peer writes
+            # also the barrier after which peers may write: every buffer is zeroed by then
+            _agree_allocated(group, dev, failure, f"{self.name}: its local buffers")
 
     def _allocate_local(self, spec: CommSpec) -> None:
         """The subclass's local (not symmetric) buffers."""
@@ -307,10 +357,10 @@ class SymmBackend(AllToAll):
 
     @property
     def kernel_tag(self) -> int:
-        """``call_tag`` as the kernels carry it: its low 15 bits, in the upper half of each
-        dispatch's count word (``expect``; two tags 2**15 apart look alike). Each receiver
-        reports a source whose tag is not its own (``ERR_LAYER``)."""
-        return self.call_tag & 0x7FFF
+        """``call_tag`` as the kernels carry it (:func:`kernel_tag`), in the upper half of
+        each dispatch's count word (``expect``). Each receiver reports a source whose tag
+        is not its own (``ERR_LAYER``)."""
+        return kernel_tag(self.call_tag)
 
     @classmethod
     def supports(cls, spec: CommSpec) -> str | None:
@@ -447,10 +497,15 @@ class SymmBackend(AllToAll):
         reg = tr.regions[b]
         try:
             x_scale = None  # [T, G]: x is FP8 already, quantized with these scales
-            if self._quantize_first and tr.fp8 and x.shape[0] > 0:
-                from epmoe.kernels.ops import per_token_group_quant_fp8
+            if self._quantize_first and tr.fp8:
+                if x.shape[0] > 0:
+                    from epmoe.kernels.ops import per_token_group_quant_fp8
 
-                x, x_scale = per_token_group_quant_fp8(x)
+                    x, x_scale = per_token_group_quant_fp8(x)
+                else:  # the same kernel variant as with tokens: a rank idle for the first
+                    # time must not compile one while its peers wait in this call
+                    x = torch.empty(0, tr.H, dtype=tr.wire, device=x.device)
+                    x_scale = torch.empty(0, tr.G, dtype=torch.float32, device=x.device)
             launch(k.dispatch_send_kernel)(
                 (programs,),
                 x, x if x_scale is None else x_scale, ids, w, self._owner_P, self._local_P,

@@ -31,7 +31,14 @@ from __future__ import annotations
 
 import torch
 
-from epmoe.comm.base import Capabilities, CommSpec, DispatchResult, Layout, Pending
+from epmoe.comm.base import (
+    Capabilities,
+    CommSpec,
+    DispatchResult,
+    Layout,
+    Pending,
+    gpu_memory_reason,
+)
 from epmoe.comm.symm.common import (
     NUM_PARITIES,
     SymmBackend,
@@ -39,6 +46,7 @@ from epmoe.comm.symm.common import (
     kernels,
     launch,
     pow2,
+    symm_buffer_bytes,
 )
 
 # Rows (tokens) a program loads and stores at once: with few SMs (DeepEP's 24) a program
@@ -118,6 +126,21 @@ class SymmHTBackend(SymmBackend):
         # step is 12 % faster on symm_ll, at 4096 symm_ht moves tokens 3.6× / 2.8× faster
         # than all_to_all
     )
+
+    @classmethod
+    def supports(cls, spec: CommSpec) -> str | None:
+        """Also refuses buffers too large for the GPU: the symmetric buffer (two parities
+        of ``[W·M, H]`` rows each way) and the received ids and weights."""
+        reason = super().supports(spec)
+        if reason is not None:
+            return reason
+        R = spec.world_size * spec.max_num_tokens
+        nbytes = symm_buffer_bytes(spec) + NUM_PARITIES * R * spec.top_k * (8 + 4)
+        what = (
+            f"symm_ht's buffers (two parities of W·M={spec.world_size}·{spec.max_num_tokens} "
+            f"rows of H={spec.hidden_size}, each way)"
+        )
+        return gpu_memory_reason(what, spec, nbytes)
 
     def __init__(
         self,

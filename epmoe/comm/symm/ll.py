@@ -40,6 +40,7 @@ from epmoe.comm.symm.common import (
     kernels,
     launch,
     pow2,
+    symm_buffer_bytes,
 )
 
 
@@ -94,9 +95,11 @@ class LLCopyTransport(LLTransport):
 
 def _memory_reason(spec: CommSpec, in_place: bool) -> str | None:
     """Rows in place: the experts' outputs ``[e, W·M, H]``; copied: also two parities of
-    received slabs of that size."""
+    received slabs of that size; and the symmetric buffer either way."""
     copies = 0 if in_place else NUM_PARITIES  # (received rows, in the wire dtype)
-    return expert_batched_memory_reason("symm_ll", spec, copies, outputs=1)
+    return expert_batched_memory_reason(
+        "symm_ll", spec, copies, outputs=1, extra_bytes=symm_buffer_bytes(spec)
+    )
 
 
 def _rows_in_place_default() -> bool:
