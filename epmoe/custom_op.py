@@ -4,7 +4,7 @@ The layer's forward reads values back to the host (chunk counts, the agreement, 
 exchanges of the backends), which the compiler cannot trace without graph breaks, and
 ``fullgraph=True`` refuses. Under ``torch.compile`` the layer therefore calls
 ``torch.ops.epmoe.moe_forward(hidden_states, router_logits, layer_id, max_tokens,
-num_valid_tokens)``: the
+num_valid_tokens, params)``: the
 compiler sees one op whose output is ``[T, H]`` in the input's dtype (the fake
 implementation) and, at run time, the op runs the layer's eager forward.
 
@@ -64,13 +64,16 @@ def moe_forward(
     router_logits: torch.Tensor,
     layer_id: torch.Tensor,
     max_tokens: int | None,
-    num_valid_tokens: torch.Tensor | None = None,
+    num_valid_tokens: torch.Tensor | None,
+    params: list[torch.Tensor],
 ) -> torch.Tensor:
     """``[T, H]``, ``[T, E]`` → ``[T, H]``: layer ``layer_id``'s eager forward (``max_tokens``
     and ``num_valid_tokens`` as the layer's forward takes ``max_tokens_across_ranks`` and
     ``num_valid_tokens``; ``None``: from the active step or the layer's agreement; a bad
     value is refused as eagerly). ``layer_id``: a CPU int64 scalar tensor, an input of the
-    graph rather than a constant, so one compiled graph serves every layer."""
+    graph rather than a constant, so one compiled graph serves every layer. ``params``: the
+    layer's parameters that require grad (its shared experts'), unused but for autograd:
+    a backward through the op reaches them and raises, never a silent zero gradient."""
     layer = lookup(int(layer_id))
     out = layer._eager_forward(
         hidden_states,
@@ -85,7 +88,7 @@ def moe_forward(
 
 
 @moe_forward.register_fake
-def _(hidden_states, router_logits, layer_id, max_tokens, num_valid_tokens=None):
+def _(hidden_states, router_logits, layer_id, max_tokens, num_valid_tokens, params):
     return hidden_states.new_empty(hidden_states.shape)  # contiguous, like the real op
 
 
@@ -97,21 +100,30 @@ NO_BACKWARD = (
 
 
 @torch.library.custom_op("epmoe::no_backward", mutates_args=())
-def no_backward(grad_output: torch.Tensor) -> torch.Tensor:
-    """The gradient ``moe_forward`` would pass back: raises with the fix when a backward
-    runs. (An op, so that tracing the backward at compile time does not raise.)"""
+def no_backward(grad_output: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """A gradient of ``shape`` that ``moe_forward`` would pass back to one of its inputs:
+    raises with the fix when a backward runs. (An op, so that tracing the backward at
+    compile time does not raise.)"""
     raise RuntimeError(NO_BACKWARD)
 
 
 @no_backward.register_fake
-def _(grad_output):
-    return grad_output.new_empty(grad_output.shape)
+def _(grad_output, shape):
+    return grad_output.new_empty(shape)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden_states, router_logits, _, _, _, params = inputs
+    ctx.shapes = [list(router_logits.shape)] + [list(p.shape) for p in params]
 
 
 def _backward(ctx, grad_output):
-    return no_backward(grad_output), None, None, None, None
+    # every input a gradient may reach gets one that raises: the router's logits (a
+    # router being tuned), the shared experts' parameters, not only the hidden states
+    logits, *params = (no_backward(grad_output, shape) for shape in ctx.shapes)
+    return no_backward(grad_output, list(grad_output.shape)), logits, None, None, None, params
 
 
 # A formula that refuses when it runs: a model compiled outside no_grad (parameters that
 # require grad, as after from_pretrained) compiles and runs forward; a backward fails.
-moe_forward.register_autograd(_backward)
+moe_forward.register_autograd(_backward, setup_context=_setup_context)

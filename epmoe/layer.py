@@ -1149,9 +1149,13 @@ class EPMoE(nn.Module):
                 max_tokens_across_ranks = step.max_tokens_for(self, 0)
             # (None: the step or the layer's agreement decides; a value is checked in the
             # op, as eagerly)
+            # the parameters a backward could reach (shared experts), as eagerly
+            grads = (
+                [p for p in self.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+            )
             return torch.ops.epmoe.moe_forward(
                 hidden_states, router_logits, self._op_id_t, max_tokens_across_ranks,
-                num_valid_tokens,
+                num_valid_tokens, grads,
             )  # fmt: skip
         kwargs = dict(
             max_tokens_across_ranks=max_tokens_across_ranks,

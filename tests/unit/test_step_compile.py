@@ -77,6 +77,45 @@ def test_compiled_outside_no_grad_runs_forward_and_refuses_backward():
         out.sum().backward()
 
 
+@pytest.mark.parametrize("trained", ["router", "shared experts"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_backward_to_the_router_or_shared_experts_refuses_too(trained, backend):
+    """Only the router (or the shared experts) trains, the hidden states need no grad: the
+    compiled op's backward reached none of them and gave zero gradients silently, where
+    eager raises. Every input a gradient can reach now gets one that raises."""
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(H, H)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    class RouterTuned(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.router = torch.nn.Linear(H, E)
+            shared = Shared() if trained == "shared experts" else None
+            self.moe = loaded_layer(
+                E, K, H, I, torch.float32, "cpu", backend="all_to_all", shared_experts=shared
+            )[0]
+            self.router.requires_grad_(trained == "router")
+
+        def forward(self, x):  # x: a frozen embedding's output (no grad)
+            return self.moe(x, self.router(x))
+
+    model = RouterTuned()
+    x = torch.randn(5, H)
+    for run in (model, torch.compile(model, fullgraph=True, backend=backend)):
+        out = run(x)
+        assert out.requires_grad
+        with pytest.raises(RuntimeError, match=r"no backward"):
+            out.sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_layer_with_explicit_hint_compiles():
     model = Tiny()
 
@@ -131,7 +170,7 @@ def test_fake_op_keeps_shape_and_dtype():
 
     with FakeTensorMode():
         x = torch.empty(3, H, dtype=torch.bfloat16)
-        out = torch.ops.epmoe.moe_forward(x, torch.empty(3, E), torch.tensor(0), -1)
+        out = torch.ops.epmoe.moe_forward(x, torch.empty(3, E), torch.tensor(0), -1, None, [])
     assert out.shape == (3, H) and out.dtype == torch.bfloat16
 
 
