@@ -98,7 +98,16 @@ def rebalance(
     G, N = (num_groups, num_nodes) if num_groups % num_nodes == 0 else (1, 1)
     phy2log = _plan(weight, num_replicas, G, N, num_gpus, refine)
     if current is not None:
-        phy2log = _choose_with_current(weight, phy2log, current, num_gpus, N, tolerance, refine)
+        phy2log = _choose_with_current(
+            weight,
+            phy2log,
+            current,
+            num_gpus,
+            N,
+            tolerance,
+            refine,
+            groups_on_nodes(current, E, G, N),
+        )
 
     log2phy, logcnt = logical_to_physical(phy2log, E)
     return phy2log, log2phy, logcnt
@@ -345,6 +354,25 @@ def _plan(
 # --------------------------------------------------------------------------------------
 
 
+def groups_on_nodes(phy2log_LP: torch.Tensor, E: int, G: int, N: int) -> torch.Tensor:
+    """``[L]`` bool: whether each layer's plan keeps every expert group (``E / G``
+    contiguous experts) on one node (``P / N`` contiguous slots), as the hierarchical
+    policy does; all True for the global policy (``N == 1``)."""
+    phy2log = torch.as_tensor(phy2log_LP).to("cpu", torch.int64).reshape(-1, phy2log_LP.shape[-1])
+    L, P = phy2log.shape
+    if N <= 1 or G <= 1:
+        return torch.ones(L, dtype=torch.bool)
+    node_P = torch.arange(P) // (P // N)
+    group_LP = phy2log // (E // G)
+    lo = torch.full((L, G), N, dtype=torch.int64).scatter_reduce(
+        1, group_LP, node_P.expand(L, P), "amin"
+    )
+    hi = torch.full((L, G), -1, dtype=torch.int64).scatter_reduce(
+        1, group_LP, node_P.expand(L, P), "amax"
+    )
+    return (lo == hi).all(1)
+
+
 def _choose_with_current(
     weight: torch.Tensor,
     fresh_LP: torch.Tensor,
@@ -353,11 +381,13 @@ def _choose_with_current(
     N: int,
     tolerance: float,
     refine: bool,
+    current_ok_L: torch.Tensor,
 ) -> torch.Tensor:
     """Per layer, pick among three plans the one that moves the fewest slots while its
     balancedness is within ``tolerance`` of the best of them:
 
-    * the current plan (moves nothing);
+    * the current plan (moves nothing), where it keeps the policy's groups on their nodes
+      (``current_ok_L``: a plan made by another policy does not compete);
     * a warm-started plan: the fresh plan's replica counts and node composition, but every
       current slot whose expert is still wanted on that node stays where it is, the rest are
       packed greedily around them (then refined);
@@ -369,6 +399,7 @@ def _choose_with_current(
     plans = torch.stack([cur_LP, warm, fresh])  # [3, L, P]
     bal = torch.stack([balancedness(weight, p, W) for p in plans])  # [3, L]
     moved = (plans != cur_LP).sum(-1).to(torch.float64)  # [3, L]
+    bal[0] = torch.where(current_ok_L, bal[0], -torch.inf)
     ok = bal >= bal.max(0).values - tolerance - 1e-12
     pick = torch.where(ok, moved, torch.inf).argmin(0)  # ties: the earlier (fewer moves)
     return plans.gather(0, pick[None, :, None].expand(1, *fresh.shape))[0]

@@ -267,8 +267,11 @@ class EPLBManager:
                 # when the slot layout changes (e.g. redundant slots are added) apply the
                 # planner's rule here: keep a layer whose current placement is within
                 # tolerance
-                keep = not same_slots and (
-                    olds[i].balancedness(load_LE[i]) >= p.balancedness(load_LE[i]) - self.tolerance
+                keep = (
+                    not same_slots
+                    and olds[i].balancedness(load_LE[i])
+                    >= p.balancedness(load_LE[i]) - self.tolerance
+                    and self._keeps_groups_on_nodes(olds[i])
                 )
                 news[i] = olds[i] if keep else p
         t2 = time.perf_counter()
@@ -298,6 +301,19 @@ class EPLBManager:
         )
         self.last_report = report
         return report
+
+    def _keeps_groups_on_nodes(self, placement: ExpertPlacement) -> bool:
+        """Whether ``placement`` keeps each expert group on one node, as the hierarchical
+        policy (``num_groups % num_nodes == 0``, more than one node) wants; True else."""
+        G, N = self.num_groups, self.num_nodes
+        if N <= 1 or G <= 1 or G % N:
+            return True
+        W, E = placement.ep_size, placement.num_experts
+        offsets = torch.tensor(placement.rank_offsets)
+        slots = torch.arange(placement.num_physical)
+        node_P = (torch.searchsorted(offsets, slots, right=True) - 1) // (W // N)
+        group_P = placement.physical_to_logical.to("cpu", torch.int64) // (E // G)
+        return all(len(set(node_P[group_P == g].tolist())) <= 1 for g in range(G))
 
     def _settings(self) -> dict[str, str]:
         """What every rank's manager must hold equal at a re-plan (its agreement's fields):

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import epmoe
 from epmoe.eplb.algorithm import (
     _keep_slots,
     balanced_packing,
@@ -128,6 +129,43 @@ def test_hierarchical_keeps_every_group_on_one_node() -> None:
         for s in nodes_of_group:
             groups_per_node[next(iter(s))] += 1
         assert groups_per_node == [G // N] * N
+
+
+def _groups_nodes(phy2log_P, E, G, N):
+    nodes = [set() for _ in range(G)]
+    for slot, e in enumerate(phy2log_P.tolist()):
+        nodes[e // (E // G)].add(slot // (len(phy2log_P) // N))
+    return nodes
+
+
+def test_a_current_plan_off_the_hierarchy_is_not_kept() -> None:
+    """A migration-aware hierarchical re-plan from a placement made otherwise (global, or
+    round-robin) kept it whenever it was as balanced, groups spread over nodes; it now
+    competes only where it keeps each group on one node."""
+    from types import SimpleNamespace
+
+    from epmoe.eplb.manager import EPLBManager
+
+    L, E, P, G, N, W = 3, 16, 16, 2, 2, 4
+    weight = torch.ones(L, E)
+    spread = torch.arange(E).view(E // W, W).t().reshape(1, P).repeat(L, 1)  # round robin
+    assert not any(len(n) == 1 for n in _groups_nodes(spread[0], E, G, N))
+    for tolerance in (0.0, 0.5):
+        phy2log, _, _ = rebalance(weight, P, G, N, W, current_phy2log=spread, tolerance=tolerance)
+        for row in phy2log:
+            assert all(len(n) == 1 for n in _groups_nodes(row, E, G, N)), row.tolist()
+    # a current plan on the hierarchy is kept within tolerance, as before
+    kept = rebalance(weight, P, G, N, W)[0]
+    again = rebalance(weight * 1.01, P, G, N, W, current_phy2log=kept, tolerance=0.01)[0]
+    assert torch.equal(again, kept)
+    # the manager's own rule, for a current placement of another slot layout
+    manager = SimpleNamespace(num_groups=G, num_nodes=N)
+    check = EPLBManager._keeps_groups_on_nodes
+    assert not check(manager, epmoe.ExpertPlacement.round_robin(E, W))
+    assert check(manager, epmoe.ExpertPlacement.linear(E, W))
+    assert check(
+        SimpleNamespace(num_groups=1, num_nodes=1), epmoe.ExpertPlacement.round_robin(E, W)
+    )
 
 
 def test_global_fallback_when_groups_do_not_split_over_nodes() -> None:
