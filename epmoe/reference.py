@@ -107,6 +107,13 @@ def _quant_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _block_size(block: object) -> int:
+    """``block`` as a positive int (a float or a bool is refused, never truncated)."""
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block must be a positive int (e.g. 128), got {block!r}")
+    return block
+
+
 def quantize_block(
     w: torch.Tensor, block: int = FP8_BLOCK, per_matrix: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,6 +126,7 @@ def quantize_block(
     """
     if w.dim() != 3:
         raise ValueError(f"w must be [E, N, M], got shape {tuple(w.shape)}")
+    block = _block_size(block)
     x = w.to(_quant_dtype(w))
     if per_matrix:
         s = x.abs().amax(dim=(1, 2)).clamp(min=FP8_EPS) / FP8_MAX
@@ -167,9 +175,7 @@ def dequantize_block(
     """
     if w.dim() < 2:
         raise ValueError(f"w must be at least 2-D [..., N, M], got shape {tuple(w.shape)}")
-    block = int(block)
-    if block <= 0:
-        raise ValueError(f"block must be positive, got {block}")
+    block = _block_size(block)
     out = w.to(dtype)
     if scale is None:
         return out
@@ -333,6 +339,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / norm
 
 
+# assert_close's check of each row on its own: a row's error within ROW_FACTOR * rtol of
+# the larger of its norm and the rows' RMS norm
+ROW_FACTOR = 8
+
+
 def assert_close(
     out: torch.Tensor,
     ref: torch.Tensor,
@@ -340,9 +351,12 @@ def assert_close(
     name: str = "",
     row_rtol: float | None = None,
 ) -> None:
-    """Raise AssertionError if ``relative_error(out, ref) > rtol``, or, with ``row_rtol``,
-    if any row's (leading index) relative error exceeds it: over many rows one wrong row
-    hides in the whole (a wrong row among R moves the error by about ``1/√R``).
+    """Raise AssertionError if ``relative_error(out, ref) > rtol``, or if any row (leading
+    index) is wrong on its own: over many rows one wrong row hides in the whole (a wrong
+    row among R moves the error by about ``1/√R``). Always: each row's error against its
+    norm or the rows' RMS norm, whichever is larger, within ``ROW_FACTOR * rtol`` (a
+    zeroed or missing row fails; a near-zero row's relative noise does not). With
+    ``row_rtol`` instead: each row's error against its own norm within ``row_rtol``.
 
     ``rtol`` defaults to ``TOLERANCES[out.dtype]``. The message gives the measured error,
     the tolerance, both shapes and dtypes, and the worst row with its error and
@@ -358,7 +372,7 @@ def assert_close(
             f"{label}shape mismatch: out {tuple(out.shape)} vs ref {tuple(ref.shape)}"
         )
     err = relative_error(out, ref)
-    if err <= rtol and (row_rtol is None or out.numel() == 0):
+    if err <= rtol and out.numel() == 0:
         return
     o = out.detach().to(device=ref.device, dtype=torch.float64)
     r = ref.detach().to(torch.float64)
@@ -368,6 +382,21 @@ def assert_close(
     row_err = torch.linalg.vector_norm(o_rows - r_rows, dim=1)
     row_err = torch.nan_to_num(row_err, nan=math.inf)
     row_norm = torch.linalg.vector_norm(r_rows, dim=1)
+    if err <= rtol and row_rtol is None and o_rows.shape[0] > 1:  # each row, against a floor
+        floor = float(row_norm.square().mean().sqrt())
+        scale = torch.clamp(row_norm, min=floor)
+        rel = torch.where(scale > 0, row_err / scale, torch.where(row_err > 0, math.inf, 0))
+        if float(rel.max()) > ROW_FACTOR * rtol:
+            worst = int(torch.argmax(rel))
+            raise AssertionError(
+                f"{label}row {worst} is off on its own: error {float(row_err[worst]):.3e} "
+                f"against max(its norm {float(row_norm[worst]):.3e}, the rows' RMS "
+                f"{floor:.3e}) = {float(rel[worst]):.3e} > {ROW_FACTOR} * rtol (the whole: "
+                f"{err:.3e}); out {tuple(out.shape)} {out.dtype}, ref {tuple(ref.shape)} "
+                f"{ref.dtype}"
+            )
+    if err <= rtol and row_rtol is None:
+        return
     if err <= rtol:  # (row_rtol given): each row against its own norm
         rel = torch.where(row_norm > 0, row_err / row_norm, torch.where(row_err > 0, math.inf, 0))
         if float(rel.max()) <= row_rtol:

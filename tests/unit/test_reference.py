@@ -376,7 +376,9 @@ def test_assert_close_row_rtol_finds_one_wrong_row_among_many():
     ref = _rand(2733, 64, seed=4)
     out = ref * (1 + 1e-3 * _rand(2733, 64, seed=5))
     out[1000] = _rand(1, 64, seed=6)[0]  # one row wholly wrong: 1/√2733 of the whole
-    assert_close(out, ref, rtol=0.03)  # the whole does not see it
+    assert relative_error(out, ref) < 0.03  # the whole does not see it; each row's check does
+    with pytest.raises(AssertionError, match=r"row 1000 is off on its own: .* > 8 \* rtol"):
+        assert_close(out, ref, rtol=0.03)
     with pytest.raises(AssertionError, match=r"row 1000's relative error .* > row_rtol 4\.0e-03"):
         assert_close(out, ref, rtol=0.03, row_rtol=4e-3)
     out[1000] = ref[1000]
@@ -384,6 +386,32 @@ def test_assert_close_row_rtol_finds_one_wrong_row_among_many():
     zeros = torch.zeros(3, 4, dtype=torch.float64)
     assert_close(zeros, zeros, rtol=0.0, row_rtol=0.0)  # (zero rows of the reference)
     assert_close(torch.empty(0, 4), torch.empty(0, 4), rtol=0.0, row_rtol=0.0)
+
+
+def test_assert_close_checks_each_row_by_default_but_not_near_zero_rows_noise():
+    """A zeroed row (a tile's rows never written) among 842 passed the default check of
+    the whole at FP8's tolerance; each row is now checked against the larger of its norm
+    and the rows' RMS norm. Rows far smaller than the rest keep their absolute error."""
+    ref = _rand(842, 64, seed=1)
+    out = ref * (1 + 0.03 * _rand(842, 64, seed=2))  # about 3 % everywhere
+    ref[7] *= 1e-6  # a near-zero row, its error relative to itself huge
+    out[7] = ref[7] + 0.03 * _rand(1, 64, seed=3)[0]
+    assert_close(out, ref, rtol=0.06)
+    out[841] = 0.0
+    with pytest.raises(AssertionError, match="row 841 is off on its own"):
+        assert_close(out, ref, rtol=0.06)
+    assert_close(out[841:], ref[841:] * 0, rtol=0.0)  # one row: the whole is the row
+
+
+def test_block_sizes_are_positive_ints():
+    from epmoe.reference import dequantize_block, quantize_block
+
+    w = torch.randn(1, 4, 4)
+    for bad in (0, 64.9, True, "128"):
+        with pytest.raises(ValueError, match="block must be a positive int"):
+            quantize_block(w, block=bad)
+        with pytest.raises(ValueError, match="block must be a positive int"):
+            dequantize_block(w, torch.ones(1, 1, 1), block=bad)
 
 
 def test_assert_close_nan_shape_and_default_rtol():
