@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 
 import torch
@@ -55,8 +56,13 @@ def init_distributed(
     ``None`` is returned: every epmoe API then runs as a single process. Calling it again
     returns the existing group. On CUDA the device ``LOCAL_RANK`` is made current first.
     """
-    if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not math.isfinite(timeout_s)
+        or not 0 < timeout_s < 10**9
+    ):
+        raise ValueError(f"timeout_s must be a number of seconds in (0, 1e9), got {timeout_s!r}")
     if dist.is_initialized():
         return dist.group.WORLD
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:

@@ -1147,8 +1147,14 @@ class EPMoE(nn.Module):
                     raise TypeError("pass either step= or max_tokens_across_ranks=, not both")
                 # the step's own checks (ended, group) at trace time; then a graph constant
                 max_tokens_across_ranks = step.max_tokens_for(self, 0)
-            # (None: the step or the layer's agreement decides; a value is checked in the
-            # op, as eagerly)
+            # (None: the step or the layer's agreement decides.) A value is checked here as
+            # eagerly: the op's schema would take a bool or a NumPy int as an int, and name
+            # its own argument for a float
+            # (its type only: its value may be symbolic; the op checks the value when it runs)
+            if max_tokens_across_ranks is not None:
+                error = _max_tokens_type_error(max_tokens_across_ranks)
+                if error is not None:
+                    raise error
             # the parameters a backward could reach (shared experts), as eagerly
             grads = (
                 [p for p in self.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
@@ -1601,18 +1607,27 @@ def _lead(t: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
 _COUNT_DTYPES = frozenset((torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64))
 
 
-def _max_tokens_error(max_tokens_across_ranks: object) -> Exception | None:
-    """What is wrong with a given ``max_tokens_across_ranks`` on its own (its type, its
-    sign), as the exception to raise."""
+def _max_tokens_type_error(max_tokens_across_ranks: object) -> Exception | None:
+    """A TypeError when a given ``max_tokens_across_ranks`` is no int (a bool is none)."""
     if isinstance(max_tokens_across_ranks, bool) or not isinstance(max_tokens_across_ranks, int):
         return TypeError(
             "max_tokens_across_ranks must be an int (the largest T of the EP group) or "
             f"None, got {type(max_tokens_across_ranks).__name__}"
         )
-    if max_tokens_across_ranks < 0:
+    return None
+
+
+def _max_tokens_error(max_tokens_across_ranks: object) -> Exception | None:
+    """What is wrong with a given ``max_tokens_across_ranks`` on its own (its type, its
+    range), as the exception to raise."""
+    error = _max_tokens_type_error(max_tokens_across_ranks)
+    if error is not None:
+        return error
+    if not 0 <= max_tokens_across_ranks < 2**31:
         return ValueError(
-            f"max_tokens_across_ranks={max_tokens_across_ranks} is negative; pass the largest "
-            "token count of any rank in the EP group (0 when none has tokens), or None"
+            f"max_tokens_across_ranks={max_tokens_across_ranks} is outside [0, 2**31); pass "
+            "the largest token count of any rank in the EP group (0 when none has tokens), "
+            "or None"
         )
     return None
 

@@ -101,12 +101,7 @@ class ExpertPlacement:
                 f"every logical expert needs at least one replica; experts {missing[:8]}"
                 f"{' ...' if len(missing) > 8 else ''} have none in physical_to_logical"
             )
-        try:
-            offsets = tuple(int(o) for o in self.rank_offsets)
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"rank_offsets must be a sequence of ints, got {self.rank_offsets!r}"
-            ) from None
+        offsets = _int_sequence("rank_offsets", self.rank_offsets)
         if len(offsets) != W + 1 or offsets[0] != 0 or offsets[-1] != P:
             raise ValueError(
                 f"rank_offsets must have ep_size + 1 = {W + 1} entries from 0 to P = {P}, got "
@@ -211,10 +206,10 @@ class ExpertPlacement:
         if load.dim() != 2:
             raise ValueError(f"expert_load_LE must be [L, E], got shape {tuple(load.shape)}")
         L, E = load.shape
-        if E == 0:
+        if E == 0 or L == 0:
             raise ValueError(
-                "the expert load must hold one value per expert (E >= 1), got shape "
-                f"{tuple(load.shape)}"
+                "expert_load_LE must hold one row per layer (L >= 1) of one value per expert "
+                f"(E >= 1), got shape {tuple(load.shape)}"
             )
         _check_load("expert_load_LE", load)
         ep_size = _check_positive_int("ep_size", ep_size)
@@ -325,19 +320,19 @@ class ExpertPlacement:
 
     def num_local(self, rank: int) -> int:
         """Slots on ``rank`` (e)."""
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         return self.rank_offsets[rank + 1] - self.rank_offsets[rank]
 
     def local_experts(self, rank: int) -> list[int]:
         """Logical id held by each local slot of ``rank``, in slot order (length e)."""
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         a, b = self.rank_offsets[rank], self.rank_offsets[rank + 1]
         return self.physical_to_logical[a:b].tolist()
 
     def expert_map(self, rank: int) -> torch.Tensor:
         """``[E]`` int64 on the CPU: logical id → local slot on ``rank`` (the first one when
         the rank holds several replicas of that expert), ``-1`` if the rank holds none."""
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         a, b = self.rank_offsets[rank], self.rank_offsets[rank + 1]
         local = self.physical_to_logical[a:b]
         big = b - a
@@ -397,7 +392,7 @@ class ExpertPlacement:
             raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids_TK.shape)}")
         if topk_ids_TK.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_TK.dtype}")
-        self._check_rank(rank)
+        rank = self._check_rank(rank)
         maps = self.maps_on(topk_ids_TK.device)
         ids = topk_ids_TK.long()
         valid = ids >= 0
@@ -488,9 +483,13 @@ class ExpertPlacement:
             (self.num_experts, self.ep_size, self.physical_to_logical, self.rank_offsets),
         )
 
-    def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.ep_size:
+    def _check_rank(self, rank: int) -> int:
+        """``rank`` as an int in ``[0, ep_size)`` (NumPy and torch integers too), or a
+        ValueError naming it (a bool is no rank)."""
+        r = _as_int(rank)
+        if r is None or not 0 <= r < self.ep_size:
             raise ValueError(f"rank must be an int in [0, ep_size={self.ep_size}), got {rank!r}")
+        return r
 
 
 # -------------------------------------------------------------------- helpers
@@ -543,12 +542,41 @@ def _offsets(counts: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int (Python, NumPy and torch integers; not a bool, a float or a
+    string), else ``None``."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    if type(value).__name__ == "bool_":  # numpy.bool_ (operator.index takes it)
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _int_sequence(name: str, values: Any) -> tuple[int, ...]:
+    """``values`` as a tuple of ints (each as :func:`_as_int` takes it), or a TypeError
+    naming ``name`` (floats are not truncated, strings not read digit by digit)."""
+    if isinstance(values, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints, got {values!r}")
+    if isinstance(values, torch.Tensor):
+        if values.dtype.is_floating_point or values.dtype == torch.bool or values.is_complex():
+            raise TypeError(f"{name} must hold integers, got a tensor of {values.dtype}")
+        values = values.tolist()
+    try:
+        items = list(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {values!r}") from None
+    ints = [_as_int(v) for v in items]
+    if any(v is None for v in ints):
+        raise TypeError(f"{name} must be a sequence of ints, got {tuple(items)!r}")
+    return tuple(ints)
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     """``value`` as an int (numpy and torch integers accepted), or a ValueError naming it."""
-    try:
-        v = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        v = None
+    v = _as_int(value)
     if v is None or v < minimum:
         kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {kind}, got {value!r}")

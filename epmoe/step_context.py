@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import operator
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -145,7 +146,10 @@ def record_call(layer, s: StepContext | None) -> None:
 
 
 def current_step() -> StepContext | None:
-    """The step of the innermost active ``with epmoe.step(...)`` block, or ``None``."""
+    """The step of the innermost active ``with epmoe.step(...)`` block, or ``None``.
+
+    Not traceable by ``torch.compile`` (a context variable): in compiled code call the
+    layers without ``step=``; the compiled layer reads the active step when it runs."""
     return _ACTIVE.get()
 
 
@@ -159,9 +163,19 @@ def _pending(ranks: tuple[int, ...]) -> int:
 
 
 def _int_in(value, low: int, high: int) -> bool:
-    """Whether ``value`` is an int (not a bool) in ``[low, high)``: what the step's
-    all-gather of int64 carries, checked before it on this rank."""
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+    """Whether ``value`` is an int (not a bool; NumPy and torch integers too) in ``[low,
+    high)``: what the step's all-gather of int64 carries, checked before it on this rank."""
+    return _as_int(value) is not None and low <= _as_int(value) < high
+
+
+def _as_int(value) -> int | None:
+    """``value`` as an int (NumPy and torch integers too; never a bool of any kind)."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", type(value).__name__)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 @contextlib.contextmanager
@@ -211,8 +225,13 @@ def step(
             f"epmoe.step: graph_max_tokens must be a positive int below 2**31 or None, got "
             f"{bad_bound!r}"
         )
+    num_tokens = _as_int(num_tokens) if error is None else 0  # (a NumPy int: an int)
+    if step_id is not None:
+        step_id = _as_int(step_id)
+    if graph_max_tokens is not None:
+        graph_max_tokens = _as_int(graph_max_tokens)
     agreement = StepAgreement(group)
-    T = num_tokens if error is None else 0
+    T = num_tokens
     ranks = group_ranks(group)
     previous = _PREVIOUS.get(group) if group is not None else None
     try:

@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 
+import epmoe
 from epmoe.placement import ExpertPlacement
 
 # (E, W) shapes with a name each: even and uneven splits, E == W, primes, one rank.
@@ -300,6 +301,30 @@ def test_to_physical_rejects_bad_input() -> None:
         p.to_physical(torch.zeros(4, 2))
     with pytest.raises(ValueError, match="rank"):
         p.to_physical(torch.zeros(4, 2, dtype=torch.int64), rank=3)
+
+
+def test_ranks_and_offsets_are_ints_never_truncated_or_read_from_bools() -> None:
+    """``rank_offsets`` took floats (truncated: 1.9 read as 1), strings (``"024"`` read
+    digit by digit) and float tensors; a rank of ``True`` was rank 1 and a NumPy rank was
+    refused while the constructors take NumPy ints."""
+    import numpy as np
+
+    E, W = 4, 2
+    for bad in ((0, 1.9, 4), "024", torch.tensor([0.0, 2.5, 4.0]), (False, True, 4)):
+        with pytest.raises(TypeError, match="rank_offsets must"):
+            epmoe.ExpertPlacement(E, W, torch.arange(E), bad)
+    good = epmoe.ExpertPlacement(E, W, torch.arange(E), np.array([0, 1, 4]))
+    assert good.rank_offsets == (0, 1, 4) and all(type(o) is int for o in good.rank_offsets)
+    p = epmoe.ExpertPlacement.linear(E, W)
+    for bad_rank in (True, np.bool_(True), torch.tensor(True), 1.0, "1"):
+        with pytest.raises(ValueError, match="rank must be an int in \\[0, ep_size=2\\)"):
+            p.local_experts(bad_rank)
+    assert p.local_experts(np.int64(1)) == p.local_experts(1) == [2, 3]
+    assert p.expert_map(torch.tensor(0)).tolist() == p.expert_map(0).tolist()
+    with pytest.raises(ValueError, match="ep_size must be a positive int"):
+        epmoe.ExpertPlacement.linear(E, torch.tensor(True))
+    with pytest.raises(ValueError, match="one row per layer"):
+        epmoe.ExpertPlacement.balanced_layers(torch.ones(0, E), W)
 
 
 def test_to_physical_with_zero_tokens() -> None:

@@ -116,6 +116,31 @@ def test_a_compiled_backward_to_the_router_or_shared_experts_refuses_too(trained
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize(
+    ("hint", "match"),
+    [
+        (True, "must be an int .* got bool"),
+        (8.0, "must be an int .* got float"),
+        (2**40, r"outside \[0, 2\*\*31\)"),  # (eagerly: 10**8 empty chunks, a hang)
+    ],
+    ids=["bool", "float", "huge"],
+)
+def test_a_compiled_layer_refuses_the_hints_eager_refuses(hint, match):
+    """The op's schema took ``True`` (and NumPy ints) as an int and named its own argument
+    for a float: the hint's type is now checked at trace time, its value in the op."""
+    layer = loaded_layer(E, K, H, I, torch.float32, "cpu", backend="all_to_all")[0]
+    x, logits = torch.randn(5, H), torch.randn(5, E)
+    with pytest.raises((TypeError, ValueError), match=match):
+        layer(x, logits, max_tokens_across_ranks=hint)
+    compiled = torch.compile(
+        lambda x, logits: layer(x, logits, max_tokens_across_ranks=hint),
+        fullgraph=True,
+        backend="eager",
+    )
+    with torch.no_grad(), pytest.raises(Exception, match=match):  # (Dynamo wraps it)
+        compiled(x, logits)
+
+
 def test_layer_with_explicit_hint_compiles():
     model = Tiny()
 
@@ -129,7 +154,7 @@ def test_layer_with_explicit_hint_compiles():
         assert_close(compiled(x, 4), f(x, 4), name="hinted")
         # a bad hint is refused as eagerly (a negative one once read as "no hint", and that
         # rank then waited in the agreement while the others dispatched)
-        for n, match in ((-1, "is negative"), (-7, "is negative"), (2, "is below this rank's T=4")):
+        for n, match in ((-1, "is outside"), (-7, "is outside"), (2, "is below this rank's T=4")):
             with pytest.raises(ValueError, match=f"max_tokens_across_ranks={n} {match}"):
                 compiled(x, n)
 
@@ -212,6 +237,24 @@ def test_step_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match), epmoe.step(**kwargs):
         pass
     assert epmoe.current_step() is None
+
+
+def test_step_takes_numpy_and_torch_ints_as_the_placements_do():
+    import numpy as np
+
+    with epmoe.step(num_tokens=np.int64(3), step_id=np.int32(7)) as s:
+        assert s.max_tokens == 3 and s.index == 7 and type(s.max_tokens) is int
+    with (
+        pytest.raises(ValueError, match="num_tokens must be an int"),
+        epmoe.step(num_tokens=np.bool_(True)),
+    ):
+        pass
+
+
+def test_init_distributed_refuses_timeouts_that_are_no_seconds():
+    for bad in (float("nan"), float("inf"), "60", True, 0, -1, 1e12):
+        with pytest.raises(ValueError, match="timeout_s must be a number of seconds"):
+            epmoe.init_distributed(timeout_s=bad)
 
 
 def test_steps_of_one_process_are_numbered():
