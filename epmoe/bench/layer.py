@@ -30,9 +30,9 @@ backend at the same T and mode, alone: ``epmoe.bench.comm``'s measurement on the
 own backend, the experts replaced by the identity; ``comm_us`` their sum), and
 ``ratio = layer_us / (weights_read_us + dispatch_us + combine_us)``: how far the step is
 from reading the weights once plus moving the tokens. The issue's goal is ``ratio ≤ 1.15``
-at T = 128, H = 7168, K = 8 (``goal``: met / missed). Eager records also have
-``experts_us``: the local experts alone on the first chunk's dispatched rows, times the
-number of chunks (``chunks``; exact when it is 1).
+at EP2, T = 128, H = 7168, K = 8 (``goal``: met / missed; no verdict at other W). Eager
+records also have ``experts_us``: the local experts alone on the first chunk's dispatched
+rows, times the number of chunks (``chunks``; exact when it is 1).
 
 Part ``eplb`` (the issue's benchmark (b)), per T and ``--hot`` layout: a layer on the
 linear placement under Zipf(α) routing (``--alpha``, default 1.2; the popular experts
@@ -534,7 +534,7 @@ def _fill(rec, layer_ms, comm_ms, chunks, ops, device) -> None:
     d_us, c_us = (over_ranks(v, device) * 1e3 * chunks for v in comm_ms)
     rec.update(layer_us=layer_ms * 1e3, dispatch_us=d_us, combine_us=c_us, comm_us=d_us + c_us)
     rec["ratio"] = layer_ratio(rec["layer_us"], rec["weights_read_us"], d_us, c_us)
-    if at_goal_shape(rec["T"], rec["H"], rec["K"]):
+    if at_goal_shape(rec["W"], rec["T"], rec["H"], rec["K"]):
         rec["goal"] = verdict(rec["ratio"], LAYER_GOAL_RATIO)
     if ops is not None:
         rec["kernels"], rec["memops"] = ops

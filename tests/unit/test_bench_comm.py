@@ -29,39 +29,47 @@ def test_wire_row_bytes_bf16_and_fp8_rows_with_scales():
 
 
 def test_comm_goals_apply_at_the_issue_shape_only():
-    shape = (128, 7168, 8)
+    shape = (2, 128, 7168, 8)  # (W, T, H, K)
     assert comm.comm_goal_us("dispatch", "graph", "float8_e4m3fn", *shape) == 10.0
     assert comm.comm_goal_us("dispatch", "graph", "bfloat16", *shape) == 13.0
     assert comm.comm_goal_us("combine", "graph", "float8_e4m3fn", *shape) == 15.0
     assert comm.comm_goal_us("combine", "graph", "bfloat16", *shape) == 15.0
     assert comm.comm_goal_us("dispatch", "eager", "float8_e4m3fn", *shape) == 31.0
     assert comm.comm_goal_us("combine", "eager", "bfloat16", *shape) == 41.0
-    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", 512, 7168, 8) is None
-    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", 128, 4096, 8) is None
+    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", 2, 512, 7168, 8) is None
+    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", 2, 128, 4096, 8) is None
+    # the goals were set at EP2: an EP4 or EP8 record at T = 128 gets no verdict
+    assert comm.comm_goal_us("dispatch", "graph", "bfloat16", 4, 128, 7168, 8) is None
+    assert comm.comm_goal_us("combine", "eager", "bfloat16", 8, 128, 7168, 8) is None
     assert comm.verdict(13.0, 13.0) == "met"
     assert comm.verdict(13.01, 13.0) == "missed"
 
 
 def test_goal_columns_and_summary():
     rec = dict(kind="comm", backend="symm_ll", layout="expert_batched", wire="bfloat16",
-               mode="graph_b2b", T=128, H=7168, K=8, dispatch_us=12.0, combine_us=16.0)  # fmt: skip
+               mode="graph_b2b", W=2, T=128, H=7168, K=8, dispatch_us=12.0,
+               combine_us=16.0)  # fmt: skip
     cold = dict(rec, mode="graph")
-    comm._add_goals(cold, "graph", "bfloat16", 128, 7168, 8)
+    comm._add_goals(cold, "graph", "bfloat16", 2, 128, 7168, 8)
     assert "goal" not in cold  # goals are judged on back-to-back streams only
-    comm._add_goals(rec, "graph_b2b", "bfloat16", 128, 7168, 8)
+    wide = dict(rec, W=4)
+    comm._add_goals(wide, "graph_b2b", "bfloat16", 4, 128, 7168, 8)
+    assert "goal" not in wide  # nor at EP4
+    comm._add_goals(rec, "graph_b2b", "bfloat16", 2, 128, 7168, 8)
     assert (rec["dispatch_goal"], rec["combine_goal"], rec["goal"]) == (
         "met",
         "missed",
         "met/missed",
     )
     skipped = dict(kind="comm", backend="symm_ll", layout="expert_batched", wire="float8_e4m3fn",
-                   mode="-", T=128, H=7168, K=8, note="skipped: why")  # fmt: skip
-    lines = comm.goal_summary([rec, cold, skipped])
+                   mode="-", W=2, T=128, H=7168, K=8, note="skipped: why")  # fmt: skip
+    lines = comm.goal_summary([rec, cold, skipped, dict(skipped, W=8)])
     assert len(lines) == 3
     assert "bfloat16 graph_b2b dispatch: 12.0 µs, goal ≤ 13 µs: met" in lines[0]
     assert "combine: 16.0 µs, goal ≤ 15 µs: missed" in lines[1]
     assert lines[2].endswith("skipped: why")
-    assert "no record at T=128" in comm.goal_summary([dict(rec, T=1)])[0]
+    assert "no record at W=2, T=128" in comm.goal_summary([dict(rec, T=1)])[0]
+    assert "no record at W=2" in comm.goal_summary([dict(rec, W=8)])[0]
     wrong = dict(rec, wire="float8_e4m3fn", wrong=True, note="WRONG: round trip error 0.8 > 0.06")
     assert comm.goal_summary([wrong]) == [
         "symm_ll:expert_batched float8_e4m3fn graph_b2b: WRONG: round trip error 0.8 > 0.06"
@@ -70,11 +78,14 @@ def test_goal_columns_and_summary():
 
 def test_layer_ratio_and_its_goal():
     assert layer.layer_ratio(3450.0, 2700.0, 150.0, 150.0) == pytest.approx(1.15)
-    rec = dict(T=128, H=7168, K=8, weights_read_us=2700.0)
+    rec = dict(W=2, T=128, H=7168, K=8, weights_read_us=2700.0)
     layer._fill(rec, 3.4, (0.15, 0.15), 1, (40, 3), torch.device("cpu"))
     assert rec["ratio"] == pytest.approx(3400 / 3000)
     assert (rec["goal"], rec["kernels"], rec["memops"]) == ("met", 40, 3)
-    rec = dict(T=4096, H=7168, K=8, weights_read_us=2700.0)
+    rec = dict(W=8, T=128, H=7168, K=8, weights_read_us=2700.0)  # the goal is EP2's
+    layer._fill(rec, 3.4, (0.15, 0.15), 1, None, torch.device("cpu"))
+    assert "goal" not in rec
+    rec = dict(W=2, T=4096, H=7168, K=8, weights_read_us=2700.0)
     layer._fill(rec, 9.0, (0.5, 0.5), 2, None, torch.device("cpu"))
     assert rec["dispatch_us"] == pytest.approx(1000.0)  # per chunk × chunks
     assert "goal" not in rec and "kernels" not in rec
