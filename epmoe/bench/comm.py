@@ -45,11 +45,13 @@ to them too, beside the host-bound ``eager_b2b``.
 Each record has ``dispatch_us`` and ``combine_us`` (the slowest rank's median), ``sms``
 (SMs the backend's kernels use: its ``num_sms``), the bytes received (``dispatch_MB``:
 received rows × wire row; ``combine_MB``: the same rows in the hidden dtype; DeepEP's
-convention, self traffic included) and their rates, and, on eager records, ``a2a_us``:
-NCCL (gloo) ``all_to_all_single`` moving the same rows of the same bytes (FP8: rows and
-scales). ``roundtrip_error`` checks the mode: with experts that return their input,
-combine must return ``x · Σ_k w`` (bf16 ~1e-3, FP8 ~3e-2). ``link_GBps`` is a large
-``all_to_all_single``'s bandwidth.
+convention, self traffic included) and their rates, and, on eager records,
+``a2a_dispatch_us`` and ``a2a_combine_us``: NCCL (gloo) ``all_to_all_single`` moving the
+same rows of the same bytes as each phase (dispatch: the wire rows, FP8 with their scales;
+combine: rows in the hidden dtype), and ``dispatch_vs_a2a`` / ``combine_vs_a2a``, each
+phase against its own (> 1: faster than NCCL). ``roundtrip_error`` checks the mode: with
+experts that return their input, combine must return ``x · Σ_k w`` (bf16 ~1e-3, FP8
+~3e-2). ``link_GBps`` is a large ``all_to_all_single``'s bandwidth.
 
 Records of kind ``ceiling`` (CUDA, ≥ 2 ranks): :mod:`epmoe.bench.ceiling` storing the same
 wire rows into the peers' symmetric buffers, once per (token, destination rank) and once
@@ -107,6 +109,9 @@ DEFAULT_BACKENDS = [
     "symm_ht:standard",
 ]
 FP8_NAME = "float8_e4m3fn"
+# backends that send every token to every rank: their NCCL baseline moves that gather, not
+# the layout's rows, so it is no baseline of the layout (epmoe.bench.plot leaves it out)
+GATHERING_BACKENDS = ("naive",)
 
 # The issue's goals: EP2 on H200 at this shape; µs by (phase, mode, wire dtype or None: any).
 GOAL_SHAPE = (2, 128, 7168, 8)  # (W, T, H, K): EP2, as the goals were measured
@@ -138,7 +143,8 @@ COMM_COLUMNS = [
     "roundtrip_us",
     "goal",
     "sms",
-    "a2a_us",
+    "a2a_dispatch_us",
+    "a2a_combine_us",
     "dispatch_MB",
     "dispatch_GBps",
     "combine_GBps",
@@ -658,6 +664,21 @@ def backend_skip_reason(
     return f"{name} cannot serve this spec: {reason}" if reason is not None else None
 
 
+def _a2a_cached(
+    ctx: dict[str, Any], ids_TK, placement, layout: Layout, row_bytes: int, gathers: bool
+) -> tuple[float, int]:
+    """:func:`_a2a_reference` for the rows of ``layout`` (every token to every rank where
+    the backend ``gathers``) of ``row_bytes`` bytes, measured once per T and key: the
+    backends and phases that move the same rows share one baseline."""
+    key = (layout, row_bytes, gathers)
+    if key not in ctx["a2a"]:
+        send_W = _rows_per_rank(ids_TK, placement, layout)
+        if gathers:
+            send_W = torch.full_like(send_W, ids_TK.shape[0])
+        ctx["a2a"][key] = _a2a_reference(send_W, row_bytes, ids_TK.device, ctx["timing"])
+    return ctx["a2a"][key]
+
+
 def _a2a_reference(send_W: torch.Tensor, row_bytes: int, device, timing) -> tuple[float, int]:
     """Median ms (slowest rank) of an ``all_to_all_single`` of rows of ``row_bytes`` bytes
     with this rank sending ``send_W[r]`` rows to rank ``r``, and the most rows any rank
@@ -755,16 +776,13 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
         comm.close()
 
     row_bytes = wire_row_bytes(H, spec.wire_dtype)
-    gathers = name == "naive"  # (it gathers every token on every rank)
-    key = (layout, row_bytes, gathers)
-    if key not in ctx["a2a"]:
-        send_W = _rows_per_rank(ids_TK, placement, layout)
-        if gathers:
-            send_W = torch.full_like(send_W, ids_TK.shape[0])
-        ctx["a2a"][key] = _a2a_reference(send_W, row_bytes, device, ctx["timing"])
-    a2a_ms, recv_rows = ctx["a2a"][key]
+    combine_row_bytes = H * spec.dtype.itemsize  # (combine moves rows in the hidden dtype)
+    gathers = name in GATHERING_BACKENDS
+    # NCCL moving the same rows as each phase: FP8 dispatch rows are about half a combine's
+    a2a_dispatch_ms, recv_rows = _a2a_cached(ctx, ids_TK, placement, layout, row_bytes, gathers)
+    a2a_combine_ms, _ = _a2a_cached(ctx, ids_TK, placement, layout, combine_row_bytes, gathers)
     dispatch_bytes = recv_rows * row_bytes
-    combine_bytes = recv_rows * H * spec.dtype.itemsize
+    combine_bytes = recv_rows * combine_row_bytes
     records = []
     for mode in MODES:
         times = m[mode]
@@ -792,8 +810,9 @@ def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> l
             records.append(rec)
             continue
         if mode == "eager":
-            rec.update(a2a_us=a2a_ms * 1e3, dispatch_vs_a2a=a2a_ms / d_ms)
-            rec.update(combine_vs_a2a=a2a_ms / c_ms)
+            rec.update(a2a_dispatch_us=a2a_dispatch_ms * 1e3, a2a_combine_us=a2a_combine_ms * 1e3)
+            rec.update(dispatch_vs_a2a=a2a_dispatch_ms / d_ms)
+            rec.update(combine_vs_a2a=a2a_combine_ms / c_ms)
         if mode == "eager_kernels" and m.get("kernels_us"):
             rec["kernels_us"] = dict(m["kernels_us"])  # (this rank's; rank 0's are kept)
         _add_goals(rec, mode, wire, ctx["shape"]["W"], T, H, K)
@@ -1055,7 +1074,7 @@ def main(args) -> list[dict] | None:
         sim = RoutingSimulator(num_experts=E, top_k=K, seed=rank)
         weights, ids = sim.sample(T, device=device)
         x = torch.randn(T, H, device=device).to(dtype)
-        ctx["a2a"] = {}  # (layout, row bytes, gathers) -> (ms, rows), for the backends of one T
+        ctx["a2a"] = {}  # (layout, row bytes, gathers) -> (ms, rows): _a2a_cached, per T
         for wire in wires:
             records += _ceiling_records(wire, ids, placement, ctx)
             spec = wire_spec(H, K, placement, T, dtype, device, wire)

@@ -60,7 +60,8 @@ def comm_series(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[in
     """``(wire, phase, label) -> [(T, µs)]`` of comm and ceiling records: per backend (and
     SM budget) its ``graph_b2b`` time where it has one, else ``eager_b2b``; the peer-store
     ceiling (once per destination rank, ``graph_b2b``) under dispatch; NCCL's
-    ``all_to_all_single`` of the same rows (``a2a_us``) under both phases."""
+    ``all_to_all_single`` of the same rows under each phase (``a2a_dispatch_us``,
+    ``a2a_combine_us``: the bytes of that phase)."""
     out: dict[tuple[str, str, str], dict[int, float]] = {}
     from epmoe.bench.comm import is_wrong
 
@@ -82,16 +83,28 @@ def comm_series(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[in
         for phase in ("dispatch", "combine"):
             out.setdefault((r["wire"], phase, label), {})[r["T"]] = r[f"{phase}_us"]
     for r in comm:
-        if r["mode"] == "eager" and r.get("a2a_us"):
-            for phase in ("dispatch", "combine"):
-                out.setdefault((r["wire"], phase, "NCCL all_to_all_single"), {})[r["T"]] = r[
-                    "a2a_us"
-                ]
+        if r["mode"] != "eager":
+            continue
+        for phase in ("dispatch", "combine"):
+            us = _a2a_us(r, phase)
+            if us:
+                out.setdefault((r["wire"], phase, "NCCL all_to_all_single"), {})[r["T"]] = us
     for r in records:
         ceiling = r.get("kind") == "ceiling" and r.get("mode") == "graph_b2b" and "us" in r
         if ceiling and r["pattern"] == "per_rank":
             out.setdefault((r["wire"], "dispatch", "peer-store ceiling"), {})[r["T"]] = r["us"]
     return {k: sorted(v.items()) for k, v in out.items()}
+
+
+def _a2a_us(r: dict, phase: str) -> float | None:
+    """The NCCL baseline of ``phase`` in an eager comm record. Records written before the
+    per-phase fields have one ``a2a_us`` at the wire's row bytes: the dispatch's, and the
+    combine's only where the wire is the hidden dtype (an FP8 wire row is half a combine's)."""
+    if f"a2a_{phase}_us" in r:
+        return r[f"a2a_{phase}_us"]
+    if phase == "dispatch" or r.get("wire") == r.get("dtype"):
+        return r.get("a2a_us")
+    return None
 
 
 def plot_comm(records: list[dict], path: str, title: str) -> None:

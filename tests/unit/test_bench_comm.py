@@ -183,6 +183,42 @@ def test_backend_entries_take_any_option_as_key_value():
         comm.entry_options("num_sms")
 
 
+def test_each_phase_is_held_to_nccl_moving_its_own_bytes(monkeypatch):
+    """With FP8 on the wire, dispatch moves FP8 rows and scales but combine moves rows in
+    the hidden dtype: each phase's NCCL baseline moves that phase's bytes (one measurement
+    per (layout, row bytes, gathers) and T, shared by the phases and wires that match)."""
+    from epmoe.placement import ExpertPlacement
+    from epmoe.routing import RoutingSimulator
+
+    timed = []
+
+    def fake_a2a(send_W, row_bytes, device, timing):  # 1 µs per row byte, 7 rows received
+        timed.append(row_bytes)
+        return row_bytes * 1e-3, 7
+
+    monkeypatch.setattr(comm, "_a2a_reference", fake_a2a)
+    cpu, H, T, E, K = torch.device("cpu"), 256, 4, 8, 2
+    placement = ExpertPlacement.linear(E, 1)
+    weights_TK, ids_TK = RoutingSimulator(E, K, seed=0).sample(T, device=cpu)
+    x_TH = torch.randn(T, H).to(BF16)
+    ctx = dict(group=None, rank=0, profile=False, a2a={},
+               shape=dict(W=1, H=H, K=K, E=E, dtype="bfloat16"),
+               timing=dict(warmup=0, iters=1, device=cpu, barrier=None))  # fmt: skip
+    eager = {}
+    for wire in (FP8, BF16):
+        spec = comm.wire_spec(H, K, placement, T, BF16, cpu, wire)
+        records = comm._backend_records("all_to_all:standard", spec, x_TH, ids_TK, weights_TK,
+                                        placement, ctx)  # fmt: skip
+        eager[wire] = next(r for r in records if r["mode"] == "eager")
+    fp8, bf16 = eager[FP8], eager[BF16]
+    assert fp8["a2a_dispatch_us"] == pytest.approx(H + 2 * 4)  # FP8 rows + 2 float32 scales
+    assert fp8["a2a_combine_us"] == pytest.approx(H * 2)  # bf16 rows back
+    assert fp8["combine_vs_a2a"] == pytest.approx(fp8["a2a_combine_us"] / fp8["combine_us"])
+    assert fp8["dispatch_vs_a2a"] == pytest.approx(fp8["a2a_dispatch_us"] / fp8["dispatch_us"])
+    assert bf16["a2a_dispatch_us"] == bf16["a2a_combine_us"] == pytest.approx(H * 2)
+    assert timed == [H + 2 * 4, H * 2]  # the bf16 rows were timed once, for both records
+
+
 def test_kernel_times_need_cuda_and_a_process_group():
     assert comm.time_kernels(lambda: None, lambda: None, torch.device("cpu")).startswith("n/a")
 
@@ -317,7 +353,7 @@ def _check_tiny_comm(records: list[dict], W: int, hidden: torch.dtype) -> None:
         assert {(r["backend"], r["layout"]) for r in got} >= {("all_to_all", "standard")}
         for r in got:
             assert r["W"] == W and r["T"] == 4 and r["dispatch_us"] > 0 and r["combine_us"] > 0
-            assert r["a2a_us"] > 0 and r["sms"] is None
+            assert r["a2a_dispatch_us"] > 0 and r["a2a_combine_us"] > 0 and r["sms"] is None
             assert r["roundtrip_error"] < (6e-2 if wire == "float8_e4m3fn" else 1e-2)
             assert r["dispatch_MB"] == pytest.approx(r["recv_rows"] * row_bytes / 1e6)
             assert r["combine_MB"] == pytest.approx(r["recv_rows"] * H * size / 1e6)
@@ -431,7 +467,7 @@ def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
         dict(base, backend="symm_ll", layout="expert_batched", sms=132, mode="graph_b2b",
              dispatch_us=25.0, combine_us=19.7),
         dict(base, backend="symm_ll", layout="expert_batched", sms=132, mode="eager",
-             dispatch_us=160.0, combine_us=126.0, a2a_us=90.0),
+             dispatch_us=160.0, combine_us=126.0, a2a_dispatch_us=90.0, a2a_combine_us=95.0),
         dict(base, backend="all_to_all", layout="standard", sms=None, mode="eager_b2b",
              dispatch_us=1800.0, combine_us=380.0),
         dict(kind="ceiling", wire="bfloat16", T=128, pattern="per_rank", mode="graph_b2b",
@@ -448,7 +484,8 @@ def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
     ]
     assert series[("bfloat16", "combine", "all_to_all (standard; eager)")] == [(128, 380.0)]
     assert series[("bfloat16", "dispatch", "peer-store ceiling")] == [(128, 10.9)]
-    assert series[("bfloat16", "combine", "NCCL all_to_all_single")] == [(128, 90.0)]
+    assert series[("bfloat16", "dispatch", "NCCL all_to_all_single")] == [(128, 90.0)]
+    assert series[("bfloat16", "combine", "NCCL all_to_all_single")] == [(128, 95.0)]
     assert not any("ceiling" in label for _, phase, label in series if phase == "combine")
     pytest.importorskip("matplotlib")
     png = tmp_path / "comm.png"
