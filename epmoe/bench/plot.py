@@ -56,14 +56,24 @@ def plot_eplb(records: list[dict], path: str, title: str) -> None:
 _COMM_MODES = ("graph_b2b", "eager_b2b")
 
 
+NCCL_LABEL = "NCCL all_to_all_single"
+
+
+def nccl_label(layout: str) -> str:
+    """The NCCL baseline's line for the rows of ``layout``."""
+    return f"{NCCL_LABEL} ({layout} rows)"
+
+
 def comm_series(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
     """``(wire, phase, label) -> [(T, µs)]`` of comm and ceiling records: per backend (and
     SM budget) its ``graph_b2b`` time where it has one, else ``eager_b2b``; the peer-store
     ceiling (once per destination rank, ``graph_b2b``) under dispatch; NCCL's
     ``all_to_all_single`` of the same rows under each phase (``a2a_dispatch_us``,
-    ``a2a_combine_us``: the bytes of that phase)."""
+    ``a2a_combine_us``: the bytes of that phase), one line per layout (the rows differ),
+    from the eager records of the backends that send the layout's rows (not the gathering
+    ones, whose baseline moves every token to every rank)."""
     out: dict[tuple[str, str, str], dict[int, float]] = {}
-    from epmoe.bench.comm import is_wrong
+    from epmoe.bench.comm import GATHERING_BACKENDS, is_wrong
 
     # (a timing whose round trip came back wrong is not drawn)
     comm = [
@@ -83,12 +93,12 @@ def comm_series(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[in
         for phase in ("dispatch", "combine"):
             out.setdefault((r["wire"], phase, label), {})[r["T"]] = r[f"{phase}_us"]
     for r in comm:
-        if r["mode"] != "eager":
+        if r["mode"] != "eager" or r["backend"].split("/")[0] in GATHERING_BACKENDS:
             continue
         for phase in ("dispatch", "combine"):
             us = _a2a_us(r, phase)
             if us:
-                out.setdefault((r["wire"], phase, "NCCL all_to_all_single"), {})[r["T"]] = us
+                out.setdefault((r["wire"], phase, nccl_label(r["layout"])), {})[r["T"]] = us
     for r in records:
         ceiling = r.get("kind") == "ceiling" and r.get("mode") == "graph_b2b" and "us" in r
         if ceiling and r["pattern"] == "per_rank":
@@ -122,18 +132,21 @@ def plot_comm(records: list[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(
         len(wires), 2, figsize=(11, 3.8 * len(wires)), squeeze=False, sharex=True
     )
-    # one color per series in every panel (panels show different subsets)
+    # one color per series in every panel (panels show different subsets); NCCL in greys
     palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    others = sorted({label for _, _, label in series} - {"NCCL all_to_all_single"})
+    labels = sorted({label for _, _, label in series})
+    nccl = [label for label in labels if label.startswith(NCCL_LABEL)]
+    others = [label for label in labels if label not in nccl]
     colors = {label: palette[i % len(palette)] for i, label in enumerate(others)}
-    colors["NCCL all_to_all_single"] = "gray"
+    greys = ("gray", "black", "silver")
+    colors.update({label: greys[i % len(greys)] for i, label in enumerate(nccl)})
     for i, wire in enumerate(wires):
         for j, phase in enumerate(("dispatch", "combine")):
             ax = axes[i][j]
             for (w, ph, label), points in sorted(series.items()):
                 if (w, ph) != (wire, phase):
                     continue
-                baseline = label in ("peer-store ceiling", "NCCL all_to_all_single")
+                baseline = label == "peer-store ceiling" or label in nccl
                 ax.plot(
                     [p[0] for p in points],
                     [p[1] for p in points],

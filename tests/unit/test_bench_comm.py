@@ -459,7 +459,8 @@ def test_a_wrong_round_trip_marks_the_record():
 
 def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
     """Graph-safe backends are drawn from their graph_b2b records, the others from
-    eager_b2b; the ceiling (per rank) goes under dispatch, NCCL under both phases."""
+    eager_b2b; the ceiling (per rank) goes under dispatch, NCCL under both phases: one
+    line per layout, whatever the order of the backends, without naive's gathered rows."""
     from epmoe.bench import plot
 
     base = dict(kind="comm", wire="bfloat16", T=128, W=2, H=7168, K=8, E=256)
@@ -476,16 +477,28 @@ def test_comm_plot_series_pick_graph_times_and_baselines(tmp_path):
              us=26.1),
         dict(base, backend="pplx", layout="expert_batched", mode="graph_b2b", dispatch_us=60.0,
              combine_us=59.0, wrong=True),  # a wrong round trip is not drawn
+        dict(base, backend="all_to_all", layout="standard", sms=None, mode="eager",
+             dispatch_us=1900.0, combine_us=400.0, a2a_dispatch_us=50.0, a2a_combine_us=55.0),
+        dict(base, backend="naive", layout="standard", sms=None, mode="eager",
+             dispatch_us=700.0, combine_us=130.0, a2a_dispatch_us=75.0, a2a_combine_us=78.0),
     ]  # fmt: skip
     series = plot.comm_series(records)
+    assert series == plot.comm_series(records[::-1])  # (the order of --backends)
+    batched, standard = (plot.nccl_label(x) for x in ("expert_batched", "standard"))
+    assert series[("bfloat16", "dispatch", standard)] == [(128, 50.0)]  # not naive's 75
+    assert series[("bfloat16", "combine", standard)] == [(128, 55.0)]
     assert not any("pplx" in label for _, _, label in series)
     assert series[("bfloat16", "dispatch", "symm_ll (expert_batched, 132 SMs; graph)")] == [
         (128, 25.0)
     ]
     assert series[("bfloat16", "combine", "all_to_all (standard; eager)")] == [(128, 380.0)]
     assert series[("bfloat16", "dispatch", "peer-store ceiling")] == [(128, 10.9)]
-    assert series[("bfloat16", "dispatch", "NCCL all_to_all_single")] == [(128, 90.0)]
-    assert series[("bfloat16", "combine", "NCCL all_to_all_single")] == [(128, 95.0)]
+    assert series[("bfloat16", "dispatch", batched)] == [(128, 90.0)]
+    assert series[("bfloat16", "combine", batched)] == [(128, 95.0)]
+    old = dict(records[1], wire="float8_e4m3fn", dtype="bfloat16", a2a_us=40.0)
+    del old["a2a_dispatch_us"], old["a2a_combine_us"]  # a record from before the split
+    old_series = plot.comm_series([old])
+    assert old_series == {("float8_e4m3fn", "dispatch", batched): [(128, 40.0)]}
     assert not any("ceiling" in label for _, phase, label in series if phase == "combine")
     pytest.importorskip("matplotlib")
     png = tmp_path / "comm.png"
