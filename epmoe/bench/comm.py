@@ -72,6 +72,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -729,39 +730,65 @@ def _first_layout(name: str) -> str:
     return (Layout.STANDARD if Layout.STANDARD in layouts else min(layouts, key=str)).value
 
 
-def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> list[dict]:
-    """The eager and graph records of one ``name:layout`` entry (or one skip record)."""
+# markers of a --backends entry that set one option: marker -> (option, value)
+ENTRY_MARKERS = {
+    "copy": ("rows_in_place", False),  # symm_ll's first design: received rows copied to slabs
+    "fixed": ("worst_case_rows", True),  # deepep_ht's worst-case rows: no host sync, graph safe
+}
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One ``--backends`` entry, parsed once by the same code for the check before the run
+    and for the run itself."""
+
+    name: str
+    layout: Layout
+    options: dict[str, Any]  # the backend's constructor options
+    label: str  # the records' ``backend``: the name and every marker and option it was given
+
+
+def parse_backend_entry(entry: str) -> BackendEntry:
+    """``name[:layout[:SMs[:ROWS] | :copy | :fixed][:key=value[,key=value]]]`` → the
+    backend, layout and options it names.
+
+    ``SMs[:ROWS]``: symm_ht's SM budget and rows stored per flag (``num_sms``,
+    ``tokens_per_flag``); ``copy``: symm_ll's ``rows_in_place=False``; ``fixed``:
+    deepep_ht's ``worst_case_rows=True``; ``key=value``: any option (see
+    :func:`entry_options`). The label keeps the markers and the key=value options, so that
+    entries that differ by any of them make different series (the SMs and rows per flag
+    are fields of their own: ``sms``, ``per_flag``)."""
     name, *rest = entry.split(":")
     layout_name, *budget = rest or [_first_layout(name)]
     layout = Layout(layout_name)
-    # name:layout:SMs[:rows per flag] (symm_ht), name:layout:copy (symm_ll),
-    # name:layout:fixed (deepep_ht's worst-case rows: no host sync, graph safe), or any
-    # backend option as name:layout:key=value[,key=value] (see entry_options)
-    options = {}
-    if budget and "=" in budget[-1]:
-        options.update(entry_options(budget.pop()))
-        base_label = f"{name}/{budget_label(options)}"
-    else:
-        base_label = None
-    if budget == ["copy"]:  # symm_ll's first design: received rows copied into slabs
-        options["rows_in_place"], budget = False, []
-    if budget == ["fixed"]:
-        options["worst_case_rows"], budget = True, []
+    keyvalue = entry_options(budget.pop()) if budget and "=" in budget[-1] else {}
+    options: dict[str, Any] = {}
+    label = name
+    if len(budget) == 1 and budget[0] in ENTRY_MARKERS:
+        option, value = ENTRY_MARKERS[budget[0]]
+        options[option] = value
+        label += f"/{budget.pop()}"
     if budget and budget[0]:
         options["num_sms"] = int(budget[0])
     if len(budget) > 1:
         options["tokens_per_flag"] = int(budget[1])
+    options.update(keyvalue)
+    if keyvalue:
+        label += f"/{budget_label(keyvalue)}"
+    return BackendEntry(name, layout, options, label)
+
+
+def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> list[dict]:
+    """The eager and graph records of one ``--backends`` entry (or one skip record)."""
+    parsed = parse_backend_entry(entry)
+    name, layout, options = parsed.name, parsed.layout, parsed.options
     wire = dtype_name(spec.wire_dtype)
     T, H, K = x_TH.shape[0], spec.hidden_size, spec.top_k
-    base = dict(kind="comm", backend=name, layout=layout.value, wire=wire, **ctx["shape"], T=T)
+    base = dict(
+        kind="comm", backend=parsed.label, layout=layout.value, wire=wire, **ctx["shape"], T=T
+    )
     if "tokens_per_flag" in options:
         base["per_flag"] = options["tokens_per_flag"]
-    if "rows_in_place" in options:  # its own series (the goals are held to the default)
-        base["backend"] = f"{name}/copy"
-    if "worst_case_rows" in options:
-        base["backend"] = f"{name}/fixed"
-    if base_label is not None:  # (named by all its options)
-        base["backend"] = base_label
     reason = backend_skip_reason(name, layout, spec, x_TH.device, ctx["group"])
     if reason is not None:
         return [dict(base, mode="-", note=f"skipped: {reason}")]

@@ -219,6 +219,28 @@ def test_each_phase_is_held_to_nccl_moving_its_own_bytes(monkeypatch):
     assert timed == [H + 2 * 4, H * 2]  # the bf16 rows were timed once, for both records
 
 
+def test_backend_entries_keep_their_markers_beside_key_value_options():
+    """``:fixed`` / ``:copy`` with ``key=value`` options make series of their own (they
+    were labelled by the options alone, so ``deepep_ht:standard:fixed:num_sms=24`` and
+    ``deepep_ht:standard:num_sms=24`` were drawn and summarised as one backend)."""
+    from epmoe.bench import plot
+
+    fixed = comm.parse_backend_entry("deepep_ht:standard:fixed:num_sms=24")
+    plain = comm.parse_backend_entry("deepep_ht:standard:num_sms=24")
+    assert (fixed.label, plain.label) == ("deepep_ht/fixed/num_sms=24", "deepep_ht/num_sms=24")
+    assert fixed.options == dict(worst_case_rows=True, num_sms=24)
+    assert plain.options == dict(num_sms=24)
+    copy = comm.parse_backend_entry("symm_ll:expert_batched:copy")
+    assert (copy.label, copy.options) == ("symm_ll/copy", dict(rows_in_place=False))
+    budget = comm.parse_backend_entry("symm_ht:standard:24:4")
+    assert (budget.label, budget.options) == ("symm_ht", dict(num_sms=24, tokens_per_flag=4))
+    assert comm.parse_backend_entry("naive").layout is Layout.STANDARD
+    base = dict(kind="comm", wire="bfloat16", T=128, layout="standard", sms=24,
+                mode="eager_b2b", dispatch_us=50.0, combine_us=40.0)  # fmt: skip
+    series = plot.comm_series([dict(base, backend=fixed.label), dict(base, backend=plain.label)])
+    assert len([k for k in series if k[1] == "dispatch"]) == 2
+
+
 def test_kernel_times_need_cuda_and_a_process_group():
     assert comm.time_kernels(lambda: None, lambda: None, torch.device("cpu")).startswith("n/a")
 
