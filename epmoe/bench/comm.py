@@ -89,7 +89,13 @@ from epmoe.bench.common import (
     timing_events,
     write_json,
 )
-from epmoe.comm import available_backends, backend_class, create_backend
+from epmoe.comm import (
+    available_backends,
+    backend_class,
+    backend_names,
+    check_backend_options,
+    create_backend,
+)
 from epmoe.comm.base import (
     FP8_GROUP,
     AllToAll,
@@ -706,12 +712,18 @@ def entry_options(text: str) -> dict[str, Any]:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"backend option {item!r}: expected key=value")
-        if raw.lower() in ("true", "false"):
-            options[key] = raw.lower() == "true"
-        elif "/" in raw:
-            options[key] = tuple(int(v) for v in raw.split("/"))
-        else:
-            options[key] = int(raw)
+        try:
+            if raw.lower() in ("true", "false"):
+                options[key] = raw.lower() == "true"
+            elif "/" in raw:
+                options[key] = tuple(int(v) for v in raw.split("/"))
+            else:
+                options[key] = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"backend option {item!r}: the value must be an int, true/false or ints "
+                "joined by / (e.g. nvl_chunks=20/8)"
+            ) from None
     return options
 
 
@@ -758,9 +770,33 @@ def parse_backend_entry(entry: str) -> BackendEntry:
     :func:`entry_options`). The label keeps the markers and the key=value options, so that
     entries that differ by any of them make different series (the SMs and rows per flag
     are fields of their own: ``sms``, ``per_flag``)."""
+    try:
+        return _parse_backend_entry(entry)
+    except ValueError as exc:
+        raise ValueError(f"--backends {entry!r}: {exc}") from None
+
+
+def _parse_backend_entry(entry: str) -> BackendEntry:
     name, *rest = entry.split(":")
-    layout_name, *budget = rest or [_first_layout(name)]
+    names = backend_names()
+    if name not in names:
+        auto = " ('auto' is the layer's choice of one; name each backend to measure)"
+        raise ValueError(
+            f"unknown backend {name!r}{auto if name == 'auto' else ''}; the backends are "
+            f"{', '.join(names)}"
+        )
+    try:
+        cls = backend_class(name)
+    except ImportError:  # (the run records it as skipped, saying why)
+        cls = None
+    layout_name, *budget = rest or [_first_layout(name) if cls is not None else "standard"]
+    layouts = [x.value for x in Layout]
+    if layout_name not in layouts:
+        raise ValueError(f"layout {layout_name!r} is not one of {', '.join(layouts)}")
     layout = Layout(layout_name)
+    if cls is not None and layout not in cls.capabilities.layouts:
+        offered = ", ".join(x.value for x in cls.capabilities.layouts)
+        raise ValueError(f"{name} has no {layout.value} layout (it offers {offered})")
     keyvalue = entry_options(budget.pop()) if budget and "=" in budget[-1] else {}
     options: dict[str, Any] = {}
     label = name
@@ -768,13 +804,26 @@ def parse_backend_entry(entry: str) -> BackendEntry:
         option, value = ENTRY_MARKERS[budget[0]]
         options[option] = value
         label += f"/{budget.pop()}"
-    if budget and budget[0]:
-        options["num_sms"] = int(budget[0])
-    if len(budget) > 1:
-        options["tokens_per_flag"] = int(budget[1])
+    if len(budget) > 2:
+        raise ValueError("after the layout: SMs[:ROWS], copy or fixed, then key=value options")
+    for option, text in zip(("num_sms", "tokens_per_flag"), budget):
+        if option == "num_sms" and not text:  # (name:layout::ROWS: the default SMs)
+            continue
+        if not text.isdigit():
+            markers = ", ".join(ENTRY_MARKERS)
+            raise ValueError(
+                f"{text!r} is not a count (after the layout: SMs[:ROWS], one of {markers}, or "
+                "key=value options)"
+            )
+        options[option] = int(text)
+    twice = sorted(set(options) & set(keyvalue))
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given twice")
     options.update(keyvalue)
     if keyvalue:
         label += f"/{budget_label(keyvalue)}"
+    if cls is not None:
+        check_backend_options(cls, options)
     return BackendEntry(name, layout, options, label)
 
 
@@ -1055,15 +1104,53 @@ SMALL = dict(hidden=256, num_experts=16, top_k=4, tokens=[1, 16, 64], iters=5, w
 FULL = dict(hidden=7168, num_experts=256, top_k=8, tokens=[1, 128, 512], iters=30, warmup=5)
 
 
+HIDDEN_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _tokens_problem(tokens: list[int] | None) -> str | None:
+    if tokens is not None and min(tokens) < 1:
+        return (
+            f"--tokens must be positive token counts per rank, got {tokens} (a dispatch of "
+            "0 tokens is valid, but has nothing to time)"
+        )
+    return None
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options that argparse does not check, or ``None``: before the
+    process group starts, not as a traceback on every rank once it has."""
+    if args.dtype not in HIDDEN_DTYPES:
+        return f"--dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {args.dtype!r}"
+    try:
+        wire_dtypes(args, getattr(torch, args.dtype))
+        for entry in args.backends:
+            parse_backend_entry(entry)  # (the parser the run uses)
+    except ValueError as exc:
+        return str(exc)
+    problem = _tokens_problem(args.tokens)
+    if problem:
+        return problem
+    defaults = SMALL if args.small else FULL
+    for name in ("hidden", "num_experts", "top_k", "iters"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be positive, got {value}"
+    if args.warmup is not None and args.warmup < 0:
+        return f"--warmup must be 0 or more, got {args.warmup}"
+    E = args.num_experts or defaults["num_experts"]
+    K = args.top_k or defaults["top_k"]
+    if K > E:
+        return f"--top-k {K} is more than the {E} experts (--num-experts)"
+    return None
+
+
 def main(args) -> list[dict] | None:
     for name, value in (SMALL if args.small else FULL).items():
         if getattr(args, name, None) is None:  # (options given explicitly win)
             setattr(args, name, value)
-    if min(args.tokens) < 1:
-        raise SystemExit(
-            f"--tokens must be positive token counts per rank, got {args.tokens} (a dispatch of "
-            "0 tokens is valid, but has nothing to time)"
-        )
+    problem = _tokens_problem(args.tokens)
+    if problem:
+        raise SystemExit(problem)
     group, rank, W, device = distributed_setup()
     if device.type == "cpu" and args.hidden * max(args.tokens) > 2**20 and rank == 0:
         print(
