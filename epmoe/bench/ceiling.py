@@ -32,6 +32,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from epmoe.comm.base import one_nvlink_node_reason
+
 PATTERNS = ("per_rank", "per_expert")
 ROW_ALIGN = 16  # bytes: rows start on 16-byte boundaries, so stores are 128-bit vectors
 STEP_WORDS = 8192  # 4-byte words a program moves per step of its loop
@@ -76,12 +78,19 @@ def peer_store_kernel(
         tl.store(recv_base[:, None] + slot[:, None] * ROW_WORDS + cols[None, :], words, mask=mask)
 
 
-def unavailable_reason(device: torch.device, world_size: int) -> str | None:
-    """Why the ceiling cannot be measured here (``None`` when it can)."""
+def unavailable_reason(
+    device: torch.device, world_size: int, group: dist.ProcessGroup | None
+) -> str | None:
+    """Why the ceiling cannot be measured here (``None`` when it can). Torch symmetric
+    memory maps the peers' buffers over NVLink: its rendezvous needs every rank of
+    ``group`` on one node, as the backends built on it do (``one_nvlink_node_reason``)."""
     if device.type != "cuda":
         return "the peer-store ceiling needs CUDA GPUs (torch symmetric memory)"
     if world_size < 2:
         return "the peer-store ceiling needs at least 2 ranks"
+    reason = one_nvlink_node_reason(group)
+    if reason is not None:
+        return f"the peer-store ceiling (torch symmetric memory) {reason}"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:

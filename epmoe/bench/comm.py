@@ -1017,12 +1017,14 @@ def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
     return records
 
 
-def _ceiling_unavailable_reason(device: torch.device, world_size: int) -> str | None:
+def _ceiling_unavailable_reason(
+    device: torch.device, world_size: int, group: dist.ProcessGroup | None
+) -> str | None:
     try:
         from epmoe.bench import ceiling
     except ImportError as exc:  # no triton here
         return f"the peer-store ceiling needs triton ({exc})"
-    return ceiling.unavailable_reason(device, world_size)
+    return ceiling.unavailable_reason(device, world_size, group)
 
 
 def _ceiling_words(tokens: list[int], K: int, W: int, row_bytes: list[int]) -> int:
@@ -1167,7 +1169,7 @@ def main(args) -> list[dict] | None:
     timing = dict(warmup=args.warmup, iters=args.iters, device=device, barrier=barrier)
     link_GBps = _link_bandwidth(dtype, H, W, device, timing)
 
-    ceiling_reason = _ceiling_unavailable_reason(device, W)
+    ceiling_reason = _ceiling_unavailable_reason(device, W, group)
     buffers = None
     if ceiling_reason is None:
         from epmoe.bench import ceiling

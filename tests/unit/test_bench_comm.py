@@ -278,6 +278,28 @@ def test_peer_messages_per_expert_one_row_per_pair(ceiling):
         ceiling.peer_messages(OWNER_TK, 0, 3, "per_token")
 
 
+def test_the_ceiling_needs_every_rank_on_one_nvlink_node(ceiling, monkeypatch):
+    """Torch symmetric memory cannot rendezvous across nodes: a multi-node group gets the
+    ceiling's "n/a" with the reason the symm backends give, not a failed set-up."""
+    groups = []
+
+    def two_nodes(group):
+        groups.append(group)
+        return "needs all 4 ranks on one node (NVLink peers); LOCAL_WORLD_SIZE=2"
+
+    monkeypatch.setattr(ceiling, "one_nvlink_node_reason", two_nodes)
+    group = object()  # (a stand-in: only passed through)
+    reason = comm._ceiling_unavailable_reason(torch.device("cuda"), 4, group)
+    assert reason == (
+        "the peer-store ceiling (torch symmetric memory) needs all 4 ranks on one node "
+        "(NVLink peers); LOCAL_WORLD_SIZE=2"
+    )
+    assert groups == [group]
+    monkeypatch.setattr(ceiling, "one_nvlink_node_reason", lambda group: None)
+    assert ceiling.unavailable_reason(torch.device("cuda"), 4, group) is None
+    assert "needs CUDA GPUs" in ceiling.unavailable_reason(torch.device("cpu"), 4, group)
+
+
 def test_padded_row_words_and_buffer_size(ceiling):
     assert ceiling.padded_row_words(14336) == 3584
     assert ceiling.padded_row_words(7392) == 1848  # 16-byte multiple already
