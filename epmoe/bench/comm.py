@@ -972,42 +972,13 @@ def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
         store = ceiling.PeerStore(ctx["ceiling"], payload_TB, messages, device_sms)
         stored = int(over_ranks(float(store.bytes_stored), device))  # the busiest sender's
         sms = int(over_ranks(float(store.num_programs), device))
-        times = {
-            "eager": median(time_phases([store.launch], **loop)[0]),
-            "eager_b2b": median(time_stream([store.launch], **loop)[0]),
-        }
-
-        def capture(store=store) -> torch.cuda.CUDAGraph:
-            warm_up_on_side_stream(store.launch, 1)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                store.launch()
-            return graph
-
-        graph, reason = capture_agreed(capture, device)
-        if graph is not None:
-            times["graph"] = median(time_phases([graph.replay], **loop)[0])
-            stream, _ = capture_agreed(
-                lambda store=store: capture_stream([store.launch], STREAM_ROUNDS, device), device
-            )
-            if stream is not None:
-                (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
-                times["graph_b2b"] = median(ms)
-            stream, _ = capture_agreed(
-                lambda store=store: capture_stream(
-                    [store.launch], STREAM_ROUNDS, device, between=False
-                ),
-                device,
-            )
-            if stream is not None:
-                (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
-                times["no_events"] = median(ms) / STREAM_ROUNDS
+        times, reasons = _ceiling_times(store.launch, loop)
         for mode in MODES:
             if mode == "eager_kernels":  # (a store is one kernel: eager_b2b times it)
                 continue
             rec = dict(base, pattern=pattern, mode=mode)
             if mode not in times:
-                records.append(dict(rec, note=f"n/a: {reason}"))
+                records.append(dict(rec, note=f"n/a: {reasons[mode]}"))
                 continue
             ms = over_ranks(times[mode], device)
             rec.update(us=ms * 1e3, sms=sms, MB=stored / 1e6, GBps=stored / (ms * 1e6))
@@ -1015,6 +986,46 @@ def _ceiling_records(wire_dtype, ids_TK, placement, ctx) -> list[dict]:
                 rec["no_events_us"] = over_ranks(times["no_events"], device) * 1e3
             records.append(rec)
     return records
+
+
+def _ceiling_times(
+    launch: Callable[[], None], loop: dict[str, Any]
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Median ms of one peer store (``launch``) per mode, ``"no_events"`` for a graph of
+    stores without the events between them (per store), and why each mode missing from the
+    times could not run: the graph's capture failure for both graph modes, or the stream
+    graph's own where only that one failed (collective: every rank calls it)."""
+    device = loop["device"]
+    times = {
+        "eager": median(time_phases([launch], **loop)[0]),
+        "eager_b2b": median(time_stream([launch], **loop)[0]),
+    }
+
+    def capture() -> torch.cuda.CUDAGraph:
+        warm_up_on_side_stream(launch, 1)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch()
+        return graph
+
+    graph, reason = capture_agreed(capture, device)
+    if graph is None:
+        return times, {"graph": str(reason), "graph_b2b": str(reason)}
+    reasons: dict[str, str] = {}
+    times["graph"] = median(time_phases([graph.replay], **loop)[0])
+    stream, reason = capture_agreed(lambda: capture_stream([launch], STREAM_ROUNDS, device), device)
+    if stream is None:
+        reasons["graph_b2b"] = str(reason)
+    else:
+        (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
+        times["graph_b2b"] = median(ms)
+    stream, _ = capture_agreed(
+        lambda: capture_stream([launch], STREAM_ROUNDS, device, between=False), device
+    )
+    if stream is not None:
+        (ms,) = time_captured(*stream, 1, replays=STREAM_REPLAYS, **_replay_timing(loop))
+        times["no_events"] = median(ms) / STREAM_ROUNDS
+    return times, reasons
 
 
 def _ceiling_unavailable_reason(

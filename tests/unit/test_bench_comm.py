@@ -300,6 +300,26 @@ def test_the_ceiling_needs_every_rank_on_one_nvlink_node(ceiling, monkeypatch):
     assert "needs CUDA GPUs" in ceiling.unavailable_reason(torch.device("cpu"), 4, group)
 
 
+def test_a_failed_stream_capture_says_why_not_none(monkeypatch):
+    """The ceiling's graph captured but its graph_b2b stream did not: that mode's note is
+    the stream capture's failure (it read "n/a: None")."""
+    results = iter([(_Replayable(), None), (None, "capture failed (boom)"), (None, "again")])
+    monkeypatch.setattr(comm, "capture_agreed", lambda capture, device: next(results))
+    loop = dict(warmup=0, iters=1, device=torch.device("cpu"), before=None)
+    times, reasons = comm._ceiling_times(lambda: None, loop)
+    assert set(times) == {"eager", "eager_b2b", "graph"}
+    assert reasons == {"graph_b2b": "capture failed (boom)"}
+    results = iter([(None, "capture failed (no CUDA)")])
+    times, reasons = comm._ceiling_times(lambda: None, loop)
+    assert set(times) == {"eager", "eager_b2b"}
+    assert reasons == dict.fromkeys(("graph", "graph_b2b"), "capture failed (no CUDA)")
+
+
+class _Replayable:
+    def replay(self) -> None:
+        pass
+
+
 def test_padded_row_words_and_buffer_size(ceiling):
     assert ceiling.padded_row_words(14336) == 3584
     assert ceiling.padded_row_words(7392) == 1848  # 16-byte multiple already
