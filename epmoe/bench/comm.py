@@ -51,7 +51,7 @@ same rows of the same bytes as each phase (dispatch: the wire rows, FP8 with the
 combine: rows in the hidden dtype), and ``dispatch_vs_a2a`` / ``combine_vs_a2a``, each
 phase against its own (> 1: faster than NCCL). ``roundtrip_error`` checks the mode: with
 experts that return their input, combine must return ``x · Σ_k w`` (bf16 ~1e-3, FP8
-~3e-2). ``link_GBps`` is a large ``all_to_all_single``'s bandwidth.
+~3e-2). ``link_GBps`` is a large ``all_to_all_single``'s bandwidth (``null`` on one rank).
 
 Records of kind ``ceiling`` (CUDA, ≥ 2 ranks): :mod:`epmoe.bench.ceiling` storing the same
 wire rows into the peers' symmetric buffers, once per (token, destination rank) and once
@@ -1076,10 +1076,12 @@ def wire_spec(H, K, placement, M, dtype, device, wire: torch.dtype) -> CommSpec:
     )
 
 
-def _link_bandwidth(dtype, H, W, device, timing) -> float:
-    """GB/s sent per rank by a large ``all_to_all_single`` (64 MiB to every peer)."""
+def _link_bandwidth(dtype, H, W, device, timing) -> float | None:
+    """GB/s sent per rank by a large ``all_to_all_single`` (64 MiB to every peer); ``None``
+    on one rank, where no link is used (JSON ``null``: a NaN would be written as ``NaN``,
+    which is no JSON)."""
     if W == 1:
-        return float("nan")
+        return None
     rows = (64 << 20) // (H * dtype.itemsize)
     big = torch.randn(rows * W, H, device=device).to(dtype)
     big_out = torch.empty_like(big)
@@ -1217,7 +1219,12 @@ def main(args) -> list[dict] | None:
         print(table([r for r in records if r["kind"] == "comm"], COMM_COLUMNS))
         print()
         print(table([r for r in records if r["kind"] == "ceiling"], CEILING_COLUMNS))
-        print(f"\nlink: a 64 MiB-per-peer all_to_all_single sends {link_GBps:.0f} GB/s per rank")
+        if link_GBps is None:
+            print("\nlink: none (one rank)")
+        else:
+            print(
+                f"\nlink: a 64 MiB-per-peer all_to_all_single sends {link_GBps:.0f} GB/s per rank"
+            )
         print("goals (the symm_ll issue):")
         for line in goal_summary(records):
             print("  " + line)

@@ -241,6 +241,10 @@ def test_backend_entries_keep_their_markers_beside_key_value_options():
     assert len([k for k in series if k[1] == "dispatch"]) == 2
 
 
+def test_one_rank_has_no_link_bandwidth_and_writes_null():
+    assert comm._link_bandwidth(BF16, 64, 1, torch.device("cpu"), {}) is None
+
+
 def test_kernel_times_need_cuda_and_a_process_group():
     assert comm.time_kernels(lambda: None, lambda: None, torch.device("cpu")).startswith("n/a")
 
@@ -430,6 +434,8 @@ def _check_tiny_comm(records: list[dict], W: int, hidden: torch.dtype) -> None:
     assert len(symm) == 2 and all(r["note"].startswith("skipped: ") for r in symm)
     ceilings = [r for r in records if r["kind"] == "ceiling"]
     assert len(ceilings) == 2 and all(r["note"].startswith("n/a: ") for r in ceilings)
+    links = {r["link_GBps"] for r in records}
+    assert links == {None} if W == 1 else min(links) > 0  # (JSON null, not NaN, on one rank)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU degradation path")
