@@ -20,7 +20,9 @@ rank are counted. Reported per placement:
 * baseline: the linear placement's row.
 
 Balancedness = mean rank load / max rank load. Re-plan time: one call of the vectorized
-re-plan for ``--layers`` layers at EP ``--timing-ep`` on ``--threads`` CPU threads.
+re-plan for ``--layers`` layers at EP ``--timing-ep`` on ``--threads`` CPU threads, with
+E/8 spare slots and with none, each rounded up to a multiple of the EP size (every rank
+holds as many slots: at EP24, 256 experts take 8 spare slots even with "none").
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from epmoe.placement import ExpertPlacement
 
 GOAL_BALANCEDNESS = 0.97  # EP32, E/8 = 32 redundant slots, α = 1.0 (issue goal)
 GOAL_MS_PER_LAYER = 10.0
+GPUS_PER_NODE = 8  # the hierarchical re-plan timing's nodes: W / 8 where W is a multiple
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,6 +105,30 @@ def _bal(loads: torch.Tensor) -> torch.Tensor:
     return loads.mean(-1) / loads.max(-1).values
 
 
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options that argparse does not check, or ``None``: before
+    the balance part, not as a traceback once it is done."""
+    sizes = ("num_experts", "top_k", "tokens", "window_steps", "layers", "timing_ep",
+             "threads", "iters")  # fmt: skip
+    for name in sizes:
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+    if min(args.ep) < 1:
+        return f"--ep takes positive EP sizes, got {args.ep}"
+    if args.redundant is not None and min(args.redundant) < 0:
+        return f"--redundant takes spare slot counts of 0 or more, got {args.redundant}"
+    if args.top_k > args.num_experts:
+        return f"--top-k {args.top_k} is more than --num-experts {args.num_experts}"
+    return _tokens_problem(args.tokens, args.ep)
+
+
+def _tokens_problem(T: int, eps: list[int]) -> str | None:
+    bad = [W for W in eps if T % W]
+    if bad:
+        return f"--tokens={T} must be a multiple of every --ep size, not of {bad}"
+    return None
+
+
 def _redundant_options(E: int, W: int, requested: list[int] | None) -> list[int]:
     wanted = requested if requested is not None else [0, E // 8]
     out = []
@@ -114,9 +141,9 @@ def _redundant_options(E: int, W: int, requested: list[int] | None) -> list[int]
 
 def _balance_records(args: argparse.Namespace) -> list[dict[str, Any]]:
     E, K, T, S = args.num_experts, args.top_k, args.tokens, args.window_steps
-    bad = [W for W in args.ep if T % W]
-    if bad:
-        raise ValueError(f"--tokens={T} must be a multiple of every --ep size, not of {bad}")
+    problem = _tokens_problem(T, args.ep)
+    if problem:
+        raise ValueError(problem)
     gen = torch.Generator().manual_seed(args.seed)
     records: list[dict[str, Any]] = []
     for alpha in progress(args.alphas, "eplb balancedness"):
@@ -173,12 +200,15 @@ def _timing_records(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     # The next window: same popularity up to ±10 % drift per expert.
     drift = load * (0.9 + 0.2 * torch.rand(L, E, generator=gen, dtype=torch.float64))
-    R = math.ceil((E + E // 8) / W) * W - E
+    # E/8 spare slots and none, each rounded up so that every rank holds as many slots
+    # (E + R must be a multiple of W: "none" is R > 0 where W does not divide E)
+    (R,) = _redundant_options(E, W, [E // 8])
+    (R0,) = _redundant_options(E, W, [0])
     groups = 8 if E % 8 == 0 else 1
-    nodes = max(W // 8, 1)
+    nodes = W // GPUS_PER_NODE if W % GPUS_PER_NODE == 0 else 1  # (equal GPUs per node)
     configs = [
         ("global", R, 1, 1, None, 0.0),
-        ("global", 0, 1, 1, None, 0.0),
+        ("global", R0, 1, 1, None, 0.0),
         ("hierarchical", R, groups, nodes, None, 0.0),
         ("global+migration", R, 1, 1, "current", 0.01),
     ]
@@ -195,20 +225,21 @@ def _timing_records(args: argparse.Namespace) -> list[dict[str, Any]]:
                 return rebalance(drift, E + R_, G, N, W, current_phy2log=current, tolerance=tol)
 
             ms = median(time_fn(fn, warmup=1, iters=args.iters, device="cpu"))
-            records.append(
-                {
-                    "policy": policy,
-                    "layers": L,
-                    "experts": E,
-                    "ep": W,
-                    "redundant": R_,
-                    "groups": G,
-                    "nodes": N,
-                    "threads": args.threads,
-                    "ms_total": ms,
-                    "ms_per_layer": ms / L,
-                }
-            )
+            record = {
+                "policy": policy,
+                "layers": L,
+                "experts": E,
+                "ep": W,
+                "redundant": R_,
+                "groups": G,
+                "nodes": N,
+                "threads": args.threads,
+                "ms_total": ms,
+                "ms_per_layer": ms / L,
+            }
+            if G % N:  # (rebalance falls back to the global policy then)
+                record["note"] = f"{G} groups do not split over {N} nodes: planned globally"
+            records.append(record)
     finally:
         torch.set_num_threads(threads)
     return records
@@ -239,7 +270,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         format_table(
             timing,
             ["policy", "layers", "experts", "ep", "redundant", "groups", "nodes", "threads"]
-            + ["ms_total", "ms_per_layer"],
+            + ["ms_total", "ms_per_layer", "note"],
         )
     )
     goal = [

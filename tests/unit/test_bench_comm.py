@@ -516,6 +516,10 @@ def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
         (["comm", "--iters", "0"], "--iters must be positive, got 0"),
         (["comm", "--small", "--top-k", "20"], "--top-k 20 is more than the 16 experts"),
         (["comm", "--tokens", "0"], "--tokens must be positive"),
+        (["eplb", "--timing-ep", "0"], "--timing-ep must be positive, got 0"),
+        (["eplb", "--ep", "8", "0"], "--ep takes positive EP sizes"),
+        (["eplb", "--tokens", "100", "--ep", "8"], "--tokens=100 must be a multiple of every"),
+        (["eplb", "--top-k", "9", "--num-experts", "8"], "--top-k 9 is more than"),
     ],
 )
 def test_bench_options_are_checked_before_the_run(argv, match, capsys):
@@ -672,6 +676,25 @@ def test_eplb_plot_title_comes_from_the_records(tmp_path):
     png = tmp_path / "eplb.png"
     plot.plot_eplb(records, str(png), title)
     assert png.stat().st_size > 10_000
+
+
+def test_eplb_replan_timing_at_an_ep_size_that_does_not_divide_e(tmp_path):
+    """EP24 with 256 experts: "no spare slots" is the 8 that give every rank 11 slots, not
+    0 (which crashed the re-plan timing after the balance part, and no JSON was written);
+    24 ranks make 3 nodes, over which 8 expert groups do not split: said in a note."""
+    from epmoe.bench.__main__ import main
+
+    out = tmp_path / "e24.json"
+    main(["eplb", "--tokens", "96", "--window-steps", "1", "--ep", "24", "--alphas", "1.0",
+          "--layers", "1", "--timing-ep", "24", "--iters", "1", "--out", str(out)])  # fmt: skip
+    records = json.loads(out.read_text())["records"]
+    replan = [r for r in records if r["kind"] == "replan"]
+    assert [(r["policy"], r["redundant"]) for r in replan] == [
+        ("global", 32), ("global", 8), ("hierarchical", 32), ("global+migration", 32)]  # fmt: skip
+    hierarchical = replan[2]
+    assert (hierarchical["groups"], hierarchical["nodes"]) == (8, 3)
+    assert "planned globally" in hierarchical["note"]
+    assert all(r["ms_per_layer"] > 0 for r in replan)
 
 
 def test_comm_cli_options_given_win_over_small_and_bad_ones_are_named(monkeypatch):
