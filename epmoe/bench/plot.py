@@ -13,9 +13,18 @@ import argparse
 import json
 
 
+def _eplb_label(r: dict) -> str:
+    """A balance record's line: its placement, and for balanced ones its spare slots R."""
+    if r["placement"] != "balanced":
+        return r["placement"]
+    R = r["redundant"]
+    return f"balanced, {R} spare slots" if R else "balanced, no spare"
+
+
 def plot_eplb(records: list[dict], path: str, title: str) -> None:
     """Balancedness (fresh window) per EP size, one panel per Zipf α, one line per
-    placement (balanced split by spare slots)."""
+    placement (balanced: one per spare-slot count R, named by it: two R at one EP size
+    are two points, not one line going back and forth)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,10 +39,7 @@ def plot_eplb(records: list[dict], path: str, title: str) -> None:
         for r in rows:
             if r["alpha"] != alpha:
                 continue
-            name = r["placement"]
-            if name == "balanced":
-                name = "balanced, spare slots" if r["redundant"] else "balanced, no spare"
-            lines.setdefault(name, []).append((r["ep"], r["bal_eval"]))
+            lines.setdefault(_eplb_label(r), []).append((r["ep"], r["bal_eval"]))
         for name, points in sorted(lines.items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)

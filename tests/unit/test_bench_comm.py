@@ -671,6 +671,12 @@ def test_eplb_plot_title_comes_from_the_records(tmp_path):
         for ep in (8, 32)
         for name, v in (("linear", 0.6), ("round_robin", 0.5), ("balanced", 0.99))
     ]
+    spare = [dict(base, ep=8, placement="balanced", bal_eval=v, redundant=R)
+             for R, v in ((32, 0.97), (64, 0.99))]  # fmt: skip
+    assert [plot._eplb_label(r) for r in spare] == [
+        "balanced, 32 spare slots", "balanced, 64 spare slots"]  # fmt: skip
+    assert plot._eplb_label(records[2]) == "balanced, no spare"
+    records += spare
     title = plot._eplb_title(records, {"date": "2026-11-30T14:45:59+00:00"})
     assert title == "EPLB placements, 256 experts, top-8, 8192 tokens per step — 2026-11-30T14:45"
     png = tmp_path / "eplb.png"
