@@ -85,12 +85,15 @@ from epmoe.bench.common import (
     progress,
     time_fn,
 )
+from epmoe.comm import backend_class, backend_names
 from epmoe.comm.base import Layout
 from epmoe.eplb.manager import EPLBManager, measured_balancedness
 from epmoe.reference import relative_error
 from epmoe.routing import RoutingSimulator
 
 SMALL = dict(num_experts=16, top_k=4, hidden=128, intermediate=64, tokens=[16, 64])
+FULL = dict(num_experts=256, top_k=8, hidden=7168, intermediate=2048, tokens=[128, 4096])
+EXPERTS = ("auto", "torch", "triton")  # epmoe.experts.create_experts' names
 # EPMoE routing options of part layer; DeepSeek-V3: sigmoid scores, top-4 of 8 groups
 ROUTINGS: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(
@@ -150,12 +153,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=None, help="H (default 7168)")
     p.add_argument("--intermediate", type=int, default=None, help="I (default 2048)")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--experts", default="auto", help="expert implementation: auto, torch, triton")
+    p.add_argument(
+        "--experts", default="auto", choices=EXPERTS, help="expert implementation (default auto)"
+    )
     p.add_argument(
         "--backends",
         nargs="+",
         default=["all_to_all", "symm_ll"],
-        help="part layer: backend names, or name:layout pairs (a name alone: its default layout)",
+        help="part layer: backend names, or name:layout pairs (a name alone: its default "
+        "layout; auto: the layer's own choice)",
     )
     p.add_argument(
         "--routing",
@@ -252,11 +258,7 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]] | None:
 
 def _config(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     small = args.small or device.type != "cuda"
-    base = (
-        SMALL
-        if small
-        else dict(num_experts=256, top_k=8, hidden=7168, intermediate=2048, tokens=[128, 4096])
-    )
+    base = SMALL if small else FULL
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     cfg = dict(
         E=args.num_experts or base["num_experts"],
@@ -276,7 +278,8 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
-    """What is wrong with the options that argparse does not check, or ``None``."""
+    """What is wrong with the options that argparse does not check, or ``None``: before the
+    process group starts, not as a traceback once part layer's work is done."""
     if args.dtype is not None and args.dtype not in _DTYPES:
         return f"--dtype must be one of {', '.join(_DTYPES)}, got {args.dtype!r}"
     layouts = [layout.value for layout in Layout]
@@ -287,18 +290,72 @@ def check_arguments(args: argparse.Namespace) -> str | None:
                 f"--backends takes NAME or NAME:LAYOUT (LAYOUT one of {', '.join(layouts)}), "
                 f"got {entry!r}"
             )
+        problem = _backend_problem(name, Layout(layout) if layout else None)
+        if problem:
+            return f"--backends {entry!r}: {problem}"
+    problem = _backend_problem(args.eplb_backend, None)
+    if problem:
+        return f"--eplb-backend {args.eplb_backend!r}: {problem}"
     for option, value in (("--tokens", args.tokens), ("--window", [args.window])):
         if value is not None and any(v < 1 for v in value):
             return f"{option} must be positive, got {value if option == '--tokens' else value[0]}"
     sizes = dict(num_experts=args.num_experts, top_k=args.top_k, hidden=args.hidden)
-    for name, value in (*sizes.items(), ("intermediate", args.intermediate)):
+    sizes.update(intermediate=args.intermediate, max_num_tokens=args.max_num_tokens)
+    sizes.update(iters=args.iters)
+    for name, value in sizes.items():
         if value is not None and value < 1:
             return f"--{name.replace('_', '-')} must be positive, got {value}"
-    E = args.num_experts or (SMALL["num_experts"] if args.small else None)
-    if E is not None and args.top_k is not None and args.top_k > E:
-        return f"--top-k {args.top_k} is more than the {E} experts"
+    if args.warmup is not None and args.warmup < 0:
+        return f"--warmup must be 0 or more, got {args.warmup}"
+    # the sizes _config will run: CPU runs are small without --small too (the device is
+    # CUDA exactly where torch sees a GPU: epmoe.init_distributed picks NCCL there)
+    base = SMALL if args.small or not torch.cuda.is_available() else FULL
+    E, K = args.num_experts or base["num_experts"], args.top_k or base["top_k"]
+    if K > E:
+        return f"--top-k {K} is more than the {E} experts (--num-experts)"
+    problem = _routing_problem(args.routing, E, K) if "layer" in args.parts else None
+    if problem:
+        return problem
     if args.weight_scale is not None and args.weight_dtype is None:
         return "--weight-scale is for FP8 weights: add --weight-dtype float8_e4m3fn"
+    return None
+
+
+def _backend_problem(name: str, layout: Layout | None) -> str | None:
+    """Why backend ``name`` (or ``auto``: the layer's choice) with ``layout`` can never
+    serve a layer, or ``None``. (One that is only unavailable here is recorded as skipped.)"""
+    if name == "auto":
+        return None
+    if name not in backend_names():
+        return f"unknown backend; the backends are {', '.join(backend_names())} or auto"
+    try:
+        layouts = backend_class(name).capabilities.layouts
+    except ImportError:  # (recorded as skipped, saying why)
+        return None
+    if layout is not None and layout not in layouts:
+        offered = ", ".join(x.value for x in layouts)
+        return f"{name} has no {layout.value} layout (it offers {offered})"
+    return None
+
+
+def _routing_problem(routing: str, E: int, top_k: int) -> str | None:
+    """Why part layer's ``routing`` cannot route ``top_k`` of ``E`` experts (the rule of
+    ``epmoe.routing.select_experts``), or ``None``."""
+    groups, kept = ROUTINGS[routing].get("num_expert_group"), ROUTINGS[routing].get("topk_group")
+    if groups is None:
+        return None
+    if E % groups:
+        return (
+            f"--routing {routing} splits the experts into {groups} groups: --num-experts must "
+            f"be a multiple of {groups}, got {E} (or pass --routing softmax)"
+        )
+    eligible = kept * (E // groups)
+    if top_k > eligible:
+        return (
+            f"--top-k {top_k} is more than the {eligible} experts --routing {routing} can pick "
+            f"(the best {kept} of {groups} groups of {E // groups}); lower --top-k or pass "
+            "--routing softmax"
+        )
     return None
 
 
@@ -388,7 +445,8 @@ def _layer_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any
     records = []
     variants = [(e, mb) for e in _entries(args) for mb in args.micro_batches]
     for (name, layout), micro_batches in progress(variants, "layer"):
-        reason = backend_skip_reason(name, layout, None, device, group)
+        # ("auto": the layer picks a usable backend itself, as by default)
+        reason = None if name == "auto" else backend_skip_reason(name, layout, None, device, group)
         if reason is not None:
             layout_name = layout.value if layout is not None else "-"
             records.append(

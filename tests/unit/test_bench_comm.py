@@ -477,6 +477,28 @@ def test_layer_cli_tiny_on_one_cpu_process(tmp_path):
     assert symm["backend"] == "symm_ll" and symm["note"].startswith("skipped: ")
 
 
+def test_layer_top_k_is_checked_against_the_small_shape_a_cpu_run_takes(monkeypatch, capsys):
+    """Without CUDA the layer benchmark runs SMALL's 16 experts whether or not --small is
+    given: --top-k 20 is refused before the run, not by the layer after part layer."""
+    from epmoe.bench.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main(["layer", "--top-k", "20"])
+    assert "--top-k 20 is more than the 16 experts" in capsys.readouterr().err
+
+
+def test_layer_cli_runs_backend_auto(tmp_path):
+    """``--backends auto`` is the layer's default backend: measured, not recorded as an
+    unregistered backend skipped."""
+    records = _run_bench(tmp_path, "layer", "--tokens", "4", "--num-experts", "8", "--top-k",
+                         "2", "--hidden", "64", "--intermediate", "32", "--iters", "2",
+                         "--warmup", "1", "--parts", "layer", "--backends", "auto")  # fmt: skip
+    eager = [r for r in records if r.get("mode") == "eager"]
+    assert len(eager) == 1 and eager[0]["layer_us"] > 0, records
+    assert eager[0]["backend"] != "auto"  # (the backend it chose)
+
+
 def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
     """... with FP8 weights at an I that is no multiple of 128 (scales per expert, as at
     the CPU sizes: block scales were refused there)."""
@@ -516,6 +538,14 @@ def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
         (["comm", "--iters", "0"], "--iters must be positive, got 0"),
         (["comm", "--small", "--top-k", "20"], "--top-k 20 is more than the 16 experts"),
         (["comm", "--tokens", "0"], "--tokens must be positive"),
+        (["layer", "--eplb-backend", "foo"], "--eplb-backend 'foo': unknown backend"),
+        (["layer", "--experts", "foo"], "argument --experts: invalid choice: 'foo'"),
+        (["layer", "--iters", "0"], "--iters must be positive, got 0"),
+        (["layer", "--max-num-tokens", "0"], "--max-num-tokens must be positive, got 0"),
+        (["layer", "--num-experts", "12"], "--num-experts must be a multiple of 8, got 12"),
+        (["layer", "--num-experts", "16", "--top-k", "9"], "--top-k 9 is more than the 8"),
+        (["layer", "--backends", "foo"], "--backends 'foo': unknown backend"),
+        (["layer", "--backends", "naive:expert_batched"], "naive has no expert_batched layout"),
         (["eplb", "--timing-ep", "0"], "--timing-ep must be positive, got 0"),
         (["eplb", "--ep", "8", "0"], "--ep takes positive EP sizes"),
         (["eplb", "--tokens", "100", "--ep", "8"], "--tokens=100 must be a multiple of every"),
