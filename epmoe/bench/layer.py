@@ -318,6 +318,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return problem
     if args.weight_scale is not None and args.weight_dtype is None:
         return "--weight-scale is for FP8 weights: add --weight-dtype float8_e4m3fn"
+    if getattr(args, "plot", None) and "layer" not in args.parts:
+        return "--plot draws part layer's step times: add layer to --parts, or drop --plot"
     return None
 
 

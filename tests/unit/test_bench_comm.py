@@ -546,6 +546,8 @@ def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
         (["layer", "--num-experts", "16", "--top-k", "9"], "--top-k 9 is more than the 8"),
         (["layer", "--backends", "foo"], "--backends 'foo': unknown backend"),
         (["layer", "--backends", "naive:expert_batched"], "naive has no expert_batched layout"),
+        (["layer", "--tokens", "8", "--parts", "eplb", "--hot", "shuffled", "--plot", "le.png"],
+         "--plot draws part layer's step times: add layer to --parts"),
         (["eplb", "--timing-ep", "0"], "--timing-ep must be positive, got 0"),
         (["eplb", "--ep", "8", "0"], "--ep takes positive EP sizes"),
         (["eplb", "--tokens", "100", "--ep", "8"], "--tokens=100 must be a multiple of every"),
