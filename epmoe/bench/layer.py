@@ -88,6 +88,7 @@ from epmoe.bench.common import (
 from epmoe.comm import backend_class, backend_names
 from epmoe.comm.base import Layout
 from epmoe.eplb.manager import EPLBManager, measured_balancedness
+from epmoe.eplb.migration import MigrationStats
 from epmoe.reference import relative_error
 from epmoe.routing import RoutingSimulator
 
@@ -630,6 +631,17 @@ def _eplb_part(cfg, group, rank, W, device, timing, args) -> list[dict[str, Any]
     return records
 
 
+def migration_fields(stats: MigrationStats, device: torch.device) -> dict[str, Any]:
+    """What one layer's migration moved, summed over the ranks: ``moved_MB`` (received over
+    the network, in 1e6 bytes as every ``_MB`` field of the benchmarks), ``experts_moved``,
+    ``slots_changed``. Collective."""
+    return dict(
+        moved_MB=over_ranks(stats.bytes_received, device, "sum") / 1e6,
+        experts_moved=int(over_ranks(stats.slots_received, device, "sum")),
+        slots_changed=int(over_ranks(stats.slots_moved, device, "sum")),
+    )
+
+
 def _rebalance_once(T, hot, cfg, group, rank, W, device, timing, args) -> dict[str, Any]:
     E, K, H, dtype = cfg["E"], cfg["K"], cfg["H"], cfg["dtype"]
     R = math.ceil((E + E // 8) / W) * W - E  # E/8 redundant slots, equal slots per rank
@@ -679,9 +691,7 @@ def _rebalance_once(T, hot, cfg, group, rank, W, device, timing, args) -> dict[s
         step_after_us=after_us,
         speedup=before_us / after_us,
         migration_ms=over_ranks(report.migrate_seconds, device) * 1e3,
-        moved_MB=over_ranks(row.migration.bytes_received, device, "sum") / 2**20,
-        experts_moved=int(over_ranks(row.migration.slots_received, device, "sum")),
-        slots_changed=int(over_ranks(row.migration.slots_moved, device, "sum")),
+        **migration_fields(row.migration, device),
         plan_ms=report.plan_seconds * 1e3,
         out_rel_diff=over_ranks(relative_error(out_after, out_before), device),
     )

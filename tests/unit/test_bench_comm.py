@@ -91,6 +91,15 @@ def test_layer_ratio_and_its_goal():
     assert "goal" not in rec and "kernels" not in rec
 
 
+def test_eplb_moved_mb_is_in_1e6_bytes_like_every_mb_field():
+    from epmoe.eplb.migration import MigrationStats
+
+    stats = MigrationStats(slots_moved=5, slots_received=2, slots_copied=3, slots_sent=2,
+                           bytes_sent=3_000_000, bytes_received=3_000_000, seconds=0.1)  # fmt: skip
+    fields = layer.migration_fields(stats, torch.device("cpu"))
+    assert fields == dict(moved_MB=3.0, experts_moved=2, slots_changed=5)  # not 2.86 (MiB)
+
+
 def test_identity_expert_out_makes_combine_return_x_times_the_weight_sum():
     """Standard rows are weighted by their local router weights (the experts' partial
     sums); ExpertBatched rows go as they are; FP8 rows are scaled back."""
@@ -546,8 +555,10 @@ def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
         (["layer", "--num-experts", "16", "--top-k", "9"], "--top-k 9 is more than the 8"),
         (["layer", "--backends", "foo"], "--backends 'foo': unknown backend"),
         (["layer", "--backends", "naive:expert_batched"], "naive has no expert_batched layout"),
-        (["layer", "--tokens", "8", "--parts", "eplb", "--hot", "shuffled", "--plot", "le.png"],
-         "--plot draws part layer's step times: add layer to --parts"),
+        (
+            ["layer", "--tokens", "8", "--parts", "eplb", "--hot", "shuffled", "--plot", "le.png"],
+            "--plot draws part layer's step times: add layer to --parts",
+        ),
         (["eplb", "--timing-ep", "0"], "--timing-ep must be positive, got 0"),
         (["eplb", "--ep", "8", "0"], "--ep takes positive EP sizes"),
         (["eplb", "--tokens", "100", "--ep", "8"], "--tokens=100 must be a multiple of every"),
