@@ -59,7 +59,7 @@ def experts_ops_interpreted() -> bool:
     return ops.interpreted()
 
 
-def _tiny_decode(extra: str) -> list[dict]:
+def _tiny_decode(extra: str, baselines: bool = False) -> list[dict]:
     """``experts.main`` on a tiny decode problem under the interpreter, with ``extra``
     options (skips unless the kernels are interpreted)."""
     if not experts_ops_interpreted():
@@ -73,7 +73,7 @@ def _tiny_decode(extra: str) -> list[dict]:
         shlex.split(
             "--device cpu --scenario decode --dtypes fp16 --hidden 64 --intermediate 32 "
             "--num-experts 8 --local-experts 4 --top-k 2 --decode-tokens 8 --decode-ranks 2 "
-            "--iters 1 --warmup 0 --no-baselines " + extra
+            "--iters 1 --warmup 0 " + ("" if baselines else "--no-baselines ") + extra
         )
     )
     return experts.main(args)
@@ -89,6 +89,16 @@ def test_decode_row_splits_are_timed_and_checked_against_the_default(capsys):
     assert all(r["max_count"] == 16 for r in runs)  # C = 8 tokens x 2 ranks, all in expert 0
     assert all(r["diff_vs_default"] < 1e-3 for r in runs[1:])
     assert "S=3" in capsys.readouterr().out
+
+
+def test_baselines_run_whatever_the_dtypes():
+    """``--dtypes fp16`` alone (no bf16) still times the baselines, in bf16 (they ran in
+    the bf16 pass only, so such a run had no baseline, no vs_* ratio and no roofline)."""
+    records = _tiny_decode("", baselines=True)
+    bmm = [r for r in records if str(r.get("impl", "")).startswith("cuBLAS bmm")]
+    assert len(bmm) == 1 and bmm[0]["dtype"] == "bf16" and bmm[0]["scenario"] == "decode"
+    assert bmm[0]["weight_GBps"] > 0 and "error" not in bmm[0]
+    assert [r["dtype"] for r in records if r.get("impl") == "epmoe triton"] == ["fp16"]
 
 
 def test_the_tiling_sweep_times_its_candidates(tmp_path):
