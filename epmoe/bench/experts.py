@@ -134,6 +134,8 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         )
     if any(s < 1 for s in args.m_splits):
         return f"--m-splits must be positive, got {args.m_splits}"
+    if args.configs_out and not args.configs:
+        return "--configs-out writes the table --configs tunes: add --configs"
     return None
 
 

@@ -101,6 +101,15 @@ def test_baselines_run_whatever_the_dtypes():
     assert [r["dtype"] for r in records if r.get("impl") == "epmoe triton"] == ["fp16"]
 
 
+def test_configs_out_without_configs_is_refused(capsys):
+    from epmoe.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["experts", "--configs-out", "table.json"])
+    assert exit_.value.code == 2
+    assert "--configs-out writes the table --configs tunes" in capsys.readouterr().err
+
+
 def test_the_tiling_sweep_times_its_candidates(tmp_path):
     """``--configs``: the sweep's records carry times (not only errors), and the best goes
     into the table written by ``--configs-out``."""
