@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import functools
 import math
+import operator
 import os
 
 import torch
@@ -171,3 +172,15 @@ def cpu_by_default(fn):
             return fn(*args, **kwargs)
 
     return on_cpu
+
+
+def as_int(value: object) -> int | None:
+    """``value`` as an int: Python, NumPy and torch integers (one element), never a bool
+    of any kind, a float or a string; ``None`` otherwise. What the argument checks that
+    take "an int" accept."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", type(value).__name__)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None

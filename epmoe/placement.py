@@ -19,13 +19,13 @@ re-planning builds a new one.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from epmoe.distributed import as_int as _as_int
 from epmoe.distributed import normalize_device
 
 __all__ = ["ExpertPlacement", "PlacementMaps"]
@@ -540,19 +540,6 @@ def _offsets(counts: Sequence[int]) -> tuple[int, ...]:
     for n in counts:
         out.append(out[-1] + n)
     return tuple(out)
-
-
-def _as_int(value: Any) -> int | None:
-    """``value`` as an int (Python, NumPy and torch integers; not a bool, a float or a
-    string), else ``None``."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    if type(value).__name__ == "bool_":  # numpy.bool_ (operator.index takes it)
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _int_sequence(name: str, values: Any) -> tuple[int, ...]:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import operator
 import weakref
 from collections.abc import Iterator, Sequence
 
@@ -59,6 +58,7 @@ import torch.distributed as dist
 from epmoe import custom_op
 from epmoe.agreement import PreviousStepDiffers, StepAgreement, pending_digest
 from epmoe.comm.collectives import world_of
+from epmoe.distributed import as_int as _as_int
 from epmoe.distributed import default_device
 
 __all__ = ["StepContext", "current_step", "group_ranks", "step"]
@@ -166,16 +166,6 @@ def _int_in(value, low: int, high: int) -> bool:
     """Whether ``value`` is an int (not a bool; NumPy and torch integers too) in ``[low,
     high)``: what the step's all-gather of int64 carries, checked before it on this rank."""
     return _as_int(value) is not None and low <= _as_int(value) < high
-
-
-def _as_int(value) -> int | None:
-    """``value`` as an int (NumPy and torch integers too; never a bool of any kind)."""
-    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", type(value).__name__)):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 @contextlib.contextmanager
