@@ -405,6 +405,11 @@ def _rows(
                 f"needs block_m={config.block_m}, pad_m={config.pad_m} (align the pairs with "
                 f"align_for(ids, e, config))"
             )
+        if rows.expert_counts.shape[0] != e:
+            raise ValueError(
+                f"pairs aligned for e={rows.expert_counts.shape[0]} experts, the weights hold "
+                f"e={e}: align the pairs with align_for(ids, e, config) for these weights"
+            )
         sp = rows.sorted_pairs
         return _Rows(
             False, rows.num_blocks, sp, rows.block_expert, rows.block_start, rows.block_rows,
@@ -417,6 +422,11 @@ def _rows(
     if rows.shape != (e,) or rows.dtype != torch.int32:
         raise ValueError(f"counts must be int32 [e={e}], got {rows.dtype} {tuple(rows.shape)}")
     if row_index is None:
+        if x.dim() != 3 or x.shape[0] < e:
+            raise ValueError(
+                f"ExpertBatched rows must be [e={e}, C, columns] (a slab for each expert of "
+                f"the weights), got {list(x.shape)}"
+            )
         r = _Rows(True, 0, rows, rows, rows, rows, rows, 0, x.shape[1], 1, slabs=slabs)
     else:
         C = _check_row_index(row_index, e, x, "row_index", "x")
@@ -503,8 +513,23 @@ def _check_operands(
     error), the activations' scales one per 128 columns, scales exactly in FP8 mode;
     returns FP8 mode."""
     fp8 = w.dtype == FP8_DTYPE
+    if w.dtype not in (*COMPUTE_DTYPES, FP8_DTYPE):
+        raise TypeError(
+            f"{names[1]} must be one of {[*COMPUTE_DTYPES, FP8_DTYPE]}, got {w.dtype} (other "
+            "FP8 formats are not kernels' operands: convert to float8_e4m3fn with scales)"
+        )
     if a.dtype != w.dtype:
         raise TypeError(f"activations are {a.dtype} but the weights {w.dtype}; they must match")
+    for scale, name in ((a_scale, f"{names[0]}'s scales"), (w_scale, f"{names[1]}'s scales")):
+        if scale is not None and scale.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {scale.dtype}")
+    if w.shape[1] * abs(w.stride(1)) >= 2**31:
+        # the kernels index a weight's rows with int32 products (row · stride): an expert's
+        # rows must span less than 2**31 elements (contiguous experts always do)
+        raise ValueError(
+            f"{names[1]} {list(w.shape)} with strides {list(w.stride())}: one expert's rows span "
+            f"2**31 elements or more; pass it contiguous (e.g. {names[1]}.contiguous())"
+        )
     K = w.shape[-1]
     if a.shape[-1] != K:
         raise ValueError(
@@ -566,6 +591,11 @@ def gate_up(
     N = two_i // 2
     cfg = config.gate_up
     r = _rows(rows, config, e, x, row_index)
+    if isinstance(rows, AlignedPairs) and x.shape[0] != rows.num_rows:
+        raise ValueError(
+            f"x must hold the R={rows.num_rows} rows the pairs were aligned for, got "
+            f"{list(x.shape)}"
+        )
     if config.kernel in WGMMA_KERNELS:
         return _gate_up_wgmma(x, w13, r, config, activation, x_scale, w13_scale, fp8)
     y_shape = (e, r.capacity, N) if r.batched else (r.sorted_pairs.shape[0], N)
@@ -662,6 +692,13 @@ def down(
     e, H, I = w2.shape
     cfg = config.down
     r = _rows(rows, config, e, h)
+    if isinstance(rows, AlignedPairs) and h.shape[0] < rows.sorted_pairs.shape[0]:
+        raise ValueError(
+            f"h must be gate_up's rows by padded position [P_pad={rows.sorted_pairs.shape[0]}, "
+            f"I], got {list(h.shape)}"
+        )
+    if out_dtype not in COMPUTE_DTYPES:
+        raise TypeError(f"out_dtype must be one of {list(COMPUTE_DTYPES)}, got {out_dtype}")
     weights = None
     if r.batched:
         out = torch.empty((e, r.capacity, H), dtype=out_dtype, device=h.device)
@@ -1023,6 +1060,8 @@ def sum_topk(y_pos: torch.Tensor, aligned: AlignedPairs, out_dtype: torch.dtype)
             "already (its output is the layer's [R, H])"
         )
     H = y_pos.shape[1]
+    if y_pos.stride(1) != 1:  # (the kernel reads each row's columns one after another)
+        y_pos = y_pos.contiguous()
     out = torch.empty((R, H), dtype=out_dtype, device=y_pos.device)
     if R == 0 or H == 0:
         return out

@@ -951,6 +951,36 @@ def test_the_step_functions_check_their_operands():
         ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=w_RK[:1, :1])
     ops.down(h_std, w2, aligned, SMALL, torch.float32, topk_weights_RK=w_RK)
     ops.down(h, w2, counts, SMALL, torch.float32)
+    # the rows' extent against the pairs and the weights (a review ran each out of bounds:
+    # rows read past x, past w13's experts; down's output written past its end)
+    with pytest.raises(ValueError, match=r"x must hold the R=3 rows the pairs were aligned for"):
+        ops.gate_up(torch.randn(2, H, device=DEVICE), w13, aligned, SMALL)
+    with pytest.raises(ValueError, match=r"h must be gate_up's rows by padded position"):
+        ops.down(h_std[:4], w2, aligned, SMALL, torch.float32, topk_weights_RK=w_RK)
+    with pytest.raises(ValueError, match=r"pairs aligned for e=3 experts, the weights hold e=2"):
+        ops.gate_up(torch.randn(R, H, device=DEVICE), w13, ops.align_for(ids, 3, SMALL), SMALL)
+    with pytest.raises(ValueError, match=r"ExpertBatched rows must be \[e=2, C, columns\]"):
+        ops.gate_up(x[:1], w13, counts, SMALL)
+    with pytest.raises(TypeError, match="out_dtype must be one of"):
+        ops.down(h, w2, counts, SMALL, torch.int32)
+    # scales are float32 (an fp16 scale floor flushes to 0: 0/0 rescaled to silent zeros),
+    # weights a compute dtype or e4m3
+    with pytest.raises(TypeError, match="x's scales must be float32, got torch.float16"):
+        ops.gate_up(xq, q13, counts, SMALL_FP8, "silu", xs.half(), s13)
+    with pytest.raises(TypeError, match="w13 must be one of"):
+        ops.gate_up(x.to(torch.float8_e5m2), w13.to(torch.float8_e5m2), counts, SMALL)
+    # an expert's rows spanning 2**31 elements (int32 row offsets in the kernels)
+    wide = torch.empty_strided((2, 4, 64), (64, 2**30, 1), device="meta")
+    with pytest.raises(ValueError, match="one expert's rows span 2\\*\\*31 elements or more"):
+        ops._check_operands(torch.empty(3, 64, device="meta"), wide, None, None, ("x", "w13"))
+
+
+def test_sum_topk_takes_rows_of_any_column_stride():
+    ids = torch.tensor([[0, 1], [1, -1], [0, 0]], device=DEVICE)
+    aligned = ops.align_for(ids, 2, SMALL)
+    y = torch.randn(aligned.sorted_pairs.shape[0], 2 * 16, device=DEVICE)
+    want = ops.sum_topk(y[:, ::2].contiguous(), aligned, torch.float32)
+    torch.testing.assert_close(ops.sum_topk(y[:, ::2], aligned, torch.float32), want)
 
 
 def test_sort_scales_lays_gemm1_fp8_scales_out_by_position():
