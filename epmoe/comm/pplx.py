@@ -319,7 +319,7 @@ class PPLXBackend(AllToAll):
                 hidden=tr.x,
                 counts=tr.counts,
                 hidden_scale=tr.scale,
-                handle=(indices, weights, bound_m, T),
+                handle=(indices, weights, bound_m, T, none.all(1)),
             )
 
         return Pending(receive)
@@ -329,7 +329,7 @@ class PPLXBackend(AllToAll):
         check_combine_args(expert_out, result)
         if expert_out.dtype != torch.bfloat16:
             raise TypeError(f"pplx combines bf16 rows, got {expert_out.dtype}")
-        indices, weights, bound_m, T = result.handle
+        indices, weights, bound_m, T, routed_nowhere_T = result.handle
         tr = self._hold.get()
         args = (tr.out, indices, weights, expert_out.contiguous(), bound_m)
         tr.ata.combine(*args, do_send=True, do_recv=False)
@@ -337,10 +337,12 @@ class PPLXBackend(AllToAll):
         def receive() -> torch.Tensor:
             tr.ata.combine(*args, do_send=False, do_recv=True)
             tr.held = False
-            # rows past bound_m were not sent: zero (routed nowhere), not a stale row
+            # rows routed nowhere are zero: those past bound_m were not sent (not a stale
+            # row), those before it went to stand-ins with weight 0 (not 0 · NaN of a
+            # padding row's garbage)
             rows_T = torch.arange(T, device=tr.out.device)
-            unsent = (rows_T >= bound_m.to(torch.int64))[:, None]
-            return torch.where(unsent, 0.0, tr.out[:T]).to(tr.out.dtype)
+            zero = (rows_T >= bound_m.to(torch.int64)) | routed_nowhere_T
+            return torch.where(zero[:, None], 0.0, tr.out[:T]).to(tr.out.dtype)
 
         return Pending(receive)
 

@@ -560,6 +560,7 @@ def test_pplx_sends_no_expert_a_token_twice(fake_pplx):
     x, _, w, w13, w2 = _inputs(2)
     T = 6
     x = torch.randn(T, H).to(torch.bfloat16)
+    x[1] = float("nan")  # a padding row's garbage (a CUDA graph bucket's unused row)
     w = torch.rand(T, K)
     ids = torch.full((T, K), -1)
     ids[-1] = torch.tensor([1, 2, 3])  # only the last row has experts: every row is sent
@@ -570,8 +571,9 @@ def test_pplx_sends_no_expert_a_token_twice(fake_pplx):
     y = torch.zeros_like(rows)
     for e, n in enumerate(res.counts.tolist()):
         y[e, :n] = expert_mlp(rows[e, :n], w13[e], w2[e])
+    assert y.isnan().any()  # the stand-ins computed the garbage row
     out = comm.combine(y.to(torch.bfloat16), res)
-    assert torch.equal(out[:-1], torch.zeros(T - 1, H, dtype=out.dtype))
+    assert torch.equal(out[:-1], torch.zeros(T - 1, H, dtype=out.dtype))  # zero, not NaN
     expected = epmoe.reference.moe(x[-1:].float(), w13, w2, w[-1:], ids[-1:])
     assert_close(out[-1:], expected, 2e-2, name="pplx")
     comm.close()
