@@ -106,7 +106,7 @@ def rebalance(
             N,
             tolerance,
             refine,
-            groups_on_nodes(current, E, G, N),
+            groups_on_nodes(current, E, G, torch.arange(num_replicas) // (num_replicas // N)),
         )
 
     log2phy, logcnt = logical_to_physical(phy2log, E)
@@ -354,22 +354,20 @@ def _plan(
 # --------------------------------------------------------------------------------------
 
 
-def groups_on_nodes(phy2log_LP: torch.Tensor, E: int, G: int, N: int) -> torch.Tensor:
+def groups_on_nodes(phy2log_LP: torch.Tensor, E: int, G: int, node_P: torch.Tensor) -> torch.Tensor:
     """``[L]`` bool: whether each layer's plan keeps every expert group (``E / G``
-    contiguous experts) on one node (``P / N`` contiguous slots), as the hierarchical
-    policy does; all True for the global policy (``N == 1``)."""
+    contiguous experts) on one node, ``node_P [P]`` the node of each slot (the
+    hierarchical policy's ``P / N`` contiguous slots; a placement's ranks' nodes); all
+    True with one group."""
     phy2log = torch.as_tensor(phy2log_LP).to("cpu", torch.int64).reshape(-1, phy2log_LP.shape[-1])
     L, P = phy2log.shape
-    if N <= 1 or G <= 1:
+    if G <= 1:
         return torch.ones(L, dtype=torch.bool)
-    node_P = torch.arange(P) // (P // N)
     group_LP = phy2log // (E // G)
-    lo = torch.full((L, G), N, dtype=torch.int64).scatter_reduce(
-        1, group_LP, node_P.expand(L, P), "amin"
-    )
-    hi = torch.full((L, G), -1, dtype=torch.int64).scatter_reduce(
-        1, group_LP, node_P.expand(L, P), "amax"
-    )
+    node_LP = node_P.to(torch.int64).expand(L, P)
+    N = int(node_P.max()) + 1
+    lo = torch.full((L, G), N, dtype=torch.int64).scatter_reduce(1, group_LP, node_LP, "amin")
+    hi = torch.full((L, G), -1, dtype=torch.int64).scatter_reduce(1, group_LP, node_LP, "amax")
     return (lo == hi).all(1)
 
 

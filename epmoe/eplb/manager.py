@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from epmoe.agreement import ReplanAgreement
 from epmoe.comm.collectives import world_of
-from epmoe.eplb.algorithm import check_tolerance
+from epmoe.eplb.algorithm import check_tolerance, groups_on_nodes
 from epmoe.eplb.migration import MigrationStats
 from epmoe.eplb.recorder import logical_load
 from epmoe.placement import ExpertPlacement
@@ -308,12 +308,11 @@ class EPLBManager:
         G, N = self.num_groups, self.num_nodes
         if N <= 1 or G <= 1 or G % N:
             return True
-        W, E = placement.ep_size, placement.num_experts
         offsets = torch.tensor(placement.rank_offsets)
         slots = torch.arange(placement.num_physical)
-        node_P = (torch.searchsorted(offsets, slots, right=True) - 1) // (W // N)
-        group_P = placement.physical_to_logical.to("cpu", torch.int64) // (E // G)
-        return all(len(set(node_P[group_P == g].tolist())) <= 1 for g in range(G))
+        node_P = (torch.searchsorted(offsets, slots, right=True) - 1) // (placement.ep_size // N)
+        p2l = placement.physical_to_logical[None]
+        return bool(groups_on_nodes(p2l, placement.num_experts, G, node_P)[0])
 
     def _settings(self) -> dict[str, str]:
         """What every rank's manager must hold equal at a re-plan (its agreement's fields):
