@@ -1147,21 +1147,16 @@ class EPMoE(nn.Module):
                     raise TypeError("pass either step= or max_tokens_across_ranks=, not both")
                 # the step's own checks (ended, group) at trace time; then a graph constant
                 max_tokens_across_ranks = step.max_tokens_for(self, 0)
-            # (None: the step or the layer's agreement decides.) A value is checked here as
-            # eagerly: the op's schema would take a bool or a NumPy int as an int, and name
-            # its own argument for a float
-            # (its type only: its value may be symbolic; the op checks the value when it runs)
+            # (None: the step or the layer's agreement decides.) A hint's type is checked
+            # here as eagerly (the op's schema would take a bool or a NumPy int as an int);
+            # its value may be symbolic, and the op checks it when it runs
             if max_tokens_across_ranks is not None:
                 error = _max_tokens_type_error(max_tokens_across_ranks)
                 if error is not None:
                     raise error
-            # the parameters a backward could reach (shared experts), as eagerly
-            grads = (
-                [p for p in self.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-            )
             return torch.ops.epmoe.moe_forward(
                 hidden_states, router_logits, self._op_id_t, max_tokens_across_ranks,
-                num_valid_tokens, grads,
+                num_valid_tokens, self._params_needing_grad(),
             )  # fmt: skip
         kwargs = dict(
             max_tokens_across_ranks=max_tokens_across_ranks,
@@ -1172,10 +1167,18 @@ class EPMoE(nn.Module):
             # as the compiled op: the output requires grad, and a backward raises (the
             # dispatch and combine are not differentiable; a partial gradient is wrong)
             inputs = (hidden_states, router_logits)
-            grads = [p for p in self.parameters() if p.requires_grad]  # (shared experts)
+            grads = self._params_needing_grad()
             if grads or any(getattr(t, "requires_grad", False) for t in inputs):
                 return _NoBackward.apply(self, hidden_states, router_logits, kwargs, *grads)
         return self._eager_forward(hidden_states, router_logits, **kwargs)
+
+    def _params_needing_grad(self) -> list[torch.Tensor]:
+        """The parameters a backward through the layer could reach (its shared experts'),
+        with grad enabled: the eager and the compiled forward hand them to autograd so
+        that such a backward raises instead of leaving zero gradients."""
+        if not torch.is_grad_enabled():
+            return []
+        return [p for p in self.parameters() if p.requires_grad]
 
     def _eager_forward(
         self,

@@ -165,7 +165,8 @@ def _pending(ranks: tuple[int, ...]) -> int:
 def _int_in(value, low: int, high: int) -> bool:
     """Whether ``value`` is an int (not a bool; NumPy and torch integers too) in ``[low,
     high)``: what the step's all-gather of int64 carries, checked before it on this rank."""
-    return _as_int(value) is not None and low <= _as_int(value) < high
+    v = _as_int(value)
+    return v is not None and low <= v < high
 
 
 @contextlib.contextmanager

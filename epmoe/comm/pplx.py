@@ -277,13 +277,6 @@ class PPLXBackend(AllToAll):
             ),
         )
 
-    def _ata(self):
-        return self._hold.get().ata
-
-    @property
-    def _out(self) -> torch.Tensor:
-        return self._hold.get().out
-
     def dispatch_async(self, hidden_TH, topk_ids_TK, topk_weights_TK) -> Pending[DispatchResult]:
         """The send half now (``do_recv=False``); ``wait()`` receives."""
         spec, tr = self.spec, self._hold.get()

@@ -462,7 +462,7 @@ def test_pplx_split_phase_uint32_ids_and_no_expert_entries(fake_pplx, fp8):
     x, ids, w, w13, w2 = _inputs(2)  # token 0 has an entry without expert (-1)
     comm = _backend("pplx", _spec(fp8), Layout.EXPERT_BATCHED)
     pending = comm.dispatch_async(x, ids, w)
-    ata = comm._ata()
+    ata = comm._hold.get().ata
     assert ata.calls == [("dispatch", True, False)]  # the send half only
     with pytest.raises(RuntimeError, match="one dispatch result at a time"):
         comm.dispatch_async(x, ids, w)
@@ -534,7 +534,7 @@ def test_pplx_does_not_send_a_padded_tail(fake_pplx):
     x = torch.cat([x, torch.randn(3, x.shape[1]).to(x.dtype)])
     w = torch.cat([w, torch.ones(3, w.shape[1])])
     comm = _backend("pplx", _spec(M=T + 3), Layout.EXPERT_BATCHED)
-    comm._out.fill_(float("nan"))  # what an earlier call may have left there
+    comm._hold.get().out.fill_(float("nan"))  # what an earlier call may have left there
     res = comm.dispatch(x, ids, w)
     real = ids[:T]
     assert int(res.counts.sum()) == real.numel()  # -1 entries of real rows: stand-ins

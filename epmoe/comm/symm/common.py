@@ -186,7 +186,7 @@ class SymmTransport:
             failure = None
             try:
                 self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=dev)
-            except (RuntimeError, torch.OutOfMemoryError) as exc:  # (OOM on this rank only)
+            except RuntimeError as exc:  # (out of memory on this rank only, OutOfMemoryError)
                 failure = exc
             # every rank learns of one rank's failure, instead of waiting in the rendezvous
             _agree_allocated(group, dev, failure, f"{self.name}: {nbytes / 2**30:.2f} GiB of "
@@ -225,7 +225,7 @@ class SymmTransport:
             self._allocate_local(spec)
             if on_gpu:
                 torch.cuda.synchronize(dev)
-        except (RuntimeError, torch.OutOfMemoryError) as exc:
+        except RuntimeError as exc:  # (OutOfMemoryError included)
             if world_size == 1:
                 raise
             failure = exc
