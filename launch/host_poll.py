@@ -5,7 +5,10 @@ copies with the GPU idle. For A/B of the poll's host reads: run it from each sou
 (``cd <tree> && python launch/host_poll.py``), alternating.
 
 Usage (repository root, GPU): ``python launch/host_poll.py [--programs 132] [--warps 8]
-[--copy-mib 256] [--copies 16] [--rounds 5]``
+[--copy-mib 64] [--copies 8] [--rounds 5] [--timeout-s 30]``
+
+Besides idle, the control is the same poll and pause on device memory only
+(``_device_waiter``), so one tree's run separates the host reads from the waiting itself.
 """
 
 import argparse
@@ -15,12 +18,26 @@ import time
 import torch
 import triton
 
-from epmoe.comm.symm.kernels import OP_DISPATCH, _wait_at_least
+from epmoe.comm.symm.kernels import OP_DISPATCH, _load_acquire, _pause, _wait_at_least
+
+try:
+    from epmoe.comm.symm.common import status_block
+except ImportError:  # a tree before 2026-12-03: the kernels took the host word's address
+
+    def status_block(err_host, device):
+        return err_host
 
 
 @triton.jit
 def _waiter(flag_ptr, err_addr, timeout_ns):
     _wait_at_least(flag_ptr, 1, timeout_ns, err_addr, OP_DISPATCH, 0)
+
+
+@triton.jit
+def _device_waiter(flag_ptr):
+    """The control: the same poll and pause on device memory only, never the host's."""
+    while _load_acquire(flag_ptr) < 1:
+        _pause()
 
 
 def _copies_gbps(src, dst, copies: int, stream) -> float:
@@ -34,13 +51,32 @@ def _copies_gbps(src, dst, copies: int, stream) -> float:
     return copies * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9
 
 
+def _gbps_while(launch, src, dst, copies: int, copy_stream, one, err, status) -> tuple[float, bool]:
+    """H2D GB/s while the kernel that ``launch`` starts waits (past its first 2 ms), and
+    whether that wait hit its own timeout (the copies took longer than it)."""
+    dev = dst.device
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    err.zero_()
+    if status is not err:  # the stop flag too (a timeout raised it)
+        status[1] = 0
+    torch.cuda.synchronize()
+    launch(flag)
+    time.sleep(0.002)  # past the poll's first millisecond
+    gbps = _copies_gbps(src, dst, copies, copy_stream)
+    with torch.cuda.stream(copy_stream):
+        flag.copy_(one, non_blocking=True)  # by a copy engine: no SM needed
+    torch.cuda.synchronize()
+    return gbps, bool(int(err[0]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--programs", type=int, default=None, help="waiting programs (SMs)")
     parser.add_argument("--warps", type=int, default=8)
-    parser.add_argument("--copy-mib", type=int, default=256)
-    parser.add_argument("--copies", type=int, default=16)
+    parser.add_argument("--copy-mib", type=int, default=64)
+    parser.add_argument("--copies", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="the waiter's bound")
     args = parser.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
     programs = args.programs or torch.cuda.get_device_properties(dev).multi_processor_count
@@ -48,35 +84,40 @@ def main() -> None:
     dst = torch.empty_like(src, device=dev)
     one = torch.ones(1, dtype=torch.int32, pin_memory=True)
     err = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    status = status_block(err, dev)
     copy_stream, wait_stream = torch.cuda.Stream(), torch.cuda.Stream()
-    idle, waiting, waited_ms = [], [], []
-    _copies_gbps(src, dst, 2, copy_stream)  # warm-up (and the waiter's compile below)
-    for r in range(args.rounds + 1):
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
-        torch.cuda.synchronize()
-        idle_gbps = _copies_gbps(src, dst, args.copies, copy_stream)
-        t0 = time.perf_counter()
+    timeout_ns = int(args.timeout_s * 1e9)
+
+    def ours(flag):
         with torch.cuda.stream(wait_stream):
-            _waiter[(programs,)](flag, err.data_ptr(), 5 * 10**9, num_warps=args.warps)
-        time.sleep(0.002)  # past the poll's first millisecond
-        waiting_gbps = _copies_gbps(src, dst, args.copies, copy_stream)
-        with torch.cuda.stream(copy_stream):
-            flag.copy_(one, non_blocking=True)  # by a copy engine: no SM needed
-        torch.cuda.synchronize()
-        if int(err[0]):
-            raise RuntimeError(f"the waiter reported {int(err[0]):#x}")
-        if r:  # (round 0 compiled the waiter)
-            idle.append(idle_gbps)
-            waiting.append(waiting_gbps)
-            waited_ms.append((time.perf_counter() - t0) * 1e3)
+            _waiter[(programs,)](flag, status.data_ptr(), timeout_ns, num_warps=args.warps)
+
+    def control(flag):
+        with torch.cuda.stream(wait_stream):
+            _device_waiter[(programs,)](flag, num_warps=args.warps)
+
+    rates: dict[str, list[float]] = {"idle": [], "device-only poll": [], "symm poll": []}
+    timeouts = 0
+    _copies_gbps(src, dst, 2, copy_stream)  # warm-up
+    for r in range(args.rounds + 1):  # round 0 compiles the waiters
+        idle = _copies_gbps(src, dst, args.copies, copy_stream)
+        dev_only, _ = _gbps_while(control, src, dst, args.copies, copy_stream, one, err, status)
+        symm, timed_out = _gbps_while(ours, src, dst, args.copies, copy_stream, one, err, status)
+        timeouts += timed_out and r > 0
+        if r:
+            rates["idle"].append(idle)
+            rates["device-only poll"].append(dev_only)
+            rates["symm poll"].append(symm)
+    idle_med = statistics.median(rates["idle"])
     print(
         f"H2D copies of {args.copy_mib} MiB x {args.copies}, {args.rounds} rounds, "
-        f"{programs} programs x {args.warps} warps waiting: GB/s idle "
-        f"{statistics.median(idle):.1f} ({min(idle):.1f}-{max(idle):.1f}), while waiting "
-        f"{statistics.median(waiting):.1f} ({min(waiting):.1f}-{max(waiting):.1f}); "
-        f"ratio {statistics.median(waiting) / statistics.median(idle):.3f}; each wait "
-        f"{statistics.median(waited_ms):.0f} ms"
+        f"{programs} programs x {args.warps} warps waiting (median GB/s, min-max, / idle):"
     )
+    for name, xs in rates.items():
+        med = statistics.median(xs)
+        print(f"  {name:>16}: {med:8.2f} ({min(xs):.2f}-{max(xs):.2f})  {med / idle_med:.3f}")
+    if timeouts:
+        print(f"  the symm poll hit its {args.timeout_s:g} s bound in {timeouts} rounds")
 
 
 if __name__ == "__main__":

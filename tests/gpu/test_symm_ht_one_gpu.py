@@ -70,7 +70,7 @@ def test_streamed_combine_of_ranks_running_at_once(W):
         for r in range(W):  # dispatch, receive half
             ids_out, w_out, recv_t = published[r][parity]
             k.ht_dispatch_recv_kernel[(W, 2)](
-                sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, 10**9,
+                sim.bases, ids_out, w_out, recv_t, sim.err_addr, M, W, r, 10**9,
                 tags[r], reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=True, ROWS=4,
             )  # fmt: skip
         torch.cuda.synchronize()
@@ -93,7 +93,7 @@ def test_streamed_combine_of_ranks_running_at_once(W):
             with torch.cuda.stream(streams[r]):
                 k.ht_combine_send_kernel[(W, senders + reducers)](
                     ys[r], sim.bases, ids_out, recv_t, H, M, W, r, reg.flags, reg.y,
-                    outs[r], sim.routes[r, parity], sim.err.data_ptr(), Ts[r], senders, TIMEOUT_NS,
+                    outs[r], sim.routes[r, parity], sim.err_addr, Ts[r], senders, TIMEOUT_NS,
                     K=K, BLOCK_K=2, BLOCK_H=128, BATCH=1, FENCE=False, COUNTED=True, ROWS=4,
                     STREAM=True, CHUNK=chunk, BLOCK_W=sim.BLOCK_W, RECV_BLOCK_H=128,
                     RECV_ROWS=4, RECV_RANKS=2,
@@ -132,7 +132,7 @@ def test_a_rank_that_never_combines_is_named_within_the_bound():
             torch.zeros(W, dtype=torch.int32, device=dev),
         )
         k.ht_dispatch_recv_kernel[(W, 2)](
-            sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, TIMEOUT_NS, 0,
+            sim.bases, ids_out, w_out, recv_t, sim.err_addr, M, W, r, TIMEOUT_NS, 0,
             reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=True, ROWS=4,
         )  # fmt: skip
         published.append((ids_out, w_out, recv_t))
@@ -143,7 +143,7 @@ def test_a_rank_that_never_combines_is_named_within_the_bound():
     t0 = time.monotonic()
     k.ht_combine_send_kernel[(W, 4)](
         y, sim.bases, ids_out, recv_t, H, M, W, 0, reg.flags, reg.y,
-        out, sim.routes[0, 0], sim.err.data_ptr(), Ts[0], 2, 200_000_000,
+        out, sim.routes[0, 0], sim.err_addr, Ts[0], 2, 200_000_000,
         K=K, BLOCK_K=2, BLOCK_H=128, BATCH=1, FENCE=False, COUNTED=True, ROWS=4,
         STREAM=True, CHUNK=3, BLOCK_W=sim.BLOCK_W, RECV_BLOCK_H=128, RECV_ROWS=4, RECV_RANKS=2,
     )  # fmt: skip

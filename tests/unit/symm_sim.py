@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from epmoe.comm.symm.common import layout
+from epmoe.comm.symm.common import layout, status_block
 
 
 def assert_interpreted_fp8(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
@@ -55,6 +55,9 @@ class Ranks:
             [b.data_ptr() for b in self.bufs], dtype=torch.int64, device=device
         )
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
+        # what the kernels are given: the status block around the error word
+        self.status = status_block(self.err, device)
+        self.err_addr = self.status.data_ptr()
         per_rank = self.E // W
         self.owner = (torch.arange(self.E, dtype=torch.int32) // per_rank).to(device)
         self.local = (torch.arange(self.E, dtype=torch.int32) % per_rank).to(device)
@@ -109,7 +112,7 @@ class Ranks:
         x, ids, w = inputs
         reg = self.regions[parity]
         kernels.dispatch_send_kernel[(grid,)](
-            x, x, ids, w, self.owner, self.local, self.bases, self.err.data_ptr(),
+            x, x, ids, w, self.owner, self.local, self.bases, self.err_addr,
             self.routes[r, parity], x.shape[0],
             self.H, self.E, self.M, self.W, 1, r, tag, reg.flags, reg.x, reg.s, reg.ids, reg.w,
             K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W, BLOCK_H=128, FP8=False, WIRE=tl.float32,
@@ -141,7 +144,7 @@ class Ranks:
         T, reg = x.shape[0], self.regions[parity]
         out = torch.empty(T, self.H)
         kernels.combine_recv_kernel[(grid,)](
-            out, ids, self.owner, self.bases, self.err.data_ptr(), self.routes[r, parity],
+            out, ids, self.owner, self.bases, self.err_addr, self.routes[r, parity],
             T, self.H, self.E, self.W,
             self.M, r, 10**9, reg.flags, reg.y, K=self.K, BLOCK_K=2, BLOCK_W=self.BLOCK_W,
             BLOCK_H=128,
@@ -160,7 +163,7 @@ class Ranks:
         T, reg = x.shape[0], self.regions[parity]
         out = torch.empty(T, self.H, device=self.device)
         kernels.ht_combine_reduce_kernel[(grid,)](
-            y, out, self.routes[r, parity], self.bases, self.err.data_ptr(), T, self.H,
+            y, out, self.routes[r, parity], self.bases, self.err_addr, T, self.H,
             self.W, self.M, r, 10**9, reg.flags, reg.y, CHUNK=chunk, BLOCK_W=self.BLOCK_W,
             BLOCK_H=128, ROWS=4, RANKS=2 if self.W > 1 else 1,
         )  # fmt: skip

@@ -335,7 +335,7 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode
         for r in range(W):  # dispatch, receive half
             ids_out, w_out, recv_t = published[r][parity]
             k.ht_dispatch_recv_kernel[(W, grid(-(-M // publish), r))](
-                sim.bases, ids_out, w_out, recv_t, sim.err.data_ptr(), M, W, r, 10**9,
+                sim.bases, ids_out, w_out, recv_t, sim.err_addr, M, W, r, 10**9,
                 tags[r], reg.flags, reg.ids, reg.w, K=K, BLOCK_K=2, COUNTED=counted,
                 ROWS=publish,
             )  # fmt: skip
@@ -353,7 +353,7 @@ def test_ranks_back_to_back_leave_every_count_and_flag_as_the_protocol_says(mode
                 stream = dict(STREAM=True, CHUNK=chunk, BLOCK_W=sim.BLOCK_W)
             k.ht_combine_send_kernel[(W, grid(M, r))](
                 y, sim.bases, ids_out, recv_t, H, M, W, r, reg.flags, reg.y,
-                y, sim.routes[r, parity], sim.err.data_ptr(), Ts[r], grid(M, r), 10**9,
+                y, sim.routes[r, parity], sim.err_addr, Ts[r], grid(M, r), 10**9,
                 K=K, BLOCK_K=2, BLOCK_H=128, **per_flag, **stream,
             )  # fmt: skip
         if streamed:  # each peer went through each chunk of r's tokens; no cdone, no copy
@@ -449,7 +449,7 @@ def test_counted_send_of_several_tokens_stores_what_one_at_a_time_stores(W, Ts, 
             if fp8 == "first":
                 x, xs = (t.contiguous() for t in quantize_groups(x))
             k.dispatch_send_kernel[(max(1, min(max(T, 1), sms)),)](
-                x, xs, ids, w, sim.owner, sim.local, sim.bases, sim.err.data_ptr(),
+                x, xs, ids, w, sim.owner, sim.local, sim.bases, sim.err_addr,
                 sim.routes[r, 0], T,
                 sim.H, sim.E, sim.M, W, sim.G, r, 0, reg.flags, reg.x, reg.s, reg.ids, reg.w,
                 K=sim.K, BLOCK_K=2, BLOCK_W=sim.BLOCK_W, BLOCK_H=256, FP8=fp8,

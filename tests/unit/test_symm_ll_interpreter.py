@@ -193,6 +193,7 @@ def test_a_timeout_is_reported_over_a_report_the_transport_goes_on_after():
     host clears (another layer's call, bad ids, an overflow): it is what stops the call's
     other waits early, and what marks the transport broken."""
     from epmoe.comm.symm import kernels as k
+    from epmoe.comm.symm.common import status_block
     from tests.unit.symm_report import report_twice
 
     word = torch.zeros(1, dtype=torch.int32)
@@ -205,8 +206,12 @@ def test_a_timeout_is_reported_over_a_report_the_transport_goes_on_after():
     ]
     for (first, second), (kind, peer) in cases:
         word.zero_()
-        report_twice(word.data_ptr(), first, second)
+        block = status_block(word, word.device)
+        report_twice(block.data_ptr(), first, second)
         assert int(word) == (kind << 24) | (k.OP_DISPATCH << 16) | peer, (first, second)
+        # the stop flag that the other waits poll (device memory): raised by a timeout only
+        timed_out = k.ERR_TIMEOUT.value in (first.value, second.value)
+        assert int(block[1]) == int(timed_out), (first, second)
 
 
 def test_max_num_tokens_above_what_the_count_word_holds_is_refused():
@@ -686,7 +691,7 @@ def test_ranks_back_to_back_leave_every_flag_and_counter_as_the_protocol_says(W)
             st = state[r][parity]
             k.ll_dispatch_recv_kernel[(W, M)](
                 sim.bases, st["index"], st["index"], st["counts"], st["pos"], st["recv_t"],
-                sim.err.data_ptr(), H, M, W, 1, C, r, 10**9, tags[r], reg.flags, reg.x, reg.s,
+                sim.err_addr, H, M, W, 1, C, r, 10**9, tags[r], reg.flags, reg.x, reg.s,
                 reg.ids, K=K, BLOCK_K=2, BLOCK_H=128, IN_PLACE=True, **wire,
             )  # fmt: skip
             # a source in another layer's call is marked -1 - T_s (its rows combine as NaN)

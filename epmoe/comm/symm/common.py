@@ -13,7 +13,9 @@ micro-batches); a third dispatch before a combine raises.
 Errors: every wait in the kernels is bounded (``EPMOE_COMM_TIMEOUT_S``, default 10 s); a
 timeout, a capacity overflow or an expert id out of range writes a code to a host-mapped
 word that the next call (or ``check()``) turns into an error naming the operation and
-the peer. After a timeout the transport's flags are out of step: rebuild the layer.
+the peer; the kernels reach that word through a status block in device memory, whose stop
+flag (set by a timeout) is what the rank's other waits poll, never host memory. After a
+timeout the transport's flags are out of step: rebuild the layer.
 """
 
 from __future__ import annotations
@@ -155,6 +157,14 @@ def _agree_allocated(
         ) from failure
 
 
+def status_block(err_host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The status block the kernels are given (``kernels._status``): int64 [2] on
+    ``device``, the address of the host-mapped error word ``err_host`` (int32 [1], pinned),
+    then the "a wait of this rank timed out" flag that the waits poll in device memory
+    (zero until a timeout; never cleared)."""
+    return torch.tensor([err_host.data_ptr(), 0], dtype=torch.int64, device=device)
+
+
 class SymmTransport:
     """The symmetric buffer (``Regions`` per parity; peers write into it), the table of
     every rank's buffer address, one host-mapped int32 error word and the parities in use.
@@ -201,11 +211,13 @@ class SymmTransport:
         if any(p % 16 for p in ptrs):  # the kernels assume it (see kernels._at)
             raise RuntimeError(f"{self.name}: a symmetric buffer is not 16-byte aligned: {ptrs}")
         self.bases = torch.tensor(ptrs, dtype=torch.int64, device=dev)
-        # the kernels write error codes straight into pinned host memory (mapped, UVA)
+        # the kernels write error codes straight into pinned host memory (mapped, UVA),
+        # through the status block (device memory) that the kernels are given
         on_gpu = dev.type == "cuda"  # (the CPU runs these kernels only under the interpreter)
         self.err_host = torch.zeros(1, dtype=torch.int32, pin_memory=on_gpu)
         self._err_word = self.err_host.numpy()  # read without torch's indexing overhead
-        self.err_addr = self.err_host.data_ptr()
+        self._status = status_block(self.err_host, dev)
+        self.err_addr = self._status.data_ptr()
         self.timeout_ns = int(comm_timeout_s() * 1e9)
         self.num_sms = num_sms(dev) if on_gpu else 4
         # a whole row (up to 8192 columns) per step of a program

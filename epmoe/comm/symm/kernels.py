@@ -85,8 +85,6 @@ _PAUSE_ASM = tl.constexpr(f"nanosleep.u32 {POLL_PAUSE_NS}; mov.u32 $0, 0;")
 
 # error codes written to the host word: (kind << 24) | (op << 16) | peer
 GIVE_UP_AFTER_NS = tl.constexpr(1_000_000)  # see _give_up
-HOST_POLL_PERIOD_MASK = tl.constexpr((1 << 16) - 1)  # ns: 65.5 µs periods
-HOST_POLL_WINDOW_NS = tl.constexpr(4096)
 ERR_TIMEOUT = tl.constexpr(1)
 ERR_CAPACITY = tl.constexpr(2)
 ERR_EXPERT_ID = tl.constexpr(3)
@@ -222,26 +220,45 @@ def _load_relaxed(ptr):
 
 
 @triton.jit
+def _status(err_addr):
+    """``err_addr`` is the device address of the transport's status block, int64 [2]
+    (``common.status_block``): word 0 holds the address of the host-mapped error word
+    (what the host reads, without a synchronisation), bytes 8-11 the rank's "a wait timed
+    out" flag, in device memory (what the other waits poll: see ``_give_up``). Returns
+    (error word, stop flag) pointers."""
+    block = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int64))
+    word = tl.load(block).to(tl.pointer_type(tl.int32))
+    return word, (block + 1).to(tl.pointer_type(tl.int32))
+
+
+@triton.jit
 def _report(err_addr, kind, op, peer):
     """Write an error code to the host-mapped error word unless one is there already, or
     a timeout over a report that the host lets the transport go on after (bad ids, an
     overflow, another layer's call): a timeout is what stops the call's other waits early
-    (``_give_up``) and what the host must not clear."""
-    err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
+    (``_give_up``, through the status block's stop flag) and what the host must not
+    clear."""
+    err_ptr, stop_ptr = _status(err_addr)
     current = tl.load(err_ptr, volatile=True)
     # keep the first error (a race only between errors), but let a timeout through
     kind_ = tl.full((), kind, tl.int32)
     if (current == 0) | ((kind_ == ERR_TIMEOUT) & ((current >> 24) != ERR_TIMEOUT)):
         code = (kind_ << 24) | (tl.full((), op, tl.int32) << 16) | peer
         tl.store(err_ptr, code)
+    if kind_ == ERR_TIMEOUT:
+        tl.store(stop_ptr, 1)  # (never cleared: a timed-out transport stays broken)
 
 
 @triton.jit
 def _give_up(start, timeout_ns, err_addr, op, peer):
     """1 if a wait begun at ``start`` stops now: past ``timeout_ns`` (it reports
     ``ERR_TIMEOUT`` naming ``peer``), or past ``GIVE_UP_AFTER_NS`` once any wait of this
-    rank has timed out (read from the error word only then: the fast path never touches
-    host memory); else 0 after a pause before the next poll."""
+    rank has timed out; else 0 after a pause before the next poll.
+
+    The second test reads the status block's stop flag, in device memory: the waits of
+    a late peer are normal and long, and every waiting warp reading host memory instead
+    (as this did until 2026-12-03) took the host link's reads: H2D copies fell from 55 to
+    0.44 GB/s while 132 programs waited (``launch/host_poll.py``, one H200)."""
     waited = _now_ns() - start
     stop = tl.full((), 0, tl.int32)
     if waited > timeout_ns:
@@ -249,14 +266,14 @@ def _give_up(start, timeout_ns, err_addr, op, peer):
         _report(err_addr, ERR_TIMEOUT, op, peer)
     else:
         # another wait of this rank has timed out already: the call is lost, and a program
-        # that waits for many flags must not pay the timeout for each. Read over the host
-        # link, so only in the first 4 µs of every 65.5 µs of a long wait (long waits are
-        # normal, e.g. for a rank that comes later: every waiting warp polling host memory
-        # would load the host link for as long)
-        if (waited > GIVE_UP_AFTER_NS) & ((waited & HOST_POLL_PERIOD_MASK) < HOST_POLL_WINDOW_NS):
-            err_ptr = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int32))
-            if (tl.load(err_ptr, volatile=True) >> 24) == ERR_TIMEOUT:
-                stop = tl.full((), 1, tl.int32)
+        # that waits for many flags must not pay the timeout for each
+        if waited > GIVE_UP_AFTER_NS:
+            _, stop_ptr = _status(err_addr)
+            stop = tl.load(stop_ptr, volatile=True)
+            if stop != 0:
+                # and says so again: the host word may have lost the first timeout (to a
+                # report that raced it, or to the host clearing a report it had read)
+                _report(err_addr, ERR_TIMEOUT, op, peer)
         _pause()
     return stop
 
@@ -792,7 +809,7 @@ def dispatch_send_kernel(
     owner_ptr,  # [P] int32 rank holding each physical expert
     local_ptr,  # [P] int32 each physical expert's slot on its rank
     bases_ptr,  # [W] int64 address of each rank's symmetric buffer
-    err_addr,  # int64 address of the host-mapped error word
+    err_addr,  # int64 device address of the status block (see _status)
     routes_ptr,  # ROUTES: [T] int32 the ranks each token went to, a bit each (out)
     # sizes
     T,
