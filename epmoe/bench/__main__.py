@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 
 from epmoe.bench.common import write_json
 
@@ -18,8 +19,9 @@ BENCHMARKS = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> tuple[str, ModuleType, argparse.Namespace]:
+    """``argv`` (without ``python -m epmoe.bench``) checked as a run would check it, before
+    anything runs: ``(name, module, args)``; argparse's exit (status 2) on bad input."""
     top = argparse.ArgumentParser(
         prog="python -m epmoe.bench",
         description=__doc__,
@@ -47,6 +49,12 @@ def main(argv: list[str] | None = None) -> None:
             importlib.import_module("matplotlib")
         except ImportError:
             parser.error('--plot needs matplotlib: pip install "epmoe[bench]"')
+    return name, module, args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    name, module, args = parse(argv)
     records = module.main(args)
     if args.out and records is not None:
         write_json(records, args.out, benchmark=name, argv=argv)
