@@ -1,7 +1,9 @@
-"""Timing and reporting helpers shared by the benchmarks.
+"""Timing, reporting and argument helpers shared by the benchmarks.
 
 Timing follows one rule: warm up, then time each repetition with CUDA events (or the host
-clock on CPU after a synchronisation), and report the median.
+clock on CPU after a synchronisation), and report the median. Backends named on a command
+line are checked by one parser (:func:`parse_backend_choice`), so that every benchmark
+refuses the same mistake with the same message.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
+from epmoe.comm import backend_class, backend_names
+from epmoe.comm.base import AllToAll, Layout
 from epmoe.distributed import default_device
 
 T = TypeVar("T")
@@ -214,3 +219,68 @@ def format_table(records: list[dict[str, Any]], columns: list[str]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ backend entries
+
+AUTO = "auto"  # EPMoE's backend="auto": the layer's own choice of a backend
+
+
+@dataclass(frozen=True)
+class EntrySyntax:
+    """What one option that names backends accepts (``--backends`` of a benchmark): the
+    parts of :func:`parse_backend_choice`'s syntax it takes, and the words of its messages."""
+
+    argument: str  # the option, named in every message: "--backends"
+    usage: str  # the entry's form, shown when it has fields the option does not take
+    auto: bool = False  # "auto" (the layer's choice) is a name
+    layout: bool = True  # NAME:LAYOUT
+    more: bool = False  # fields after the layout (bench comm's options), returned unparsed
+
+    def error(self, entry: str, problem: str) -> ValueError:
+        """The one form of every message about an entry: the option, the entry, the fix."""
+        return ValueError(f"{self.argument} {entry!r}: {problem}")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """A backend and layout named on the command line, checked against the registry."""
+
+    name: str  # a registered backend, or "auto" where the syntax takes it
+    layout: Layout | None  # None: not given (the backend's default)
+    cls: type[AllToAll] | None  # the backend's class; None for auto or where it won't import
+    more: tuple[str, ...] = ()  # the fields after the layout, where the syntax takes them
+
+
+def parse_backend_choice(entry: str, syntax: EntrySyntax) -> BackendChoice:
+    """``NAME[:LAYOUT[:MORE...]]`` as far as ``syntax`` takes it → the backend and layout
+    it names; a ``ValueError`` naming the option and the fix for an unknown name, layout,
+    a layout the backend does not offer, or fields the option does not take. Checked
+    before the run (not as a traceback on every rank once it has started) and parsed again
+    by the same code for the run. A backend whose module does not import here is not
+    checked further: the run records it as skipped, saying why."""
+    name, *fields = entry.split(":")
+    if (fields and not syntax.layout) or (len(fields) > 1 and not syntax.more):
+        raise syntax.error(entry, f"expected {syntax.usage}")
+    names = backend_names()
+    if name not in names and not (syntax.auto and name == AUTO):
+        hint = " ('auto' is the layer's choice of one; name each backend to measure)"
+        raise syntax.error(
+            entry,
+            f"unknown backend {name!r}{hint if name == AUTO else ''}; the backends are "
+            f"{', '.join(names)}{' or auto' if syntax.auto else ''}",
+        )
+    try:
+        cls = backend_class(name) if name != AUTO else None
+    except ImportError:  # (the run records it as skipped, saying why)
+        cls = None
+    if not fields:
+        return BackendChoice(name, None, cls)
+    layouts = [x.value for x in Layout]
+    if fields[0] not in layouts:
+        raise syntax.error(entry, f"layout {fields[0]!r} is not one of {', '.join(layouts)}")
+    layout = Layout(fields[0])
+    if cls is not None and layout not in cls.capabilities.layouts:
+        offered = ", ".join(x.value for x in cls.capabilities.layouts)
+        raise syntax.error(entry, f"{name} has no {layout.value} layout (it offers {offered})")
+    return BackendChoice(name, layout, cls, tuple(fields[1:]))

@@ -228,6 +228,38 @@ def test_each_phase_is_held_to_nccl_moving_its_own_bytes(monkeypatch):
     assert timed == [H + 2 * 4, H * 2]  # the bf16 rows were timed once, for both records
 
 
+def test_one_parser_checks_the_backends_each_benchmark_names(monkeypatch):
+    """``epmoe.bench.common.parse_backend_choice``: the name and layout checks that bench
+    comm and bench layer share, each option's syntax saying what it takes beyond them."""
+    from epmoe.bench import common
+    from epmoe.bench.common import EntrySyntax, parse_backend_choice
+
+    plain = EntrySyntax("--backends", "NAME or NAME:LAYOUT", auto=True)
+    naive = parse_backend_choice("naive", plain)
+    assert (naive.name, naive.layout, naive.cls.name, naive.more) == ("naive", None, "naive", ())
+    auto = parse_backend_choice("auto:expert_batched", plain)
+    assert (auto.name, auto.layout, auto.cls) == ("auto", Layout.EXPERT_BATCHED, None)
+    with pytest.raises(ValueError, match=r"^--backends 'naive:standard:24': expected NAME or "
+                       r"NAME:LAYOUT$"):  # fmt: skip
+        parse_backend_choice("naive:standard:24", plain)
+    more = EntrySyntax("--backends", "NAME[:LAYOUT[:OPTIONS]]", more=True)
+    assert parse_backend_choice("symm_ht:standard:24:4", more).more == ("24", "4")
+    with pytest.raises(ValueError, match=r"^--backends 'auto': unknown backend 'auto' \('auto' "
+                       "is the layer's choice"):  # fmt: skip
+        parse_backend_choice("auto", more)
+    name_only = EntrySyntax("--eplb-backend", "NAME", auto=True, layout=False)
+    assert parse_backend_choice("auto", name_only).name == "auto"
+    with pytest.raises(ValueError, match=r"^--eplb-backend 'naive:standard': expected NAME$"):
+        parse_backend_choice("naive:standard", name_only)
+
+    def no_module(name):
+        raise ImportError(f"no module for {name}")
+
+    monkeypatch.setattr(common, "backend_class", no_module)  # (the run records it as skipped)
+    pplx = parse_backend_choice("pplx:standard", more)
+    assert (pplx.name, pplx.layout, pplx.cls) == ("pplx", Layout.STANDARD, None)
+
+
 def test_backend_entries_keep_their_markers_beside_key_value_options():
     """``:fixed`` / ``:copy`` with ``key=value`` options make series of their own (they
     were labelled by the options alone, so ``deepep_ht:standard:fixed:num_sms=24`` and
