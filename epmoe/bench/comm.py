@@ -80,10 +80,13 @@ import torch.distributed as dist
 
 import epmoe
 from epmoe.bench.common import (
+    BackendChoice,
+    EntrySyntax,
     distributed_setup,
     format_table,
     median,
     over_ranks,
+    parse_backend_choice,
     progress,
     time_fn,
     timing_events,
@@ -92,7 +95,6 @@ from epmoe.bench.common import (
 from epmoe.comm import (
     available_backends,
     backend_class,
-    backend_names,
     check_backend_options,
     create_backend,
 )
@@ -760,43 +762,38 @@ class BackendEntry:
     label: str  # the records' ``backend``: the name and every marker and option it was given
 
 
+# what bench comm's --backends takes (epmoe.bench.common checks the name and layout)
+BACKENDS_SYNTAX = EntrySyntax(
+    "--backends", "NAME[:LAYOUT[:SMs[:ROWS] | :copy | :fixed][:key=value[,key=value]]]", more=True
+)
+
+
 def parse_backend_entry(entry: str) -> BackendEntry:
     """``name[:layout[:SMs[:ROWS] | :copy | :fixed][:key=value[,key=value]]]`` → the
     backend, layout and options it names.
 
-    ``SMs[:ROWS]``: symm_ht's SM budget and rows stored per flag (``num_sms``,
+    The name and layout are checked by :func:`epmoe.bench.common.parse_backend_choice`
+    (the layer benchmark's parser too); a name alone: its Standard layout where it offers
+    it. ``SMs[:ROWS]``: symm_ht's SM budget and rows stored per flag (``num_sms``,
     ``tokens_per_flag``); ``copy``: symm_ll's ``rows_in_place=False``; ``fixed``:
     deepep_ht's ``worst_case_rows=True``; ``key=value``: any option (see
     :func:`entry_options`). The label keeps the markers and the key=value options, so that
     entries that differ by any of them make different series (the SMs and rows per flag
     are fields of their own: ``sms``, ``per_flag``)."""
+    choice = parse_backend_choice(entry, BACKENDS_SYNTAX)
     try:
-        return _parse_backend_entry(entry)
+        options, label = _entry_options(choice)
     except ValueError as exc:
-        raise ValueError(f"--backends {entry!r}: {exc}") from None
+        raise BACKENDS_SYNTAX.error(entry, str(exc)) from None
+    layout = choice.layout
+    if layout is None:
+        layout = Layout(_first_layout(choice.name) if choice.cls is not None else "standard")
+    return BackendEntry(choice.name, layout, options, label)
 
 
-def _parse_backend_entry(entry: str) -> BackendEntry:
-    name, *rest = entry.split(":")
-    names = backend_names()
-    if name not in names:
-        auto = " ('auto' is the layer's choice of one; name each backend to measure)"
-        raise ValueError(
-            f"unknown backend {name!r}{auto if name == 'auto' else ''}; the backends are "
-            f"{', '.join(names)}"
-        )
-    try:
-        cls = backend_class(name)
-    except ImportError:  # (the run records it as skipped, saying why)
-        cls = None
-    layout_name, *budget = rest or [_first_layout(name) if cls is not None else "standard"]
-    layouts = [x.value for x in Layout]
-    if layout_name not in layouts:
-        raise ValueError(f"layout {layout_name!r} is not one of {', '.join(layouts)}")
-    layout = Layout(layout_name)
-    if cls is not None and layout not in cls.capabilities.layouts:
-        offered = ", ".join(x.value for x in cls.capabilities.layouts)
-        raise ValueError(f"{name} has no {layout.value} layout (it offers {offered})")
+def _entry_options(choice: BackendChoice) -> tuple[dict[str, Any], str]:
+    """The backend options of the fields after an entry's layout, and the entry's label."""
+    name, budget = choice.name, list(choice.more)
     keyvalue = entry_options(budget.pop()) if budget and "=" in budget[-1] else {}
     options: dict[str, Any] = {}
     label = name
@@ -822,9 +819,9 @@ def _parse_backend_entry(entry: str) -> BackendEntry:
     options.update(keyvalue)
     if keyvalue:
         label += f"/{budget_label(keyvalue)}"
-    if cls is not None:
-        check_backend_options(cls, options)
-    return BackendEntry(name, layout, options, label)
+    if choice.cls is not None:
+        check_backend_options(choice.cls, options)
+    return options, label
 
 
 def _backend_records(entry, spec, x_TH, ids_TK, weights_TK, placement, ctx) -> list[dict]:
