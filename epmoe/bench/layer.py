@@ -77,15 +77,16 @@ from epmoe.bench.comm import (
     warm_up_on_side_stream,
 )
 from epmoe.bench.common import (
+    EntrySyntax,
     copy_bandwidth,
     distributed_setup,
     format_table,
     median,
     over_ranks,
+    parse_backend_choice,
     progress,
     time_fn,
 )
-from epmoe.comm import backend_class, backend_names
 from epmoe.comm.base import Layout
 from epmoe.eplb.manager import EPLBManager, measured_balancedness
 from epmoe.eplb.migration import MigrationStats
@@ -104,6 +105,9 @@ ROUTINGS: dict[str, dict[str, Any]] = {
 }
 LAYER_GOAL_RATIO = 1.15  # layer step / (weights read + dispatch + combine), at the goal shape
 NUM_BATCHES = 4  # input batches a timed loop cycles through
+# what --backends and --eplb-backend take (a backend, or auto: the layer's own choice)
+BACKENDS_SYNTAX = EntrySyntax("--backends", "NAME or NAME:LAYOUT", auto=True)
+EPLB_BACKEND_SYNTAX = EntrySyntax("--eplb-backend", "NAME (no layout)", auto=True, layout=False)
 LAYER_COLUMNS = [
     "backend",
     "layout",
@@ -283,20 +287,11 @@ def check_arguments(args: argparse.Namespace) -> str | None:
     process group starts, not as a traceback once part layer's work is done."""
     if args.dtype is not None and args.dtype not in _DTYPES:
         return f"--dtype must be one of {', '.join(_DTYPES)}, got {args.dtype!r}"
-    layouts = [layout.value for layout in Layout]
-    for entry in args.backends:
-        name, _, layout = entry.partition(":")
-        if not name or (layout and layout not in layouts):
-            return (
-                f"--backends takes NAME or NAME:LAYOUT (LAYOUT one of {', '.join(layouts)}), "
-                f"got {entry!r}"
-            )
-        problem = _backend_problem(name, Layout(layout) if layout else None)
-        if problem:
-            return f"--backends {entry!r}: {problem}"
-    problem = _backend_problem(args.eplb_backend, None)
-    if problem:
-        return f"--eplb-backend {args.eplb_backend!r}: {problem}"
+    try:
+        _entries(args)  # (the parser the run uses)
+        parse_backend_choice(args.eplb_backend, EPLB_BACKEND_SYNTAX)
+    except ValueError as exc:
+        return str(exc)
     for option, value in (("--tokens", args.tokens), ("--window", [args.window])):
         if value is not None and any(v < 1 for v in value):
             return f"{option} must be positive, got {value if option == '--tokens' else value[0]}"
@@ -321,23 +316,6 @@ def check_arguments(args: argparse.Namespace) -> str | None:
         return "--weight-scale is for FP8 weights: add --weight-dtype float8_e4m3fn"
     if getattr(args, "plot", None) and "layer" not in args.parts:
         return "--plot draws part layer's step times: add layer to --parts, or drop --plot"
-    return None
-
-
-def _backend_problem(name: str, layout: Layout | None) -> str | None:
-    """Why backend ``name`` (or ``auto``: the layer's choice) with ``layout`` can never
-    serve a layer, or ``None``. (One that is only unavailable here is recorded as skipped.)"""
-    if name == "auto":
-        return None
-    if name not in backend_names():
-        return f"unknown backend; the backends are {', '.join(backend_names())} or auto"
-    try:
-        layouts = backend_class(name).capabilities.layouts
-    except ImportError:  # (recorded as skipped, saying why)
-        return None
-    if layout is not None and layout not in layouts:
-        offered = ", ".join(x.value for x in layouts)
-        return f"{name} has no {layout.value} layout (it offers {offered})"
     return None
 
 
@@ -401,11 +379,12 @@ def _weight_scale(args, I: int) -> dict[str, str]:
 
 
 def _entries(args) -> list[tuple[str, Layout | None]]:
-    """``--backends`` as (name, layout or None: the backend's default)."""
+    """``--backends`` as (name, layout or None: the backend's default), by the parser that
+    checks bench comm's names and layouts too (``ValueError`` saying what is wrong)."""
     out = []
     for entry in args.backends:
-        name, _, layout = entry.partition(":")
-        out.append((name, Layout(layout) if layout else None))
+        choice = parse_backend_choice(entry, BACKENDS_SYNTAX)
+        out.append((choice.name, choice.layout))
     return out
 
 

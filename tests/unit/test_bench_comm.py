@@ -562,7 +562,8 @@ def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
         (["experts", "--num-experts", "4", "--top-k", "2"], "--local-experts 128 is more than"),
         (["experts", "--m-splits", "0"], "--m-splits must be positive"),
         (["layer", "--dtype", "float16x"], "--dtype must be one of bfloat16, float16, float32"),
-        (["layer", "--backends", "all_to_all:bogus"], "--backends takes NAME or NAME:LAYOUT"),
+        (["layer", "--backends", "all_to_all:bogus"], "--backends 'all_to_all:bogus': layout"),
+        (["layer", "--backends", "all_to_all:standard:24"], "expected NAME or NAME:LAYOUT"),
         (["layer", "--window", "0"], "--window must be positive, got 0"),
         (["layer", "--tokens", "4", "0"], "--tokens must be positive, got [4, 0]"),
         (["layer", "--weight-scale", "block"], "--weight-scale is for FP8 weights"),
@@ -580,6 +581,10 @@ def test_layer_cli_measures_each_micro_batch_count_in_one_run(tmp_path):
         (["comm", "--small", "--top-k", "20"], "--top-k 20 is more than the 16 experts"),
         (["comm", "--tokens", "0"], "--tokens must be positive"),
         (["layer", "--eplb-backend", "foo"], "--eplb-backend 'foo': unknown backend"),
+        (
+            ["layer", "--eplb-backend", "naive:standard"],
+            "--eplb-backend 'naive:standard': expected NAME (no layout)",
+        ),
         (["layer", "--experts", "foo"], "argument --experts: invalid choice: 'foo'"),
         (["layer", "--iters", "0"], "--iters must be positive, got 0"),
         (["layer", "--max-num-tokens", "0"], "--max-num-tokens must be positive, got 0"),
@@ -604,6 +609,46 @@ def test_bench_options_are_checked_before_the_run(argv, match, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["comm", "layer"])
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ("foo", "--backends 'foo': unknown backend 'foo'; the backends are "),
+        ("all_to_all:bogus", "--backends 'all_to_all:bogus': layout 'bogus' is not one of "
+         "standard, expert_batched"),
+        ("naive:expert_batched", "--backends 'naive:expert_batched': naive has no "
+         "expert_batched layout (it offers standard)"),
+        # (bench layer took a name and an empty layout for the name alone)
+        ("all_to_all:", "--backends 'all_to_all:': layout '' is not one of standard"),
+    ],
+)  # fmt: skip
+def test_both_benchmarks_refuse_a_bad_backend_entry_in_the_same_words(bench, entry, match,
+                                                                       capsys):  # fmt: skip
+    """One parser (``epmoe.bench.common``) checks the backend and layout of a --backends
+    entry for bench comm and bench layer alike."""
+    from epmoe.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([bench, "--backends", entry])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err
+    if entry == "foo":  # (auto: the layer's own choice, a backend to the layer benchmark)
+        assert err.rstrip().endswith(" or auto") == (bench == "layer")
+
+
+def test_layer_runs_the_backends_its_check_accepted():
+    """Bench layer's run reads --backends with the parser of its check: a name alone is
+    the backend's default layout (``None``), ``auto`` may name a layout."""
+    args = argparse.Namespace(
+        backends=["all_to_all", "auto", "auto:expert_batched", "naive:standard"]
+    )
+    assert layer._entries(args) == [
+        ("all_to_all", None), ("auto", None), ("auto", Layout.EXPERT_BATCHED),
+        ("naive", Layout.STANDARD),
+    ]  # fmt: skip
 
 
 def test_a_wrong_round_trip_marks_the_record():
