@@ -5,7 +5,8 @@
 # $OUT/*.log and a summary.
 #
 #   OUT=results/gpu bash launch/gpu_comm.sh [STEP ...]   steps (default: comm layer tests):
-#     comm layer tests   as above (tests: symm_ll, the layer in a graph, decode graph buckets)
+#     comm layer tests   as above (tests: symm_ll, the layer in a graph, decode graph buckets,
+#                        auto's choices)
 #     gpu                every test under tests/gpu
 #     dist               the multi-process tests (tests/distributed) on NCCL and CUDA tensors
 #     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
@@ -24,8 +25,10 @@
 #     serving            examples/serving.py on every GPU (symm_ll), eager, with the MoE blocks'
 #                        decode graphs and with the whole decode step's: tokens/s, TTFT, ITL
 #     crossover          the layer on symm_ll and symm_ht from 128 to 2048 tokens per rank
-#     ep                 the EP4/EP8 issue's matrix at EP = all GPUs: tests at W = NGPU, comm, layer
-#                        (bf16 with live EPLB under skew; FP8 weights and wire), experts
+#     ep_tests ep_comm ep_layer ep_experts
+#                        the EP4/EP8 issue's matrix at EP = all GPUs, a call or two for
+#                        the four: tests at W = NGPU, comm, layer (bf16 with live EPLB under
+#                        skew; FP8 weights and wire), experts
 #     dsv3               the serving example on a DeepSeek-V3-shaped FP8 checkpoint written on
 #                        the machine: decode batch 128 and prefill 4096 tokens per rank, FP8
 #                        experts eager / CUDA graphs / on one GPU, and bf16 experts
@@ -60,13 +63,13 @@ for s in "${STEPS[@]}"; do
             --backends all_to_all symm_ll --iters 10 --out "$OUT/layer.json" >"$OUT/layer.log" 2>&1
         ;;
     tests)
-        EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-180}" python3 -m pytest -q -p no:cacheprovider \
+        EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_symm_ll.py tests/gpu/test_layer_graph.py tests/gpu/test_decode_graphs.py \
             tests/gpu/test_auto_backends.py \
             >"$OUT/tests.log" 2>&1
         ;;
     gpu)
-        EPMOE_TEST_DEVICE=cuda timeout "${TESTS_LIMIT_S:-480}" python3 -m pytest -q -p no:cacheprovider \
+        EPMOE_TEST_DEVICE=cuda timeout "${GPU_LIMIT_S:-540}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu >"$OUT/gpu.log" 2>&1
         ;;
     dist)
@@ -84,17 +87,19 @@ for s in "${STEPS[@]}"; do
         ;;
     ht)
         EPMOE_TEST_DEVICE=cuda timeout "${HT_TESTS_LIMIT_S:-240}" python3 -m pytest -q -p no:cacheprovider \
-            tests/gpu/test_symm_ht.py tests/gpu/test_symm_ht_one_gpu.py >"$OUT/ht.log" 2>&1 &&
+            tests/gpu/test_symm_ht.py tests/gpu/test_symm_ht_one_gpu.py >"$OUT/ht.log" 2>&1
+        failed=$?  # (the benchmarks run after a failed test too: they are what the step is for)
         timeout "${HT_BENCH_LIMIT_S:-200}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 512 4096 16384 --dispatch-dtypes bfloat16 float8_e4m3fn \
             --backends symm_ht:standard symm_ht:standard:66 symm_ht:standard:32 \
             symm_ht:standard:24 symm_ht:standard::4 all_to_all:standard --iters 10 --warmup 3 \
-            --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1 &&
+            --out "$OUT/comm_ht.json" >>"$OUT/ht.log" 2>&1 || failed=1
         # symm_ll beside it where its [e, W·M, H] buffers fit (16384 tokens per rank do not)
         timeout "${HT_LL_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 512 4096 --dispatch-dtypes bfloat16 float8_e4m3fn \
             --backends symm_ll:expert_batched --iters 10 --warmup 3 \
-            --out "$OUT/comm_ht_ll.json" >>"$OUT/ht.log" 2>&1
+            --out "$OUT/comm_ht_ll.json" >>"$OUT/ht.log" 2>&1 || failed=1
+        [ "$failed" -eq 0 ]
         ;;
     ht_variants)
         timeout "${HT_VARIANTS_LIMIT_S:-150}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
@@ -117,9 +122,11 @@ for s in "${STEPS[@]}"; do
         timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 4096 --experts triton --backends symm_ht \
             --micro-batches 1 2 --iters 10 --out "$OUT/layer_overlap.json" >"$OUT/overlap.log" 2>&1
+        failed=$?
         timeout "${OVERLAP_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 --max-num-tokens 128 --experts triton --backends symm_ll \
-            --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1
+            --weight-dtype float8_e4m3fn --iters 10 --out "$OUT/layer_fp8w.json" >>"$OUT/overlap.log" 2>&1 || failed=1
+        [ "$failed" -eq 0 ]
         ;;
     prefill)
         # one process per backend, each writing its records (a time limit keeps the first)
@@ -148,14 +155,15 @@ for s in "${STEPS[@]}"; do
     dsv3)
         # a DeepSeek-V3-shaped FP8 checkpoint (4 MoE layers, H 7168, 256 experts, top-8;
         # about 46 GB), written once on the machine's disk (kept while it stays warm), then
-        # served. DSV3_RUNS picks the runs (one device call holds about two):
+        # served. DSV3_RUNS picks the runs (one device call holds two: 150 + 2 x 200 s at most
+        # with the write, which took 64 s on 2026-12-01):
         #   fp8 / graphs / blocks: FP8 experts on every GPU, eager / the whole decode step in
         #   a CUDA graph / only the MoE blocks in CUDA graphs;
         #   one / onegraphs: FP8 experts on one GPU holding every expert, eager / step graph;
         #   bf16: dequantised experts
         D="${DSV3_DIR:-/tmp/epmoe-dsv3}"
         failed=0
-        [ -f "$D/config.json" ] || timeout "${DSV3_WRITE_S:-300}" python3 \
+        [ -f "$D/config.json" ] || timeout "${DSV3_WRITE_S:-150}" python3 \
             examples/deepseek_v3_checkpoint.py "$D" >>"$OUT/dsv3.log" 2>&1 || failed=1
         for run in ${DSV3_RUNS:-fp8 graphs}; do
             case $run in
@@ -181,36 +189,44 @@ for s in "${STEPS[@]}"; do
         timeout "${CROSSOVER_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 256 512 1024 2048 --max-num-tokens 2048 --experts triton \
             --backends symm_ll --iters 10 --out "$OUT/layer_crossover_ll.json" \
-            >"$OUT/crossover.log" 2>&1 &&
+            >"$OUT/crossover.log" 2>&1
+        failed=$?
         timeout "${CROSSOVER_LIMIT_S:-120}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 256 512 1024 2048 --experts triton --backends symm_ht \
-            --iters 10 --out "$OUT/layer_crossover_ht.json" >>"$OUT/crossover.log" 2>&1
+            --iters 10 --out "$OUT/layer_crossover_ht.json" >>"$OUT/crossover.log" 2>&1 || failed=1
+        [ "$failed" -eq 0 ]
         ;;
-    ep)
-        # the EP4/EP8 issue's matrix at EP = every GPU of the machine: the end-to-end tests at
-        # W = NGPU, comm at 128, 512 and 4096 tokens per rank (bf16 and FP8 wire), the layer
-        # (bf16 weights with a live EPLB re-plan under skew; FP8 weights and wire), and the
-        # experts at this EP's shapes on one GPU (256 / NGPU local experts)
+    ep_tests)
+        # the EP4/EP8 issue's matrix at EP = every GPU of the machine (ep_*): the end-to-end
+        # tests at W = NGPU, comm at 128, 512 and 4096 tokens per rank (bf16 and FP8 wire),
+        # the layer (bf16 weights with a live EPLB re-plan under skew; FP8 weights and wire),
+        # and the experts at this EP's shapes on one GPU (256 / NGPU local experts)
         EPMOE_TEST_WORLDS="$NGPU" EPMOE_TEST_DEVICE=cuda timeout "${EP_TESTS_LIMIT_S:-300}" \
             python3 -m pytest -q -p no:cacheprovider tests/distributed/test_layer.py \
             tests/distributed/test_eplb_live.py tests/gpu/test_layer_graph.py \
             tests/gpu/test_symm_ll.py tests/gpu/test_symm_ht.py >"$OUT/ep_tests.log" 2>&1
-        failed=$?
+        ;;
+    ep_comm)
         timeout "${EP_COMM_LIMIT_S:-240}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench comm \
             --tokens 128 512 4096 --backends symm_ll:expert_batched symm_ht:standard \
             all_to_all:standard --iters 10 --warmup 3 --out "$OUT/comm_ep$NGPU.json" \
-            >"$OUT/ep.log" 2>&1 || failed=1
-        timeout "${EP_LAYER_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            >"$OUT/ep_comm.log" 2>&1
+        ;;
+    ep_layer)
+        timeout "${EP_LAYER_LIMIT_S:-280}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --tokens 128 512 4096 --experts triton --backends all_to_all symm_ll symm_ht \
-            --hot contiguous --out "$OUT/layer_ep$NGPU.json" >>"$OUT/ep.log" 2>&1 || failed=1
-        timeout "${EP_LAYER_LIMIT_S:-300}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
+            --hot contiguous --out "$OUT/layer_ep$NGPU.json" >"$OUT/ep_layer.log" 2>&1
+        failed=$?
+        timeout "${EP_LAYER_LIMIT_S:-280}" python3 launch/run.py --nproc "$NGPU" -m epmoe.bench layer \
             --parts layer --tokens 128 512 4096 --experts triton --backends symm_ll symm_ht \
             --weight-dtype float8_e4m3fn --dispatch-dtype float8_e4m3fn \
-            --out "$OUT/layer_ep${NGPU}_fp8.json" >>"$OUT/ep.log" 2>&1 || failed=1
+            --out "$OUT/layer_ep${NGPU}_fp8.json" >>"$OUT/ep_layer.log" 2>&1 || failed=1
+        [ "$failed" -eq 0 ]
+        ;;
+    ep_experts)
         timeout "${EP_EXPERTS_LIMIT_S:-300}" python3 -m epmoe.bench experts --dtypes bf16,fp8 \
             --local-experts $((256 / NGPU)) --decode-ranks "$NGPU" \
-            --out "$OUT/experts_ep$NGPU.json" >>"$OUT/ep.log" 2>&1 || failed=1
-        [ "$failed" -eq 0 ]
+            --out "$OUT/experts_ep$NGPU.json" >"$OUT/ep_experts.log" 2>&1
         ;;
     info)
         python3 -m epmoe.info >"$OUT/info.log" 2>&1 && python3 -m epmoe.info --json >"$OUT/info.json"

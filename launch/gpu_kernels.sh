@@ -18,6 +18,7 @@ set -u
 OUT=${OUT:-results/gpu_kernels}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."  # (the repository root; $OUT resolved from the caller's directory)
 WORK=$(mktemp -d)
 SWEEP_BUDGET_S=${SWEEP_BUDGET_S:-100}
 BENCH_LIMIT_S=${BENCH_LIMIT_S:-170}
@@ -47,29 +48,29 @@ step() {  # step NAME TIMEOUT_S CMD... : run, log, record rc and seconds, never 
 
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
 } > "$WORK/env.log" 2>&1
 cat "$WORK/env.log"
 
 # Worst case with the defaults: 325 + 175 + 105 s of steps, plus start-up and the summary:
 # about 10 minutes (the two GPU test files took 215-264 s on an H200 on 2026-12-01, the
 # CUDA unit tests 53 s plus start-up).
-step gpu_tests 320 python -m pytest tests/gpu/test_triton_experts_gpu.py tests/gpu/test_wgmma_kernels.py -q -rf \
+step gpu_tests 320 python3 -m pytest tests/gpu/test_triton_experts_gpu.py tests/gpu/test_wgmma_kernels.py -q -rf \
     --junitxml="$WORK/gpu_tests.xml"
 
 # shellcheck disable=SC2086
-step bench "$BENCH_LIMIT_S" python -m epmoe.bench experts --configs --sweep-budget-s "$SWEEP_BUDGET_S" \
+step bench "$BENCH_LIMIT_S" python3 -m epmoe.bench experts --configs --sweep-budget-s "$SWEEP_BUDGET_S" \
     --configs-out "$WORK/tuned_configs.json" --report-kernels --out "$WORK/bench.json" \
     ${BENCH_ARGS:-}
 
 if [ "$(elapsed)" -lt $(( BENCH_LIMIT_S + 290 )) ]; then
-    step unit_tests_cuda 100 python -m pytest tests/unit/test_triton_kernels.py -q -rf \
+    step unit_tests_cuda 100 python3 -m pytest tests/unit/test_triton_kernels.py -q -rf \
         --junitxml="$WORK/unit_tests.xml"
 else
     echo "== skipping unit_tests_cuda (past $(( BENCH_LIMIT_S + 290 )) s)"
 fi
 
-python - "$WORK" > "$WORK/summary.txt" 2>&1 <<'PYEOF'
+python3 - "$WORK" > "$WORK/summary.txt" 2>&1 <<'PYEOF'
 import json, os, sys
 import xml.etree.ElementTree as ET
 
@@ -186,5 +187,8 @@ cp "$WORK/summary.txt" "$OUT/" 2>/dev/null
 [ -f "$WORK/bench.json" ] && cp "$WORK/bench.json" "$OUT/"
 [ -f "$WORK/tuned_configs.json" ] && cp "$WORK/tuned_configs.json" "$OUT/"
 tar -czf "$OUT/logs.tar.gz" -C "$WORK" --exclude=bench.json --exclude=tuned_configs.json .
+# the exit status says whether every step passed (a caller's `&&` or `rc` must see a failure)
+failed=$(awk -F'\t' '$2 != 0' "$STATUS" | wc -l)
 rm -rf "$WORK"
-echo "$OUT: $(ls "$OUT" | tr '\n' ' ')(total $(elapsed)s)"
+echo "$OUT: $(ls "$OUT" | tr '\n' ' ')(total $(elapsed)s; $failed step(s) failed)"
+[ "$failed" -eq 0 ]

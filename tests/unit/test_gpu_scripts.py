@@ -47,7 +47,7 @@ def _case_steps(script: str) -> list[str]:
 
 def _run_script(tmp_path: Path, script: str, steps: list[str], ngpu: int, env: dict) -> list:
     shims = tmp_path / "shims"
-    shims.mkdir(exist_ok=True)
+    shims.mkdir(parents=True, exist_ok=True)
     for tool in ("python3", "python", "timeout"):
         path = shims / tool
         path.write_text(SHIM.format(python=sys.executable, tool=tool))
@@ -172,6 +172,42 @@ def test_every_step_of_the_gpu_scripts_starts_as_written(tmp_path, script, ngpu)
     assert not problems, "\n".join(problems)
     run = sum("epmoe.bench" in c["argv"] for c in calls if c["tool"] != "timeout")
     assert run >= _bench_lines(script), (run, _bench_lines(script))  # every line ran
+
+
+CALL_LIMIT_S = 600  # the device tool's limit on one call
+SELF_CAPPED = {"prefill"}  # steps that cap their own total (PREFILL_LIMIT_S)
+
+
+def _limits(calls: list) -> list[int]:
+    """The time limits of the recorded ``timeout LIMIT CMD`` calls."""
+    out = []
+    for call in calls:
+        if call["tool"] == "timeout":
+            out.append(int(next(a for a in call["argv"] if not a.startswith("-"))))
+    return out
+
+
+@pytest.mark.parametrize("ngpu", [2, 8])
+def test_each_step_of_gpu_comm_fits_in_one_device_call(tmp_path, ngpu):
+    """The sum of a step's time limits (its worst case) within one call's 600 s, so that
+    a step that runs long is cut by its own limits, with its logs, not by the device tool."""
+    over = {}
+    for step in _case_steps("launch/gpu_comm.sh"):
+        if step in SELF_CAPPED:
+            continue
+        worst = sum(_limits(_run_script(tmp_path / step, "launch/gpu_comm.sh", [step], ngpu, {})))
+        if worst > CALL_LIMIT_S - 10:
+            over[step] = worst
+    default = sum(_limits(_run_script(tmp_path / "default", "launch/gpu_comm.sh", [], ngpu, {})))
+    assert not over and default <= CALL_LIMIT_S - 10, (over, default)
+
+
+def test_the_gpu_tiers_default_steps_fit_in_one_device_call(tmp_path):
+    worst = sum(_limits(_run_script(tmp_path, "launch/gpu_tier.sh", [], 2, {})))
+    assert 0 < worst <= CALL_LIMIT_S - 10, worst
+    for step in ("tests", "dist", "experts"):  # (one call each)
+        calls = _run_script(tmp_path / step, "launch/gpu_tier.sh", [step], 2, {})
+        assert _limits(calls)[0] <= CALL_LIMIT_S - 10, (step, _limits(calls))
 
 
 def test_the_kernels_script_starts_as_written(tmp_path):
