@@ -180,6 +180,29 @@ def test_bias_switches_group_score_to_top2_sum():
     assert ids_sum.tolist() == [[4]]
 
 
+def test_negative_biased_scores_never_pick_an_expert_of_a_dropped_group():
+    # Sigmoid scores lie in (0, 1); a bias of -1 makes every biased score negative. Experts
+    # of the dropped groups must stay out of reach (masked below any score), not merely
+    # below zero, which every eligible expert now is too.
+    logits = _logits(16, 8, seed=3)
+    bias = torch.full((8,), -1.0)
+    kwargs = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=1)
+    w, ids = select_experts(logits, 2, e_score_correction_bias=bias, **kwargs)
+    ref_w, ref_ids = brute_force_route(logits, 2, bias_E=bias, **kwargs)
+    assert ids.tolist() == ref_ids
+    assert all(row[0] // 2 == row[1] // 2 for row in ids.tolist()), "picks span two groups"
+    torch.testing.assert_close(w.double(), torch.tensor(ref_w, dtype=torch.float64))
+
+
+def test_renormalize_gives_zero_weights_not_nan_when_the_chosen_scores_underflow():
+    # sigmoid(-200) is 0 in float32: the chosen weights sum to 0 and renormalizing must not
+    # divide 0 by 0 (a padding row of very negative logits would put NaN into the combine)
+    logits = torch.full((3, 8), -200.0)
+    w, ids = select_experts(logits, 2, renormalize=True, scoring_func="sigmoid")
+    assert torch.equal(w, torch.zeros(3, 2))
+    assert ids.shape == (3, 2)
+
+
 def test_scaling_factor_multiplies_final_weights():
     logits = _logits(16, 8)
     w1, ids1 = select_experts(logits, 3)
