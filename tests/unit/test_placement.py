@@ -271,6 +271,21 @@ def test_to_physical_spreads_decode_tokens_over_ranks() -> None:
     assert sorted(picks) == [0, 3, 7]
 
 
+def test_to_physical_follows_the_documented_replica_rule() -> None:
+    """Entry (t, k) on rank r takes replica (t + k + r) mod count of its expert: the rule
+    the fused CUDA routing kernel implements too, so both paths must pick alike."""
+    p = _replicated()
+    replicas = {0: [0, 3, 7], 1: [4, 5]}  # read off _replicated's map by hand
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    for rank in range(3):
+        phys = p.to_physical(ids, rank=rank).tolist()
+        want = [
+            [replicas[x][(t + k + rank) % len(replicas[x])] for k, x in enumerate(row)]
+            for t, row in enumerate(ids.tolist())
+        ]
+        assert phys == want, (rank, phys, want)
+
+
 def test_prefer_local_uses_the_local_replica() -> None:
     p = _replicated()
     ids = torch.arange(6).repeat(5, 1)  # every expert, five tokens
@@ -367,6 +382,10 @@ def test_moved_slots() -> None:
     assert not a.moved_slots(a).any()
     with pytest.raises(ValueError, match="same slots"):
         a.moved_slots(ExpertPlacement.linear(4, 2))
+    # the same P, but the slots belong to other ranks: not comparable slot by slot
+    uneven = ExpertPlacement(4, 3, torch.tensor([0, 1, 2, 3, 1, 0]), (0, 1, 3, 6))
+    with pytest.raises(ValueError, match="same slots"):
+        a.moved_slots(uneven)
 
 
 # ------------------------------------------------------------------------ value semantics
@@ -385,6 +404,17 @@ def test_equality_hash_pickle_and_repr() -> None:
     assert "num_experts=8" in repr(a) and "ep_size=2" in repr(a)
     with pytest.raises(AttributeError):
         a.num_experts = 9  # frozen
+
+
+def test_placements_with_other_rank_offsets_are_not_equal() -> None:
+    """Equal maps over other rank boundaries put experts on other ranks: not equal (and
+    equal placements must hash alike, so a set or dict of them stays consistent)."""
+    p2l = torch.tensor([0, 1, 2, 3, 4, 5])
+    even = ExpertPlacement(6, 2, p2l, (0, 3, 6))
+    uneven = ExpertPlacement(6, 2, p2l, (0, 2, 6))
+    assert even != uneven
+    assert len({even, uneven}) == 2
+    assert even == ExpertPlacement(6, 2, p2l.clone(), (0, 3, 6))
 
 
 @pytest.mark.parametrize("context", ["meta", "cpu"])
