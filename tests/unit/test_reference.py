@@ -224,6 +224,19 @@ def test_quantize_block_matches_the_loop_oracle(shape):
     assert relative_error(dequantize_block(q, s, dtype=torch.float64), w) < 4e-2
 
 
+def test_quantize_block_of_an_all_zero_expert_is_zero_not_nan():
+    """An all-zero matrix (or tile) quantizes to zeros with the smallest scale, 1e-10 / 448:
+    its amax is floored, not divided by (a 0/0 would give NaN weights)."""
+    w = _rand(2, 200, 300, seed=13, dtype=torch.float32)
+    w[1] = 0.0
+    eps_scale = torch.tensor(1e-10 / FP8_MAX, dtype=torch.float32)
+    for per_matrix in (True, False):
+        q, s = quantize_block(w, per_matrix=per_matrix)
+        assert torch.equal(q[1].float(), torch.zeros(200, 300)), per_matrix
+        assert torch.equal(s[1], eps_scale.expand_as(s[1])), per_matrix
+        assert torch.isfinite(dequantize_block(q, s)).all()
+
+
 def test_quantize_groups_scales_and_round_trip():
     x = _rand(5, 300, seed=12)  # 3 groups, the last partial
     q, s = quantize_groups(x)
@@ -312,6 +325,8 @@ def test_fp8_per_expert_scale():
                      r"\[0, 4\)", id="ids-out-of-range"),
         pytest.param(lambda a: a.update(topk_ids=a["topk_ids"] - 3), ValueError,
                      "-1", id="ids-below-minus-one"),
+        pytest.param(lambda a: a["topk_ids"].__setitem__((0, 0), -2), ValueError,
+                     "-1", id="one-id-of-minus-two"),
         pytest.param(lambda a: a.update(activation="relu"), ValueError, "activation",
                      id="bad-activation"),
         pytest.param(lambda a: a.update(w13_scale=torch.ones(4, 2, 2)), ValueError,
@@ -386,6 +401,20 @@ def test_assert_close_row_rtol_finds_one_wrong_row_among_many():
     zeros = torch.zeros(3, 4, dtype=torch.float64)
     assert_close(zeros, zeros, rtol=0.0, row_rtol=0.0)  # (zero rows of the reference)
     assert_close(torch.empty(0, 4), torch.empty(0, 4), rtol=0.0, row_rtol=0.0)
+
+
+def test_assert_close_row_floor_is_the_rows_rms_not_the_largest_row():
+    """One large row among 100 unit rows: a wrong unit row (error 0.1) is within rtol of
+    the whole and of the large row's norm, but 8 * rtol off against the rows' RMS norm
+    (≈ 10), which is the documented floor: the check must fail."""
+    ref = torch.zeros(100, 4, dtype=torch.float64)
+    ref[:, 0] = 1.0
+    ref[0, 0] = 100.0
+    out = ref.clone()
+    out[5, 1] = 0.1
+    assert relative_error(out, ref) < 1e-3
+    with pytest.raises(AssertionError, match=r"row 5 is off on its own"):
+        assert_close(out, ref, rtol=1e-3)
 
 
 def test_assert_close_checks_each_row_by_default_but_not_near_zero_rows_noise():
