@@ -191,6 +191,16 @@ def test_zero_load_layer_is_planned_as_uniform() -> None:
     assert balancedness(weight, phy2log, 4).tolist() == [1.0]
 
 
+def test_zero_load_layer_with_redundant_slots_spreads_them_as_uniform_load_would() -> None:
+    """Uniform load gives every expert the same number of replicas; zero load read as is
+    would give every extra slot to expert 0 (all per-replica loads tie at 0)."""
+    zero, uniform = torch.zeros(1, 8), torch.ones(1, 8)
+    phy2log, _, logcnt = rebalance(zero, 16, 1, 1, 4)
+    assert logcnt.tolist() == [[2] * 8]
+    assert torch.equal(phy2log, rebalance(uniform, 16, 1, 1, 4)[0])
+    assert balancedness(uniform, phy2log, 4).tolist() == [1.0]
+
+
 # ------------------------------------------------------------------------ the steps
 
 
@@ -208,6 +218,14 @@ def test_replication_minimises_the_largest_per_replica_load() -> None:
             if sum(c) == P
         )
         assert (w / cnt).max().item() == pytest.approx(best)
+
+
+def test_replication_breaks_ties_toward_the_lowest_expert_id() -> None:
+    """Equal per-replica loads: each extra replica goes to the lowest id among the tied
+    experts (the documented rule; every rank must plan the same map)."""
+    phy2log, cnt = replicate_experts(torch.full((1, 4), 6.0, dtype=torch.float64), 7)
+    assert phy2log.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert cnt.tolist() == [[2, 2, 2, 1]]
 
 
 def test_balanced_packing_equal_counts_and_refinement_never_worse() -> None:
