@@ -154,6 +154,21 @@ def test_single_rank_round_trip(name, layout, T):
     torch.testing.assert_close(comm.combine(y, res), want)
 
 
+def test_all_to_all_standard_sends_no_row_for_a_token_without_experts():
+    """W = 1, Standard: a token goes once to each rank holding one of its experts, so a
+    token whose ids are all -1 (padding) is not sent at all; its combined row is zero."""
+    comm = create_backend("all_to_all", spec(), None, Layout.STANDARD)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[0, 3], [-1, -1], [2, -1], [-1, -1]])
+    w = torch.full((4, 2), 0.5)
+    res = comm.dispatch(x, ids, w)
+    assert res.hidden.shape == (2, 8)
+    torch.testing.assert_close(res.hidden, x[[0, 2]])
+    assert res.topk_ids.tolist() == [[0, 3], [2, -1]]
+    out = comm.combine(res.hidden, res)
+    torch.testing.assert_close(out, torch.stack([x[0], torch.zeros(8), x[2], torch.zeros(8)]))
+
+
 @pytest.mark.parametrize("layout", [Layout.STANDARD, Layout.EXPERT_BATCHED], ids=lambda x: x.value)
 @pytest.mark.parametrize("H", [8, 160], ids=["H=8", "H=160 (partial FP8 group)"])
 @pytest.mark.parametrize("T", [6, 0], ids=["T=6", "T=0"])
