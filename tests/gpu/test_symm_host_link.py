@@ -11,39 +11,31 @@ Run in the GPU tier: ``EPMOE_TEST_DEVICE=cuda python -m pytest tests/gpu/test_sy
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 if not torch.cuda.is_available():  # collected on CPU too; conftest skips the gpu mark
     pytest.skip("needs CUDA", allow_module_level=True)
 
-import triton
+import importlib.util
+from pathlib import Path
 
 from epmoe.comm.symm.common import status_block
-from epmoe.comm.symm.kernels import OP_DISPATCH, _wait_at_least
 
 pytestmark = pytest.mark.gpu
 
 
-@triton.jit
-def _waiter(flag_ptr, err_addr, timeout_ns):
-    _wait_at_least(flag_ptr, 1, timeout_ns, err_addr, OP_DISPATCH, 0)
-
-
-def _h2d_gbps(src: torch.Tensor, dst: torch.Tensor, copies: int, stream) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with torch.cuda.stream(stream):
-        start.record()
-        for _ in range(copies):
-            dst.copy_(src, non_blocking=True)
-        end.record()
-    end.synchronize()
-    return copies * src.numel() / (start.elapsed_time(end) * 1e-3) / 1e9
+def _host_poll():
+    """``launch/host_poll.py``'s waiter and timed copies (one measurement, two users)."""
+    path = Path(__file__).resolve().parents[2] / "launch" / "host_poll.py"
+    spec = importlib.util.spec_from_file_location("host_poll", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_host_to_device_copies_keep_their_speed_while_every_sm_waits():
+    hp = _host_poll()
     dev = torch.device("cuda", torch.cuda.current_device())
     programs = torch.cuda.get_device_properties(dev).multi_processor_count
     src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
@@ -52,19 +44,16 @@ def test_host_to_device_copies_keep_their_speed_while_every_sm_waits():
     status = status_block(err, dev)
     one = torch.ones(1, dtype=torch.int32, pin_memory=True)
     copy_stream, wait_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def wait(flag):
+        with torch.cuda.stream(wait_stream):
+            hp._waiter[(programs,)](flag, status.data_ptr(), 20 * 10**9, num_warps=8)
+
     idle, waiting = [], []
     for r in range(3):  # (round 0 compiles the waiter and warms the copies)
-        idle_gbps = _h2d_gbps(src, dst, 4, copy_stream)
-        flag = torch.zeros(1, dtype=torch.int32, device=dev)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(wait_stream):
-            _waiter[(programs,)](flag, status.data_ptr(), 20 * 10**9, num_warps=8)
-        time.sleep(0.003)  # past the wait's first millisecond
-        waiting_gbps = _h2d_gbps(src, dst, 4, copy_stream)
-        with torch.cuda.stream(copy_stream):
-            flag.copy_(one, non_blocking=True)  # by a copy engine: no SM needed
-        torch.cuda.synchronize()
-        assert int(err[0]) == 0 and int(status[1]) == 0, hex(int(err[0]))
+        idle_gbps = hp._copies_gbps(src, dst, 4, copy_stream)
+        waiting_gbps, timed_out = hp._gbps_while(wait, src, dst, 4, copy_stream, one, err, status)
+        assert not timed_out and int(status[1]) == 0, hex(int(err[0]))
         if r:
             idle.append(idle_gbps)
             waiting.append(waiting_gbps)
