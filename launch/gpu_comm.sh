@@ -7,7 +7,8 @@
 #   OUT=results/gpu bash launch/gpu_comm.sh [STEP ...]   steps (default: comm layer tests):
 #     comm layer tests   as above (tests: symm_ll, the layer in a graph, decode graph buckets,
 #                        auto's choices)
-#     gpu                every test under tests/gpu
+#     gpu                every test under tests/gpu (gpu_comm_tests: without the expert
+#                        kernels' files, which gpu_kernels.sh runs)
 #     dist               the multi-process tests (tests/distributed) on NCCL and CUDA tensors
 #     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
 #     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
@@ -71,6 +72,13 @@ for s in "${STEPS[@]}"; do
     gpu)
         EPMOE_TEST_DEVICE=cuda timeout "${GPU_LIMIT_S:-540}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu >"$OUT/gpu.log" 2>&1
+        ;;
+    gpu_comm_tests)
+        # tests/gpu without the expert kernels' two files (gpu_kernels.sh runs those): what
+        # the comm, graph and serving code needs, when all of tests/gpu does not fit a call
+        EPMOE_TEST_DEVICE=cuda timeout "${GPU_LIMIT_S:-540}" python3 -m pytest -q -p no:cacheprovider \
+            tests/gpu --ignore=tests/gpu/test_triton_experts_gpu.py \
+            --ignore=tests/gpu/test_wgmma_kernels.py >"$OUT/gpu_comm_tests.log" 2>&1
         ;;
     dist)
         EPMOE_TEST_DEVICE=cuda timeout "${DIST_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \

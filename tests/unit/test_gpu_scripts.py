@@ -102,6 +102,7 @@ def _check_script(path: Path, args: list[str]) -> None:
 
 def _check_pytest(args: list[str]) -> None:
     for arg in args:
+        arg = arg.removeprefix("--ignore=")  # (an ignored path must exist too)
         if not arg.startswith("tests"):
             continue
         file, _, node = arg.partition("::")
@@ -226,6 +227,8 @@ def test_a_stale_option_is_caught(tmp_path):
     assert "--no-such-option" in (_check(bad) or "")
     moved = {"tool": "python3", "argv": ["-m", "pytest", "tests/gpu/test_gone.py"], "cwd": ""}
     assert "no such test path" in (_check(moved) or "")
+    ignored = {"tool": "python3", "argv": ["-m", "pytest", "tests", "--ignore=tests/gpu/x.py"]}
+    assert "no such test path: tests/gpu/x.py" in (_check(dict(ignored, cwd="")) or "")
     node = {"tool": "python3", "argv": ["-m", "pytest", "tests/unit/test_gpu_scripts.py::x"]}
     assert "no test x" in (_check(dict(node, cwd="")) or "")
     script = {"tool": "python3", "argv": ["examples/serving.py", "--no-such-flag"], "cwd": ""}
