@@ -308,9 +308,7 @@ class EPLBManager:
         G, N = self.num_groups, self.num_nodes
         if N <= 1 or G <= 1 or G % N:
             return True
-        offsets = torch.tensor(placement.rank_offsets)
-        slots = torch.arange(placement.num_physical)
-        node_P = (torch.searchsorted(offsets, slots, right=True) - 1) // (placement.ep_size // N)
+        node_P = placement.owner_rank // (placement.ep_size // N)
         p2l = placement.physical_to_logical[None]
         return bool(groups_on_nodes(p2l, placement.num_experts, G, node_P)[0])
 
