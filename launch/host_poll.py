@@ -1,8 +1,9 @@
 """What a long wait in the symm kernels costs the host link: host-to-device copy bandwidth
 while every SM waits in their bounded poll (``kernels._wait_at_least``) past its first
-millisecond (where a poll may also read the host-mapped error word), against the same
-copies with the GPU idle. For A/B of the poll's host reads: run it from each source tree
-(``cd <tree> && python launch/host_poll.py``), alternating.
+millisecond (where it also checks whether another wait has timed out: by reading the
+host-mapped error word until 2026-12-03, a flag in device memory since), against the same
+copies with the GPU idle. For an A/B of two trees, run this script against each
+(``PYTHONPATH=<tree> python launch/host_poll.py``), alternating.
 
 Usage (repository root, GPU): ``python launch/host_poll.py [--programs 132] [--warps 8]
 [--copy-mib 64] [--copies 8] [--rounds 5] [--timeout-s 30]``
