@@ -228,7 +228,15 @@ def _status(err_addr):
     (error word, stop flag) pointers."""
     block = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int64))
     word = tl.load(block).to(tl.pointer_type(tl.int32))
-    return word, (block + 1).to(tl.pointer_type(tl.int32))
+    return word, _stop_flag(err_addr)
+
+
+@triton.jit
+def _stop_flag(err_addr):
+    """The status block's stop flag alone (see ``_status``): what a long wait polls, with
+    no load of the host word's address on the way."""
+    block = tl.cast(err_addr, tl.int64).to(tl.pointer_type(tl.int64))
+    return (block + 1).to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
@@ -268,8 +276,7 @@ def _give_up(start, timeout_ns, err_addr, op, peer):
         # another wait of this rank has timed out already: the call is lost, and a program
         # that waits for many flags must not pay the timeout for each
         if waited > GIVE_UP_AFTER_NS:
-            _, stop_ptr = _status(err_addr)
-            stop = tl.load(stop_ptr, volatile=True)
+            stop = tl.load(_stop_flag(err_addr), volatile=True)
             if stop != 0:
                 # and says so again: the host word may have lost the first timeout (to a
                 # report that raced it, or to the host clearing a report it had read)
