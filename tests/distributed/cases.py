@@ -26,7 +26,11 @@ def e_top_k(W: int) -> list[tuple[int, int]]:
 
 
 def device_for(rank: int, device: str) -> torch.device:
-    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    """A rank's device: its current GPU on CUDA, which the harness set (``cuda:rank``, or the
+    GPU it shares under ``EPMOE_TEST_RANKS_PER_GPU``), else the CPU."""
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def full_weights(E: int, H: int, I: int, dtype, device, seed: int = 0):

@@ -32,6 +32,7 @@ from epmoe.comm.base import FP8_DTYPE, FP8_GROUP, CommSpec, DispatchResult, Layo
 from epmoe.experts.base import ExpertWeights
 from epmoe.experts.torch_experts import TorchExperts
 from epmoe.reference import TOLERANCES, assert_close, expert_mlp, quantize_groups
+from tests.distributed.cases import device_for
 from tests.harness import Sweep
 
 E, K, I = 6, 2, 24  # E: logical experts up to W = 4 (num_experts(W) beyond)
@@ -93,10 +94,6 @@ def layouts_of(backend: str) -> list[Layout]:
 
 def _label(backend: str, layout: Layout) -> str:
     return f"{backend} {layout.value}"
-
-
-def device_for(rank: int, device: str) -> torch.device:
-    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
 
 
 @dataclass(frozen=True)

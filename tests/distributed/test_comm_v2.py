@@ -39,11 +39,15 @@ def _dtype() -> str:
 
 
 def _usable(backend: str, world: int) -> None:
-    """Skip (with its reason) a backend that cannot run on the device under test."""
+    """Skip (with its reason) a backend that cannot run on the device under test, for a
+    reason that no process group changes (no CUDA, a package missing). The adapters also
+    refuse a process without torch.distributed, which this parent is: the ranks decide
+    that with their live group (``comm_cases.usable_here``), or the suite would skip them
+    on every machine."""
     requires_world(world)
     device = "cuda:0" if device_under_test() == "cuda" else "cpu"
     why = epmoe.available_backends(normalize_device(device))[comm_cases.split_variant(backend)[0]]
-    if why is not None:
+    if why is not None and "needs torch.distributed" not in why:
         pytest.skip(f"{backend}: {why}")
 
 
@@ -112,3 +116,16 @@ def test_our_backends_are_usable_where_the_suite_runs():
     else:
         usable = epmoe.available_backends(normalize_device("cpu"))
         assert usable["all_to_all"] is None and usable["naive"] is None, usable
+
+
+def test_the_parent_leaves_the_process_group_checks_to_the_ranks(monkeypatch):
+    """An adapter refuses a process without torch.distributed (the parent); a missing
+    package is refused in the parent already."""
+    reasons = {
+        "deepep_ht": "DeepEP needs torch.distributed initialised with 2, 4 or 8 NCCL ranks",
+        "pplx": "pplx-kernels is not installed: pip install ...",
+    }
+    monkeypatch.setattr(epmoe, "available_backends", lambda device=None: reasons)
+    _usable("deepep_ht(worst_case_rows=True)", 1)  # not skipped here
+    with pytest.raises(pytest.skip.Exception, match="pplx: pplx-kernels is not installed"):
+        _usable("pplx", 1)
