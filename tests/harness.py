@@ -41,6 +41,12 @@ the timeout (``timeout_s``, else env ``EPMOE_TEST_TIMEOUT``, 120 s) all ranks ar
 ``RankTimeout`` names the unfinished ranks with their Python stacks. A pool that may be out
 of step (a rank missing after a failure) is killed and the next call starts a fresh one.
 Environment: ``EPMOE_TEST_DEVICE=cuda`` selects NCCL and the GPU tier (default ``cpu``).
+``EPMOE_TEST_RANKS_PER_GPU=N`` (GPU tier) puts N ranks on each GPU, for multi-rank
+correctness where GPUs are fewer than ranks: NCCL refuses two ranks on one GPU, so their
+group is gloo for both devices (``"cpu:gloo,cuda:gloo"``: CUDA tensors staged through the
+host) and rank r uses ``cuda:(r // N)``. Kernels that wait for a peer on the same GPU make
+progress as the GPU time-slices the processes, so any timing taken this way is
+meaningless; collectives gloo lacks for CUDA tensors (send/recv) fail.
 """
 
 from __future__ import annotations
@@ -100,6 +106,21 @@ def test_device() -> str:
 test_device.__test__ = False  # a helper, not a test, in modules that import it
 
 
+def ranks_per_gpu() -> int:
+    """Env ``EPMOE_TEST_RANKS_PER_GPU`` (default 1): ranks sharing each GPU in the GPU tier."""
+    raw = os.environ.get("EPMOE_TEST_RANKS_PER_GPU", "").strip() or "1"
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"EPMOE_TEST_RANKS_PER_GPU must be an integer >= 1, got {raw!r}")
+    return value
+
+
+SHARED_GPU_BACKEND = "cpu:gloo,cuda:gloo"  # the group of ranks that share GPUs
+
+
 def world_sizes(default: Sequence[int], minimum: int = 1) -> list[int]:
     """The world sizes a multi-rank test runs at: env ``EPMOE_TEST_WORLDS`` (comma-separated,
     e.g. ``"8"`` or ``"4,8"`` on a machine with that many GPUs, or on gloo) when set, else
@@ -130,9 +151,16 @@ def requires_world(world_size: int) -> None:
     Call it first in the test body (W is usually a parameter); ``run_on_ranks`` checks too.
     """
     __tracebackhide__ = True
-    have = torch.cuda.device_count() if test_device() == "cuda" else world_size
+    if test_device() != "cuda":
+        return
+    per_gpu = ranks_per_gpu()
+    have = torch.cuda.device_count() * per_gpu
     if have < world_size:
-        pytest.skip(f"needs {world_size} GPUs for {world_size} ranks, found {have}")
+        shared = f" at EPMOE_TEST_RANKS_PER_GPU={per_gpu}" if per_gpu > 1 else ""
+        pytest.skip(
+            f"needs {-(-world_size // per_gpu)} GPUs for {world_size} ranks{shared}, "
+            f"found {torch.cuda.device_count()}"
+        )
 
 
 def _default_timeout_s() -> float:
@@ -238,6 +266,8 @@ def _worker_main(
         if backend == "nccl":
             torch.cuda.set_device(rank)
             device_id = torch.device("cuda", rank)
+        elif backend == SHARED_GPU_BACKEND:
+            torch.cuda.set_device(rank // ranks_per_gpu())
         else:
             torch.set_num_threads(1)
         timeout = datetime.timedelta(seconds=_default_timeout_s())
@@ -451,7 +481,8 @@ def run_on_ranks(
     """Call ``fn(rank, world_size, *args, **kwargs)`` on every rank of a W-rank process group.
 
     Returns the ``world_size`` return values in rank order. ``backend`` None means ``"nccl"``
-    when ``EPMOE_TEST_DEVICE=cuda``, else ``"gloo"``; NCCL with fewer GPUs than ranks skips.
+    when ``EPMOE_TEST_DEVICE=cuda`` (``SHARED_GPU_BACKEND`` when ``EPMOE_TEST_RANKS_PER_GPU``
+    is above 1), else ``"gloo"``; NCCL with fewer GPUs than ranks skips.
     ``timeout_s`` bounds the task, pool start-up not counted (None: env
     ``EPMOE_TEST_TIMEOUT``, default 120 s). ``isolated`` runs in a fresh pool, closed after.
     Raises ``RankFailure`` or ``RankTimeout``; skips the test when a rank called
@@ -463,13 +494,17 @@ def run_on_ranks(
         raise TypeError(f"fn must be a module-level function, got {fn!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    backend = backend or ("nccl" if test_device() == "cuda" else "gloo")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    if backend is None and test_device() == "cuda":
+        backend = "nccl" if ranks_per_gpu() == 1 else SHARED_GPU_BACKEND
+    backend = backend or "gloo"
+    if backend not in ("gloo", "nccl", SHARED_GPU_BACKEND):
+        raise ValueError(
+            f"backend must be 'gloo', 'nccl', {SHARED_GPU_BACKEND!r} or None, got {backend!r}"
+        )
     timeout_s = _default_timeout_s() if timeout_s is None else timeout_s
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    if backend == "nccl":
+    if backend != "gloo":
         requires_world(world_size)
     payload = _encode_task(fn, args, kwargs)
     pool = _get_pool(world_size, backend, isolated)

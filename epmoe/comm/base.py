@@ -507,11 +507,14 @@ def gpu_memory_reason(what: str, spec: CommSpec, nbytes: int, hint: str = "") ->
 
 def one_nvlink_node_reason(group: dist.ProcessGroup | None) -> str | None:
     """Why ``group`` cannot serve a backend that needs CUDA and its ranks on one node
-    (NVLink peers; NCCL), or ``None``. Without torch.distributed: only CUDA is checked."""
+    (NVLink peers), or ``None``: the group must move CUDA tensors (NCCL, or a backend named
+    for the CUDA device, such as ``"cpu:gloo,cuda:gloo"`` for ranks that share a GPU).
+    Without torch.distributed: only CUDA is checked."""
     if not torch.cuda.is_available():
         return "needs CUDA"
     if _is_distributed(group):
-        if "nccl" not in str(dist.get_backend(group)):
+        backend = str(dist.get_backend(group))
+        if "nccl" not in backend and "cuda:" not in backend:
             return "needs an NCCL process group"
         W = dist.get_world_size(group)
         local = os.environ.get("LOCAL_WORLD_SIZE")

@@ -322,16 +322,29 @@ def _execute(
         for t, target in zip(tensors, targets):
             target(new_slot).copy_(t[old_slot])
 
-    ops = []
+    # gloo sends CPU tensors only: a group that moves CUDA tensors with gloo (ranks sharing
+    # a GPU) gets host copies
+    host = (
+        tensors[0].is_cuda and dist.is_initialized() and "cuda:gloo" in str(dist.get_backend(group))
+    )
+    ops, landed = [], []
     for old_slot, dst in mine.send:
         peer = _global_rank(group, dst)
-        ops += [dist.P2POp(dist.isend, _wire(t[old_slot]), peer, group) for t in tensors]
+        for t in tensors:
+            part = _wire(t[old_slot])
+            ops.append(dist.P2POp(dist.isend, part.cpu() if host else part, peer, group))
     for new_slot, src in mine.recv:
         peer = _global_rank(group, src)
-        ops += [dist.P2POp(dist.irecv, _wire(target(new_slot)), peer, group) for target in targets]
+        for target in targets:
+            part = _wire(target(new_slot))
+            if host:
+                landed.append((part, torch.empty_like(part, device="cpu")))
+            ops.append(dist.P2POp(dist.irecv, landed[-1][1] if host else part, peer, group))
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+    for part, copy in landed:
+        part.copy_(copy)
 
     for new_slot, from_slot in mine.dup:
         for target in targets:

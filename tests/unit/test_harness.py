@@ -357,6 +357,24 @@ def test_requires_world_skips_only_a_cuda_run_short_of_gpus(monkeypatch) -> None
         harness.requires_world(4)
     with pytest.raises(pytest.skip.Exception, match="^needs 3 GPUs"):
         run_on_ranks(_whoami, 3, "x")  # NCCL is the default backend now
+    # ranks sharing GPUs: twice the ranks, on a group NCCL does not refuse
+    monkeypatch.setenv("EPMOE_TEST_RANKS_PER_GPU", "2")
+    harness.requires_world(4)
+    with pytest.raises(pytest.skip.Exception, match="^needs 3 GPUs for 5 ranks at EPMOE_TEST_R"):
+        harness.requires_world(5)
+    with pytest.raises(pytest.skip.Exception, match="^needs 3 GPUs for 6 ranks"):
+        run_on_ranks(_whoami, 6, "x")  # the shared-GPU backend checks the world too
+
+
+def test_ranks_per_gpu_comes_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv("EPMOE_TEST_RANKS_PER_GPU", raising=False)
+    assert harness.ranks_per_gpu() == 1
+    monkeypatch.setenv("EPMOE_TEST_RANKS_PER_GPU", " 4 ")
+    assert harness.ranks_per_gpu() == 4
+    for bad in ("0", "two", "1.5"):
+        monkeypatch.setenv("EPMOE_TEST_RANKS_PER_GPU", bad)
+        with pytest.raises(ValueError, match="EPMOE_TEST_RANKS_PER_GPU must be an integer >= 1"):
+            harness.ranks_per_gpu()
 
 
 @pytest.mark.gpu

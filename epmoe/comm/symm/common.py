@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -157,6 +158,33 @@ def _agree_allocated(
         ) from failure
 
 
+def _ranks_share_a_gpu(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether two ranks of ``group`` run on one GPU, which torch's symmetric memory refuses
+    ("allocations from overlapping devices"). Only a group that is not NCCL can hold such
+    ranks (NCCL refuses them first), so an NCCL group is not asked: no collective."""
+    if device.type != "cuda" or "nccl" in str(dist.get_backend(group)):
+        return False
+    me = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, me, group=group)
+    return len(set(everyone)) < len(everyone)
+
+
+def _open_peer_buffers(
+    buffer: torch.Tensor, group: dist.ProcessGroup, rank: int, world_size: int
+) -> list[torch.Tensor]:
+    """Every rank's ``buffer`` as a tensor of this process, for ranks that share GPUs (a
+    development setup: ``tests.harness``'s ``EPMOE_TEST_RANKS_PER_GPU``): CUDA IPC handles
+    exchanged over ``group`` and opened here, in place of torch's symmetric memory. The
+    kernels only need each peer's address; the views keep the peers' memory mapped."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(buffer)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, args, group=group)
+    return [buffer if r == rank else rebuild(*a) for r, a in enumerate(everyone)]
+
+
 def status_block(err_host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The status block the kernels are given (``kernels._status``): int64 [2] on
     ``device``, the address of the host-mapped error word ``err_host`` (int32 [1], pinned),
@@ -193,16 +221,24 @@ class SymmTransport:
             os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
             import torch.distributed._symmetric_memory as symm_mem
 
+            shared = _ranks_share_a_gpu(group, dev)
             failure = None
             try:
-                self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=dev)
+                if shared:
+                    self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+                else:
+                    self._buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=dev)
             except RuntimeError as exc:  # (out of memory on this rank only, OutOfMemoryError)
                 failure = exc
             # every rank learns of one rank's failure, instead of waiting in the rendezvous
             _agree_allocated(group, dev, failure, f"{self.name}: {nbytes / 2**30:.2f} GiB of "
                              "symmetric memory")  # fmt: skip
-            self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
-            ptrs = list(self._handle.buffer_ptrs)
+            if shared:
+                self._handle = _open_peer_buffers(self._buffer, group, rank, world_size)
+                ptrs = [b.data_ptr() for b in self._handle]
+            else:
+                self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
+                ptrs = list(self._handle.buffer_ptrs)
         else:  # one rank: the buffer needs no peers
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=dev)
             self._handle = None
