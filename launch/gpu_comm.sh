@@ -11,9 +11,11 @@
 #                        kernels' files, which gpu_kernels.sh runs)
 #     dist               the multi-process tests (tests/distributed) on NCCL and CUDA tensors
 #     shared             the multi-rank GPU tests (symm_ll, symm_ht, decode graphs, the layer
-#                        in a graph) at W = 2 x GPUs, two ranks on each GPU
-#                        (EPMOE_TEST_RANKS_PER_GPU=2, a gloo group): correctness where GPUs
-#                        are fewer than ranks; no timing means anything there
+#                        in a graph) at W = SHARED_RANKS x GPUs, SHARED_RANKS (default 2)
+#                        ranks on each GPU (EPMOE_TEST_RANKS_PER_GPU, a gloo group):
+#                        correctness where GPUs are fewer than ranks; no timing means
+#                        anything there
+#     shared_conformance the registry's conformance suite so (every backend importable here)
 #     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
 #     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
 #     ht                 symm_ht: its GPU tests, and the comm benchmark at prefill sizes
@@ -85,10 +87,18 @@ for s in "${STEPS[@]}"; do
             --ignore=tests/gpu/test_wgmma_kernels.py >"$OUT/gpu_comm_tests.log" 2>&1
         ;;
     shared)
-        EPMOE_TEST_DEVICE=cuda EPMOE_TEST_RANKS_PER_GPU=2 EPMOE_TEST_WORLDS=$((2 * NGPU)) \
+        EPMOE_TEST_DEVICE=cuda EPMOE_TEST_RANKS_PER_GPU=${SHARED_RANKS:-2} \
+            EPMOE_TEST_WORLDS=$((${SHARED_RANKS:-2} * NGPU)) \
             timeout "${SHARED_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
             tests/gpu/test_symm_ll.py tests/gpu/test_symm_ht.py tests/gpu/test_decode_graphs.py \
             tests/gpu/test_layer_graph.py >"$OUT/shared.log" 2>&1
+        ;;
+    shared_conformance)
+        # each test's outcome on its own line (-v -rA): what ran is known after a timeout too
+        EPMOE_TEST_DEVICE=cuda EPMOE_TEST_RANKS_PER_GPU=${SHARED_RANKS:-2} \
+            EPMOE_TEST_WORLDS=$((${SHARED_RANKS:-2} * NGPU)) EPMOE_TEST_TIMEOUT=90 \
+            timeout "${SHARED_CONFORMANCE_LIMIT_S:-360}" python3 -m pytest -v -rA --tb=short \
+            -p no:cacheprovider tests/distributed/test_comm_v2.py >"$OUT/shared_conformance.log" 2>&1
         ;;
     dist)
         EPMOE_TEST_DEVICE=cuda timeout "${DIST_LIMIT_S:-300}" python3 -m pytest -q -p no:cacheprovider \
