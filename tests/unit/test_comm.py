@@ -556,3 +556,27 @@ def test_symm_buffers_too_large_for_the_gpu_are_refused_alike_on_every_rank(monk
     assert outputs < 10 * 2**30 < outputs + symm_buffer_bytes(one_each)
     assert "take 19.5 GiB of the GPU's 40 GiB" in ll.supports(one_each)
     assert ll.supports(CommSpec(16384, 8, tuple(range(9)), 4000, torch.bfloat16, cuda)) is None
+
+
+@pytest.mark.parametrize(
+    "backend, reason",
+    [
+        ("nccl", None),
+        ("cpu:gloo,cuda:nccl", None),
+        ("cpu:gloo,cuda:gloo", None),  # ranks sharing a GPU (tests.harness)
+        ("gloo", "needs an NCCL process group"),
+    ],
+)
+def test_backends_on_nvlink_peers_need_a_group_that_moves_cuda_tensors(
+    monkeypatch, backend, reason
+):
+    import torch.distributed as dist
+
+    from epmoe.comm import base
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert base.one_nvlink_node_reason(None) == reason
