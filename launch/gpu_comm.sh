@@ -15,7 +15,8 @@
 #                        ranks on each GPU (EPMOE_TEST_RANKS_PER_GPU, a gloo group):
 #                        correctness where GPUs are fewer than ranks; no timing means
 #                        anything there
-#     shared_conformance the registry's conformance suite so (every backend importable here)
+#     shared_conformance the registry's conformance suite so (DeepEP and pplx skip: they refuse
+#                        ranks sharing a GPU)
 #     stress             launch/stress.py, 500 calls per configuration (STRESS_BUDGET_S)
 #     profile            per-kernel GPU times of symm_ll at 128 tokens (torch.profiler)
 #     ht                 symm_ht: its GPU tests, and the comm benchmark at prefill sizes

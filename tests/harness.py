@@ -146,20 +146,23 @@ def world_ids(worlds: Sequence[int]) -> list[str]:
 
 
 def requires_world(world_size: int) -> None:
-    """Skip the calling test when a CUDA run has fewer GPUs than ``world_size`` ranks.
+    """Skip the calling test when a CUDA run has fewer GPUs than ``world_size`` ranks
+    need (``ranks_per_gpu()`` on each).
 
     Call it first in the test body (W is usually a parameter); ``run_on_ranks`` checks too.
     """
     __tracebackhide__ = True
-    if test_device() != "cuda":
-        return
-    per_gpu = ranks_per_gpu()
-    have = torch.cuda.device_count() * per_gpu
-    if have < world_size:
+    if test_device() == "cuda":
+        _require_gpus(world_size, ranks_per_gpu())
+
+
+def _require_gpus(world_size: int, per_gpu: int) -> None:
+    __tracebackhide__ = True
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have * per_gpu < world_size:
         shared = f" at EPMOE_TEST_RANKS_PER_GPU={per_gpu}" if per_gpu > 1 else ""
         pytest.skip(
-            f"needs {-(-world_size // per_gpu)} GPUs for {world_size} ranks{shared}, "
-            f"found {torch.cuda.device_count()}"
+            f"needs {-(-world_size // per_gpu)} GPUs for {world_size} ranks{shared}, found {have}"
         )
 
 
@@ -504,8 +507,8 @@ def run_on_ranks(
     timeout_s = _default_timeout_s() if timeout_s is None else timeout_s
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-    if backend != "gloo":
-        requires_world(world_size)
+    if backend != "gloo":  # NCCL: a GPU per rank, whatever EPMOE_TEST_RANKS_PER_GPU says
+        _require_gpus(world_size, 1 if backend == "nccl" else ranks_per_gpu())
     payload = _encode_task(fn, args, kwargs)
     pool = _get_pool(world_size, backend, isolated)
     try:

@@ -505,16 +505,24 @@ def gpu_memory_reason(what: str, spec: CommSpec, nbytes: int, hint: str = "") ->
     )
 
 
-def one_nvlink_node_reason(group: dist.ProcessGroup | None) -> str | None:
+def one_nvlink_node_reason(
+    group: dist.ProcessGroup | None, ranks_may_share_gpus: bool = False
+) -> str | None:
     """Why ``group`` cannot serve a backend that needs CUDA and its ranks on one node
-    (NVLink peers), or ``None``: the group must move CUDA tensors (NCCL, or a backend named
-    for the CUDA device, such as ``"cpu:gloo,cuda:gloo"`` for ranks that share a GPU).
-    Without torch.distributed: only CUDA is checked."""
+    (NVLink peers), or ``None``: the group must be NCCL, or, for a backend that runs ranks
+    sharing a GPU (``ranks_may_share_gpus``: the symm backends, which then exchange CUDA
+    IPC handles), a group that moves CUDA tensors with gloo (``"cpu:gloo,cuda:gloo"``, as
+    ``tests.harness`` makes). Without torch.distributed: only CUDA is checked."""
     if not torch.cuda.is_available():
         return "needs CUDA"
     if _is_distributed(group):
         backend = str(dist.get_backend(group))
-        if "nccl" not in backend and "cuda:" not in backend:
+        if "nccl" not in backend and not (ranks_may_share_gpus and "cuda:gloo" in backend):
+            if "cuda:gloo" in backend:
+                return (
+                    "needs an NCCL process group (on a gloo group for CUDA tensors, ranks "
+                    "that share a GPU, only symm_ll and symm_ht run)"
+                )
             return "needs an NCCL process group"
         W = dist.get_world_size(group)
         local = os.environ.get("LOCAL_WORLD_SIZE")

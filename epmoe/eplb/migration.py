@@ -210,8 +210,8 @@ def migrate_slots(
             may differ).
         rank: this rank in ``group``.
         tensors_eX: this rank's per-slot tensors under ``old``, each ``[e_old, *X]``,
-            contiguous, any dtype and device the group's backend handles (CPU for gloo,
-            CUDA for NCCL); every rank passes the same number of tensors with the same
+            contiguous, any dtype, on CUDA or the CPU (CUDA tensors on a group without
+            NCCL travel as host copies); every rank passes the same number of tensors with the same
             trailing shapes and dtypes (e.g. ``[w13, w2]``, plus FP8 scales).
         group: the EP process group (``None``: WORLD, or a single process).
         in_place: write the changed slots into ``tensors_eX`` themselves and return them
@@ -322,10 +322,10 @@ def _execute(
         for t, target in zip(tensors, targets):
             target(new_slot).copy_(t[old_slot])
 
-    # gloo sends CPU tensors only: a group that moves CUDA tensors with gloo (ranks sharing
-    # a GPU) gets host copies
+    # gloo sends CPU tensors only: CUDA tensors on a group without NCCL (ranks sharing a
+    # GPU, "cpu:gloo,cuda:gloo", or plain gloo) travel as host copies
     host = (
-        tensors[0].is_cuda and dist.is_initialized() and "cuda:gloo" in str(dist.get_backend(group))
+        tensors[0].is_cuda and dist.is_initialized() and "nccl" not in str(dist.get_backend(group))
     )
     ops, landed = [], []
     for old_slot, dst in mine.send:

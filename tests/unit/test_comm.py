@@ -558,18 +558,26 @@ def test_symm_buffers_too_large_for_the_gpu_are_refused_alike_on_every_rank(monk
     assert ll.supports(CommSpec(16384, 8, tuple(range(9)), 4000, torch.bfloat16, cuda)) is None
 
 
+SHARED_GPUS = (
+    "needs an NCCL process group (on a gloo group for CUDA tensors, ranks that share a GPU, "
+    "only symm_ll and symm_ht run)"
+)
+
+
 @pytest.mark.parametrize(
-    "backend, reason",
+    "backend, symm, vendors",
     [
-        ("nccl", None),
-        ("cpu:gloo,cuda:nccl", None),
-        ("cpu:gloo,cuda:gloo", None),  # ranks sharing a GPU (tests.harness)
-        ("gloo", "needs an NCCL process group"),
+        ("nccl", None, None),
+        ("cpu:gloo,cuda:nccl", None, None),
+        ("cpu:gloo,cuda:gloo", None, SHARED_GPUS),  # ranks sharing a GPU (tests.harness)
+        ("gloo", "needs an NCCL process group", "needs an NCCL process group"),
     ],
 )
-def test_backends_on_nvlink_peers_need_a_group_that_moves_cuda_tensors(
-    monkeypatch, backend, reason
+def test_backends_on_nvlink_peers_need_nccl_and_the_symm_ones_take_ranks_sharing_a_gpu(
+    monkeypatch, backend, symm, vendors
 ):
+    """The symm backends open peers' buffers by CUDA IPC where ranks share a GPU; DeepEP,
+    pplx and the peer-store ceiling (torch's symmetric memory) cannot."""
     import torch.distributed as dist
 
     from epmoe.comm import base
@@ -579,4 +587,32 @@ def test_backends_on_nvlink_peers_need_a_group_that_moves_cuda_tensors(
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert base.one_nvlink_node_reason(None) == reason
+    assert base.one_nvlink_node_reason(None, ranks_may_share_gpus=True) == symm
+    assert base.one_nvlink_node_reason(None) == vendors
+
+
+def test_ranks_sharing_a_gpu_open_one_ipc_share_per_peer(monkeypatch):
+    """Rank 1 of 3 shares its buffer once per peer (torch counts each share's consumers
+    down from one) and opens, from each peer, the share that peer made for rank 1."""
+    import torch.distributed as dist
+    import torch.multiprocessing.reductions as reductions
+
+    from epmoe.comm.symm import common
+
+    made = []
+
+    def reduce_tensor(tensor):
+        made.append(tensor)
+        return (lambda tag: ("view of", tag)), (f"r1->share{len(made)}",)
+
+    def all_gather_object(out, obj, group=None):
+        for s in range(3):
+            out[s] = obj if s == 1 else [None if r == s else (f"r{s}->r{r}",) for r in range(3)]
+
+    monkeypatch.setattr(reductions, "reduce_tensor", reduce_tensor)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    buffer = torch.zeros(4)
+    views = common._open_peer_buffers(buffer, None, rank=1, world_size=3)
+    assert len(made) == 2 and all(t is buffer for t in made)
+    assert views[1] is buffer
+    assert views[0] == ("view of", "r0->r1") and views[2] == ("view of", "r2->r1")

@@ -351,6 +351,7 @@ def test_requires_world_skips_only_a_cuda_run_short_of_gpus(monkeypatch) -> None
     monkeypatch.delenv("EPMOE_TEST_DEVICE", raising=False)
     harness.requires_world(64)  # CPU ranks: any world size runs
     monkeypatch.setenv("EPMOE_TEST_DEVICE", "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     harness.requires_world(2)
     with pytest.raises(pytest.skip.Exception, match="^needs 4 GPUs for 4 ranks, found 2$"):
@@ -364,6 +365,11 @@ def test_requires_world_skips_only_a_cuda_run_short_of_gpus(monkeypatch) -> None
         harness.requires_world(5)
     with pytest.raises(pytest.skip.Exception, match="^needs 3 GPUs for 6 ranks"):
         run_on_ranks(_whoami, 6, "x")  # the shared-GPU backend checks the world too
+    with pytest.raises(pytest.skip.Exception, match="^needs 3 GPUs for 3 ranks, found 2$"):
+        run_on_ranks(_whoami, 3, "x", backend="nccl")  # NCCL: a GPU per rank regardless
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(pytest.skip.Exception, match="^needs 1 GPUs for 2 ranks .* found 0$"):
+        run_on_ranks(_whoami, 2, "x", backend=harness.SHARED_GPU_BACKEND)
 
 
 def test_ranks_per_gpu_comes_from_the_environment(monkeypatch) -> None:

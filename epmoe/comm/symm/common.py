@@ -176,13 +176,18 @@ def _open_peer_buffers(
     """Every rank's ``buffer`` as a tensor of this process, for ranks that share GPUs (a
     development setup: ``tests.harness``'s ``EPMOE_TEST_RANKS_PER_GPU``): CUDA IPC handles
     exchanged over ``group`` and opened here, in place of torch's symmetric memory. The
-    kernels only need each peer's address; the views keep the peers' memory mapped."""
+    kernels only need each peer's address; the views keep the peers' memory mapped.
+
+    One share per peer: torch counts each share's consumers down from one, so a share
+    opened by two peers would count below zero (the buffer leaked or freed early)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    rebuild, args = reduce_tensor(buffer)
+    shares = {r: reduce_tensor(buffer) for r in range(world_size) if r != rank}
+    rebuild = next(iter(shares.values()))[0]  # (the same for every share: CUDA storage)
+    mine = [shares[r][1] if r in shares else None for r in range(world_size)]
     everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, args, group=group)
-    return [buffer if r == rank else rebuild(*a) for r, a in enumerate(everyone)]
+    dist.all_gather_object(everyone, mine, group=group)  # everyone[s][r]: s's share for r
+    return [buffer if s == rank else rebuild(*everyone[s][rank]) for s in range(world_size)]
 
 
 def status_block(err_host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -234,8 +239,13 @@ class SymmTransport:
             _agree_allocated(group, dev, failure, f"{self.name}: {nbytes / 2**30:.2f} GiB of "
                              "symmetric memory")  # fmt: skip
             if shared:
-                self._handle = _open_peer_buffers(self._buffer, group, rank, world_size)
-                ptrs = [b.data_ptr() for b in self._handle]
+                opened = None
+                try:
+                    self._handle = _open_peer_buffers(self._buffer, group, rank, world_size)
+                    ptrs = [b.data_ptr() for b in self._handle]
+                except RuntimeError as exc:  # (cudaIpcOpenMemHandle, on this rank only)
+                    opened = exc
+                _agree_allocated(group, dev, opened, f"{self.name}: the peers' buffers (CUDA IPC)")
             else:
                 self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
                 ptrs = list(self._handle.buffer_ptrs)
@@ -427,7 +437,7 @@ class SymmBackend(AllToAll):
         reason = super().unavailable_reason(device, group)
         if reason is not None:
             return reason
-        reason = one_nvlink_node_reason(group) or ranks_reason(group)
+        reason = one_nvlink_node_reason(group, ranks_may_share_gpus=True) or ranks_reason(group)
         if reason is not None:
             return reason
         try:
