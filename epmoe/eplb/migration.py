@@ -211,8 +211,8 @@ def migrate_slots(
         rank: this rank in ``group``.
         tensors_eX: this rank's per-slot tensors under ``old``, each ``[e_old, *X]``,
             contiguous, any dtype, on CUDA or the CPU (CUDA tensors on a group without
-            NCCL travel as host copies); every rank passes the same number of tensors with the same
-            trailing shapes and dtypes (e.g. ``[w13, w2]``, plus FP8 scales).
+            NCCL travel as host copies); every rank passes the same number of tensors
+            with the same trailing shapes and dtypes (e.g. ``[w13, w2]``, plus FP8 scales).
         group: the EP process group (``None``: WORLD, or a single process).
         in_place: write the changed slots into ``tensors_eX`` themselves and return them
             (needs ``e_new == e_old``); extra memory is then the changed slots only. Else
