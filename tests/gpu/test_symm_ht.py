@@ -77,8 +77,11 @@ def exact_dispatch(rank, world):
                 reducers=reducers, combine_chunk=chunk or STREAM_CHUNK,
             )  # fmt: skip
             every = torch.cuda.get_device_properties(dev).multi_processor_count
-            default = every // 2 if per_flag == 0 and sms is None and every >= 64 else 0
-            assert comm.reducers == (default if reducers is None else reducers)
+            if reducers is None:  # half the SMs stream the sum on a full GPU
+                want = every // 2 if per_flag == 0 and sms is None and every >= 64 else 0
+            else:  # as asked, while each rank's column keeps one sender (5 SMs at W=4: 1)
+                want = min(reducers, max(sms - world, 1))
+            assert comm.reducers == want, (comm.reducers, want)
             for name, T in cases.items():
                 for routing in ("uniform", "one expert", "one rank"):
                     label = f"sms={sms}/{per_flag}/{comm.reducers}"
