@@ -135,7 +135,7 @@ def test_kernels_compile_for_sm90_outside_the_interpreter():
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled 37 symm kernels" in proc.stdout
+    assert "compiled 36 symm kernels" in proc.stdout
 
 
 def test_bad_ids_and_overflow_are_reported_and_every_token_still_combines():
