@@ -20,7 +20,9 @@ compile error with its traceback instead of printing its last line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -248,7 +250,12 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=("bf16", "fp8"), action="append")
-    p.add_argument("--config", help="a MoEConfig as JSON (MoEConfig.to_dict); default: table")
+    p.add_argument(
+        "--config",
+        action="append",
+        help="a MoEConfig as JSON (MoEConfig.to_dict): one for every dtype, or one per --dtype "
+        "in their order; default: the shipped H200 table's",
+    )
     p.add_argument(
         "--rows",
         choices=("pairs", "slab", "index"),
@@ -256,14 +263,26 @@ def main() -> None:
         help="wgmma_ws only: the Standard layout's pairs, or ExpertBatched slabs / row index",
     )
     args = p.parse_args()
-    for dtype in args.dtype or ["bf16", "fp8"]:
-        if args.config:
-            config = MoEConfig.from_dict(json.loads(args.config))
+    dtypes = args.dtype or ["bf16", "fp8"]
+    configs = args.config or []
+    if len(configs) == 1:  # one for every dtype
+        configs = configs * len(dtypes)
+    if configs and len(configs) != len(dtypes):
+        p.error(f"give one --config, or one per --dtype ({len(dtypes)}), got {len(configs)}")
+    jobs = []
+    for i, dtype in enumerate(dtypes):
+        if configs:
+            config = MoEConfig.from_dict(json.loads(configs[i]))
         else:
             key = problem_key("standard", dtype, 7168, 2048, 128)
             config = lookup(load_table("NVIDIA H200"), key, 4096)
-        for row in report(dtype, config, row_mode=args.rows):
-            print(json.dumps(row))
+        jobs.append((dtype, config))
+    # one forked process per dtype (each compile takes seconds; nothing ran in torch yet)
+    work = functools.partial(report, row_mode=args.rows)
+    with multiprocessing.get_context("fork").Pool(min(len(jobs), os.cpu_count() or 1)) as pool:
+        for rows in pool.starmap(work, jobs):
+            for row in rows:
+                print(json.dumps(row))
 
 
 if __name__ == "__main__":
