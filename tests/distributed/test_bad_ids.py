@@ -87,6 +87,16 @@ def check_symm_allocation_agreement(rank, world, device="cpu"):
     msg = str(info.value)
     assert "symm_ll: 1.00 GiB of symmetric memory failed on rank(s) [1]" in msg, msg
     assert ("here: OutOfMemoryError" in msg) == (rank == 1), msg
+    assert "lower max_num_tokens" in msg, msg
+    # opening peers' buffers by CUDA IPC (ranks sharing a GPU): the advice is about IPC
+    from epmoe.comm.symm.common import IPC_ADVICE
+
+    failure = RuntimeError("cudaIpcOpenMemHandle failed") if rank == 0 else None
+    with pytest.raises(RuntimeError) as info:
+        _agree_allocated(group, dev, failure, "opening symm_ll: the peers' buffers", IPC_ADVICE)
+    msg = str(info.value)
+    assert "opening symm_ll: the peers' buffers failed on rank(s) [0]" in msg, msg
+    assert "one IPC namespace" in msg and "max_num_tokens" not in msg, msg
     return True
 
 

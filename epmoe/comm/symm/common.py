@@ -139,11 +139,24 @@ def kernel_tag(call_tag: int) -> int:
     return (call_tag - 1) % 0x3FFF + 1 if call_tag else 0
 
 
+MEMORY_ADVICE = "free GPU memory on those ranks, or lower max_num_tokens (the buffers grow with it)"
+IPC_ADVICE = (
+    "ranks that share a GPU open each other's buffers by CUDA IPC, which needs them in one "
+    "container (one IPC namespace) on one host; or give each rank a GPU of its own and an "
+    "NCCL group"
+)
+
+
 def _agree_allocated(
-    group: dist.ProcessGroup, device: torch.device, failure: BaseException | None, what: str
+    group: dist.ProcessGroup,
+    device: torch.device,
+    failure: BaseException | None,
+    what: str,
+    advice: str = MEMORY_ADVICE,
 ) -> None:
-    """Raise on every rank of ``group`` if allocating ``what`` failed on any (``failure``:
-    this rank's error), naming the ranks; a collective, so also a barrier."""
+    """Raise on every rank of ``group`` if ``what`` (allocating or opening buffers) failed on
+    any (``failure``: this rank's error), naming the ranks and ``advice``; a collective, so
+    also a barrier."""
     W = dist.get_world_size(group)
     ok = torch.tensor([0 if failure is not None else 1], dtype=torch.int32, device=device)
     every = torch.empty(W, dtype=torch.int32, device=device)
@@ -152,8 +165,7 @@ def _agree_allocated(
     if failed:
         mine = f" (here: {type(failure).__name__}: {failure})" if failure is not None else ""
         raise RuntimeError(
-            f"allocating {what} failed on rank(s) {failed} of the group{mine}: free GPU memory "
-            "on those ranks, or lower max_num_tokens (the buffers grow with it); every rank "
+            f"{what} failed on rank(s) {failed} of the group{mine}: {advice}; every rank "
             "raises this"
         ) from failure
 
@@ -236,8 +248,8 @@ class SymmTransport:
             except RuntimeError as exc:  # (out of memory on this rank only, OutOfMemoryError)
                 failure = exc
             # every rank learns of one rank's failure, instead of waiting in the rendezvous
-            _agree_allocated(group, dev, failure, f"{self.name}: {nbytes / 2**30:.2f} GiB of "
-                             "symmetric memory")  # fmt: skip
+            what = f"allocating {self.name}: {nbytes / 2**30:.2f} GiB of symmetric memory"
+            _agree_allocated(group, dev, failure, what)
             if shared:
                 opened = None
                 try:
@@ -245,7 +257,8 @@ class SymmTransport:
                     ptrs = [b.data_ptr() for b in self._handle]
                 except RuntimeError as exc:  # (cudaIpcOpenMemHandle, on this rank only)
                     opened = exc
-                _agree_allocated(group, dev, opened, f"{self.name}: the peers' buffers (CUDA IPC)")
+                what = f"opening {self.name}: the peers' buffers (CUDA IPC)"
+                _agree_allocated(group, dev, opened, what, IPC_ADVICE)
             else:
                 self._handle = symm_mem.rendezvous(self._buffer, group.group_name)
                 ptrs = list(self._handle.buffer_ptrs)
@@ -289,7 +302,7 @@ class SymmTransport:
             failure = exc
         if world_size > 1:
             # also the barrier after which peers may write: every buffer is zeroed by then
-            _agree_allocated(group, dev, failure, f"{self.name}: its local buffers")
+            _agree_allocated(group, dev, failure, f"allocating {self.name}: its local buffers")
 
     def _allocate_local(self, spec: CommSpec) -> None:
         """The subclass's local (not symmetric) buffers."""
